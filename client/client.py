@@ -1,0 +1,437 @@
+"""A small synchronous client for kvoffd, safe to use inside vLLM's processes.
+
+Nothing here blocks forever: blocking calls take a timeout; the calls the engine makes every step
+(``send_lookup``/``take_reply``, ``submit_*``, ``take_notices``) never wait at all. The connection
+heals itself: ZeroMQ reconnects, the client says HELLO again and, if the daemon restarted, fails the
+jobs the old daemon took with it and registers its engines again.
+
+Threading: one lock guards the socket. A background thread only sends heartbeats (so an idle engine
+is not mistaken for a dead one) and does nothing else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvoffd_client import protocol as P
+
+log = logging.getLogger("kvoffd_client")
+
+
+class KvoffdError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class DaemonUnavailable(KvoffdError):
+    def __init__(self, message: str = "the kvoffd daemon is not reachable"):
+        super().__init__("unavailable", message)
+
+
+def _start_ticks() -> int:
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@dataclass(slots=True)
+class _Job:
+    n: int
+    deadline: float
+
+
+class KvoffdClient:
+    """One DEALER connection to the daemon.
+
+    ``job_deadline_s`` bounds how long a job may stay unanswered while the daemon is unreachable;
+    ``link_grace_s`` is how long a broken link may last before in-flight jobs are failed (a daemon
+    that died cannot write late, so failing them is safe; the engine then recomputes).
+    """
+
+    def __init__(self, address: str, *, name: str = "kvoffd_client", timeout_s: float = 2.0,
+                 job_deadline_s: float = 30.0, link_grace_s: float = 0.5, heartbeat: bool = True):
+        self.address = address
+        self.name = name
+        self.timeout_s = timeout_s
+        self.job_deadline_s = job_deadline_s
+        self.link_grace_s = link_grace_s
+        self.daemon_id: str | None = None
+        self.hello: P.HelloOk | None = None
+        self._lock = threading.RLock()
+        self._ctx = zmq.Context.instance()
+        self._seq = itertools.count(1)
+        self._ready = False
+        self._hello_seq = 0
+        self._hello_sent = 0.0
+        self._backoff = 0.05
+        self._next_try = 0.0
+        self._link_down_since: float | None = None
+        self._last_send = 0.0
+        self._replies: dict[int, P.Message] = {}
+        self._wanted: set[int] = set()
+        self._notices: list[P.Notice] = []
+        self._jobs: dict[int, _Job] = {}
+        self._registrations: dict[str, P.Register] = {}
+        self._register_seqs: dict[int, str] = {}
+        self._closed = False
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing to a daemon that is not there
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        self._sock.setsockopt(zmq.SNDHWM, 10_000)
+        self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)  # stable across reconnects
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._sock.connect(address)
+        self._hb: threading.Thread | None = None
+        if heartbeat:
+            self._hb = threading.Thread(target=self._heartbeat, name="kvoffd-heartbeat", daemon=True)
+            self._hb.start()
+
+    # ------------------------------------------------------------------------------------------------
+    # connection state
+
+    @property
+    def connected(self) -> bool:
+        return self._ready
+
+    def connect(self, timeout_s: float | None = None) -> bool:
+        """Handshake now, waiting up to ``timeout_s``. False (never an exception) when unreachable."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        with self._lock:
+            self._next_try = 0.0
+            while True:
+                self._pump(0)
+                if self._ready:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._pump(int(min(left, 0.05) * 1000) + 1)
+
+    def _try_hello(self, now: float) -> None:
+        if self._hello_seq and now - self._hello_sent < max(self.timeout_s, 0.5):
+            return  # one HELLO at a time
+        if now < self._next_try:
+            return
+        seq = next(self._seq)
+        msg = P.Hello(seq=seq, client=self.name, pid=os.getpid(), start_ticks=_start_ticks(),
+                      capabilities=["lease"])
+        if self._send(msg):
+            self._hello_seq, self._hello_sent = seq, now
+            self._backoff = 0.05
+        else:
+            self._next_try = now + self._backoff
+            self._backoff = min(self._backoff * 2, 2.0)
+
+    def _on_hello(self, msg: P.HelloOk) -> None:
+        self._hello_seq = 0
+        restarted = self.daemon_id is not None and msg.daemon_id != self.daemon_id
+        if restarted:
+            log.warning("kvoffd restarted (daemon %s -> %s): failing %d jobs in flight, re-registering %d engines",
+                        self.daemon_id, msg.daemon_id, len(self._jobs), len(self._registrations))
+            self._fail_jobs("daemon_restarted", "the daemon restarted; the job was lost")
+        elif self.daemon_id is None:
+            log.info("connected to kvoffd at %s (daemon %s)", self.address, msg.daemon_id)
+        self.daemon_id, self.hello = msg.daemon_id, msg
+        self._ready = True
+        self._link_down_since = None
+        if restarted or not self._register_seqs:
+            for reg in self._registrations.values():
+                reg.seq = next(self._seq)
+                if self._send(reg):
+                    self._register_seqs[reg.seq] = reg.engine_id
+
+    def _lost(self, code: str, why: str) -> None:
+        if self._ready:
+            log.warning("kvoffd link lost (%s)", why)
+        self._ready = False
+        self._hello_seq = 0
+        self._fail_jobs(code, why)
+
+    def _fail_jobs(self, code: str, why: str) -> None:
+        for job_id, job in self._jobs.items():
+            self._notices.append(P.Notice(job_id=job_id, ok=False, failed=list(range(job.n)), code=code,
+                                          message=why))
+        self._jobs.clear()
+
+    # ------------------------------------------------------------------------------------------------
+    # I/O
+
+    def _send(self, msg: P.Message) -> bool:
+        try:
+            self._sock.send(P.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            log.debug("send failed: %s", e)
+            return False
+        self._last_send = time.monotonic()
+        return True
+
+    def _pump(self, timeout_ms: int = 0) -> None:
+        """Process link events, incoming messages, reconnection and deadlines. Never blocks past timeout."""
+        now = time.monotonic()
+        while self._monitor.poll(0):
+            ev = recv_monitor_message(self._monitor)
+            if ev["event"] == zmq.EVENT_DISCONNECTED:
+                self._link_down_since = self._link_down_since or now
+                self._ready = False
+                self._hello_seq = 0
+            elif ev["event"] == zmq.EVENT_CONNECTED:
+                self._next_try = 0.0
+        if self._link_down_since is not None and self._jobs and now - self._link_down_since > self.link_grace_s:
+            self._fail_jobs("daemon_lost", "the connection to the daemon broke")
+        if not self._ready:
+            self._try_hello(now)
+        if self._sock.poll(timeout_ms, zmq.POLLIN):
+            while True:
+                try:
+                    frame = self._sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._dispatch(frame)
+        if self._jobs:
+            expired = [j for j, job in self._jobs.items() if job.deadline <= now]
+            for job_id in expired:
+                job = self._jobs.pop(job_id)
+                self._notices.append(P.Notice(job_id=job_id, ok=False, failed=list(range(job.n)), code="timeout",
+                                              message=f"no answer within {self.job_deadline_s} s"))
+
+    def _dispatch(self, frame: bytes) -> None:
+        try:
+            msg = P.decode(frame)
+        except P.ProtocolError as e:
+            log.warning("undecodable message from the daemon: %s", e)
+            return
+        if isinstance(msg, P.Notice):
+            if self._jobs.pop(msg.job_id, None) is not None:
+                self._notices.append(msg)
+            return
+        if isinstance(msg, P.HelloOk) and msg.seq == self._hello_seq:
+            self._on_hello(msg)
+            return
+        if isinstance(msg, P.Error):
+            if msg.code == P.ErrorCode.HELLO_REQUIRED.value:
+                self._lost("daemon_restarted", "the daemon does not know this client (restarted)")
+                return
+            job = self._jobs.pop(msg.job_id, None) if msg.job_id is not None else None
+            if job is not None:  # the daemon refused the job: it is over, nothing was written
+                self._notices.append(P.Notice(job_id=msg.job_id, ok=False, failed=list(range(job.n)),
+                                              code=msg.code, message=msg.message))
+                return
+        engine = self._register_seqs.pop(msg.seq, None)
+        if engine is not None and msg.seq not in self._wanted:
+            if isinstance(msg, P.Error):
+                log.error("kvoffd refused to re-register engine %s: %s", engine, msg.message)
+            return
+        if msg.seq in self._wanted:
+            self._wanted.discard(msg.seq)
+            self._replies[msg.seq] = msg
+
+    def _heartbeat(self) -> None:
+        while not self._closed:
+            time.sleep(0.5)
+            with self._lock:
+                if self._closed:
+                    return
+                interval = self.hello.heartbeat_s if self.hello else 2.0
+                if time.monotonic() - self._last_send >= interval / 2:
+                    if self._ready:
+                        self._send(P.Ping(seq=0))
+                    else:
+                        self._pump(0)
+
+    # ------------------------------------------------------------------------------------------------
+    # requests
+
+    def send_request(self, msg: P.Message) -> int | None:
+        """Send without waiting; returns the seq to collect the reply with, or None when not connected."""
+        with self._lock:
+            self._pump(0)
+            if not self._ready:
+                return None
+            msg.seq = next(self._seq)
+            if not self._send(msg):
+                return None
+            self._wanted.add(msg.seq)
+            return msg.seq
+
+    def take_reply(self, seq: int) -> P.Message | None:
+        """The reply to ``seq`` if it has arrived (never waits)."""
+        with self._lock:
+            self._pump(0)
+            return self._replies.pop(seq, None)
+
+    def forget(self, seq: int) -> None:
+        with self._lock:
+            self._wanted.discard(seq)
+            self._replies.pop(seq, None)
+
+    def request(self, msg: P.Message, timeout_s: float | None = None) -> P.Message:
+        """Send and wait (bounded) for the reply. Raises DaemonUnavailable or KvoffdError (ERROR reply)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            if not self._ready and not self.connect(timeout):
+                raise DaemonUnavailable(f"no kvoffd answering at {self.address}")
+            seq = self.send_request(msg)
+            if seq is None:
+                raise DaemonUnavailable(f"cannot send to kvoffd at {self.address}")
+            while True:
+                reply = self._replies.pop(seq, None)
+                if reply is not None:
+                    if isinstance(reply, P.Error):
+                        raise KvoffdError(reply.code, reply.message)
+                    return reply
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._wanted.discard(seq)
+                    raise DaemonUnavailable(f"kvoffd did not answer {msg.op.value} within {timeout} s")
+                self._pump(int(min(left, 0.05) * 1000) + 1)
+
+    # --- engine registration ------------------------------------------------------------------------
+
+    def register(self, engine_id: str, namespace: str, rank: int, world_size: int, memory: dict[str, Any],
+                 layout: dict[str, Any], timeout_s: float | None = None) -> P.Registered:
+        """Register (and remember, to register again after a daemon restart)."""
+        msg = P.Register(engine_id=engine_id, namespace=namespace, rank=rank, world_size=world_size,
+                         memory=memory, layout=layout)
+        with self._lock:
+            self._registrations[engine_id] = msg
+            reply = self.request(msg, timeout_s)
+        assert isinstance(reply, P.Registered)
+        return reply
+
+    def unregister(self, engine_id: str, timeout_s: float | None = None) -> None:
+        with self._lock:
+            self._registrations.pop(engine_id, None)
+            if self._ready:
+                self.request(P.Unregister(engine_id=engine_id), timeout_s)
+
+    # --- lookups -------------------------------------------------------------------------------------
+
+    def send_lookup(self, namespace: str, keys: Sequence[bytes], lease_ms: int = 0) -> int | None:
+        return self.send_request(P.Lookup(namespace=namespace, keys=list(keys), lease_ms=lease_ms))
+
+    def lookup(self, namespace: str, keys: Sequence[bytes], lease_ms: int = 0,
+               timeout_s: float | None = None) -> P.LookupResult:
+        reply = self.request(P.Lookup(namespace=namespace, keys=list(keys), lease_ms=lease_ms), timeout_s)
+        assert isinstance(reply, P.LookupResult)
+        return reply
+
+    def release(self, lease_id: int) -> None:
+        if lease_id:
+            with self._lock:
+                if self._ready:
+                    self._send(P.Release(seq=0, lease_id=lease_id))
+
+    # --- jobs ----------------------------------------------------------------------------------------
+
+    def submit_store(self, engine_id: str, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int],
+                     event: int = -1) -> None:
+        self._submit(P.Store(engine_id=engine_id, job_id=job_id, keys=list(keys), block_ids=list(block_ids),
+                             event=event))
+
+    def submit_load(self, engine_id: str, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int],
+                    lease_id: int = 0, event: int = -1) -> None:
+        self._submit(P.Load(engine_id=engine_id, job_id=job_id, keys=list(keys), block_ids=list(block_ids),
+                            lease_id=lease_id, event=event))
+
+    def _submit(self, msg: P.Store | P.Load) -> None:
+        with self._lock:
+            self._pump(0)
+            if not self._ready:
+                raise DaemonUnavailable()
+            if msg.job_id in self._jobs:
+                raise KvoffdError(P.ErrorCode.DUPLICATE_JOB.value, f"job {msg.job_id} is already in flight")
+            msg.seq = next(self._seq)
+            if not self._send(msg):
+                raise DaemonUnavailable("cannot send to kvoffd")
+            self._jobs[msg.job_id] = _Job(len(msg.keys), time.monotonic() + self.job_deadline_s)
+
+    def take_notices(self) -> list[P.Notice]:
+        """Completion notices that arrived (real or synthesized for lost jobs). Never waits."""
+        with self._lock:
+            self._pump(0)
+            out, self._notices = self._notices, []
+            return out
+
+    def wait_notices(self, job_ids: set[int], timeout_s: float) -> list[P.Notice]:
+        """Block (bounded) until every job in ``job_ids`` has a notice; returns the ones received."""
+        deadline = time.monotonic() + timeout_s
+        got: list[P.Notice] = []
+        pending = set(job_ids)
+        with self._lock:
+            while pending:
+                self._pump(0)
+                keep = []
+                for n in self._notices:
+                    if n.job_id in pending:
+                        pending.discard(n.job_id)
+                        got.append(n)
+                    else:
+                        keep.append(n)
+                self._notices = keep
+                left = deadline - time.monotonic()
+                if not pending or left <= 0:
+                    break
+                self._pump(int(min(left, 0.05) * 1000) + 1)
+        return got
+
+    @property
+    def jobs_in_flight(self) -> int:
+        return len(self._jobs)
+
+    # --- admin ---------------------------------------------------------------------------------------
+
+    def stats(self, detail: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
+        reply = self.request(P.Stats(detail=detail), timeout_s)
+        assert isinstance(reply, P.StatsResult)
+        return reply.stats
+
+    def clear(self, namespace: str = "", timeout_s: float | None = None) -> P.Cleared:
+        reply = self.request(P.Clear(namespace=namespace), timeout_s)
+        assert isinstance(reply, P.Cleared)
+        return reply
+
+    def explain(self, namespace: str, keys: Sequence[bytes], timeout_s: float | None = None) -> list[dict]:
+        reply = self.request(P.Explain(namespace=namespace, keys=list(keys)), timeout_s)
+        assert isinstance(reply, P.Explained)
+        return reply.entries
+
+    def ping(self, timeout_s: float | None = None) -> float:
+        t0 = time.perf_counter()
+        self.request(P.Ping(), timeout_s)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sock.disable_monitor()
+            self._monitor.close(0)
+            self._sock.close(0)
+
+    def __enter__(self) -> KvoffdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

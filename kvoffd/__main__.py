@@ -1,0 +1,3 @@
+from kvoffd.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""`kvoffd`: start the daemon (and `kvoffd doctor`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from kvoffd.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["doctor"]:
+        from kvoffd.doctor import main as doctor_main
+
+        return doctor_main(argv[1:])
+    try:
+        cfg = load_config(argv)
+    except ConfigError as e:
+        print(f"kvoffd: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    from kvoffd.server import AddressInUse, Daemon
+
+    async def run() -> int:
+        try:
+            daemon = Daemon(cfg)
+            daemon.bind()
+        except (AddressInUse, OSError, RuntimeError) as e:
+            logging.getLogger("kvoffd").error("cannot start: %s", e)
+            return 1
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, daemon.stop)
+        http = None
+        hp = cfg.metrics_host_port
+        if hp is not None:
+            from kvoffd.http import start_http
+
+            try:
+                http = await start_http(daemon, *hp)
+            except OSError as e:
+                logging.getLogger("kvoffd").error("cannot serve metrics on %s: %s", cfg.metrics_address, e)
+                return 1
+            port = http.sockets[0].getsockname()[1]
+            daemon.metrics_address = f"{hp[0]}:{port}"
+            logging.getLogger("kvoffd").info("metrics on http://%s:%d/metrics", hp[0], port)
+        try:
+            await daemon.serve(on_ready=_notify_ready)
+        finally:
+            if http is not None:
+                http.close()
+        return 0
+
+    if uvloop is not None:
+        return uvloop.run(run())
+    return asyncio.run(run())
+
+
+def _notify_ready() -> None:
+    try:
+        from kvoffd.sdnotify import notify
+    except ImportError:
+        return
+    notify("READY=1")

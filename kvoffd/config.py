@@ -1,0 +1,188 @@
+"""Configuration: embedded defaults, overridden by KVOFFD_<NAME> environment variables, then flags.
+
+Every value is checked at start; a bad one stops the daemon with one clear line (ConfigError).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+from dataclasses import dataclass, field
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+LOOPBACK = "127.0.0.1"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"not a size: {text!r} (use e.g. 512MiB, 64GiB, 1.5TiB)")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ConfigError(f"size must be positive: {text!r}")
+    return n
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def runtime_dir() -> str:
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return os.path.join(xdg, "kvoffd")
+    return f"/tmp/kvoffd-{os.getuid()}"
+
+
+def default_address() -> str:
+    return f"ipc://{os.path.join(runtime_dir(), 'kvoffd.sock')}"
+
+
+def default_pool_size() -> int:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 16 << 30
+    return min(4 << 30, ram // 4)
+
+
+def _host_port(text: str, what: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{what} must be host:port, got {text!r}")
+    return host.strip("[]") or LOOPBACK, int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_address(address: str, allow_remote: bool) -> str:
+    """Validate a ZeroMQ endpoint; ``tcp://`` binds loopback unless remote access is allowed."""
+    if address.startswith("ipc://"):
+        if len(address) <= 6:
+            raise ConfigError("ipc:// address needs a path")
+        return address
+    if address.startswith("tcp://"):
+        host, port = _host_port(address[6:], "--address tcp://")
+        if host in ("*", "0.0.0.0", "::"):
+            if not allow_remote:
+                host = LOOPBACK
+        elif not _is_loopback(host) and not allow_remote:
+            raise ConfigError(f"--address {address} would accept connections from other hosts; "
+                              "pass --allow-remote if that is intended")
+        return f"tcp://{host}:{port}"
+    if address.startswith("inproc://"):
+        return address
+    raise ConfigError(f"--address must be an ipc:// or tcp:// ZeroMQ endpoint, got {address!r}")
+
+
+@dataclass
+class Config:
+    address: str = field(default_factory=default_address)
+    pool_size: int = field(default_factory=default_pool_size)
+    metrics_address: str = "127.0.0.1:9464"
+    log_level: str = "info"
+    backend: str = "auto"  # auto | cpu | cuda
+    allow_remote: bool = False
+    engine_timeout_s: float = 10.0  # an engine silent this long (no request, no heartbeat) is gone
+    copy_threads: int = 0  # CPU copy threads (0: min(4, cores))
+    verify: bool = False  # per-block checksums (integrity mode)
+
+    @property
+    def metrics_host_port(self) -> tuple[str, int] | None:
+        if self.metrics_address in ("", "off", "none"):
+            return None
+        return _host_port(self.metrics_address, "--metrics-address")
+
+
+_FLAGS = [
+    # name, type, help
+    ("address", str, "ZeroMQ endpoint to serve on (ipc://PATH or tcp://HOST:PORT). Default: a private "
+                     "UNIX socket, $XDG_RUNTIME_DIR/kvoffd/kvoffd.sock or /tmp/kvoffd-<uid>/kvoffd.sock"),
+    ("pool_size", str, "Pinned CPU pool size, with units (512MiB, 64GiB). Default: min(4 GiB, 25%% of RAM)"),
+    ("metrics_address", str, "host:port for /metrics, /healthz and /readyz; 'off' disables. "
+                             "Default: 127.0.0.1:9464"),
+    ("log_level", str, "debug, info, warning or error. Default: info"),
+    ("backend", str, "Transfer backend: auto (CUDA when available, plus CPU), cpu or cuda. Default: auto"),
+    ("engine_timeout", str, "Seconds without a heartbeat after which an engine counts as gone. Default: 10"),
+    ("copy_threads", str, "Threads for CPU copies (0: min(4, cores)). Default: 0"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvoffd",
+        description="kvoffd: a KV-cache offload daemon for vLLM. Every flag can also be set with an "
+                    "environment variable KVOFFD_<FLAG> (e.g. KVOFFD_POOL_SIZE=64GiB); flags win.",
+        epilog="Subcommands: 'kvoffd doctor' checks this machine for running kvoffd.")
+    for name, typ, help_ in _FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
+    p.add_argument("--allow-remote", action="store_true", default=None,
+                   help="Allow a tcp:// address that other hosts can reach (off by default)")
+    p.add_argument("--verify", action="store_true", default=None,
+                   help="Integrity mode: checksum each block on store and verify it on load")
+    return p
+
+
+def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> Config:
+    env = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    raw: dict[str, object] = {}
+    for name in [f[0] for f in _FLAGS] + ["allow_remote", "verify"]:
+        v = getattr(args, name)
+        if v is None:
+            v = env.get("KVOFFD_" + name.upper())
+        if v is not None:
+            raw[name] = v
+    cfg = Config()
+    try:
+        if "address" in raw:
+            cfg.address = str(raw["address"])
+        if "pool_size" in raw:
+            cfg.pool_size = parse_size(str(raw["pool_size"]))
+        if "metrics_address" in raw:
+            cfg.metrics_address = str(raw["metrics_address"])
+        if "log_level" in raw:
+            cfg.log_level = str(raw["log_level"]).lower()
+        if "backend" in raw:
+            cfg.backend = str(raw["backend"]).lower()
+        if "engine_timeout" in raw:
+            cfg.engine_timeout_s = float(str(raw["engine_timeout"]))
+        if "copy_threads" in raw:
+            cfg.copy_threads = int(str(raw["copy_threads"]))
+        for flag in ("allow_remote", "verify"):
+            if flag in raw:
+                v = raw[flag]
+                setattr(cfg, flag, v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on"))
+    except ValueError as e:
+        raise ConfigError(str(e) if isinstance(e, ConfigError) else f"bad value: {e}") from None
+    if cfg.log_level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"--log-level must be debug, info, warning or error, got {cfg.log_level!r}")
+    if cfg.backend not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--backend must be auto, cpu or cuda, got {cfg.backend!r}")
+    if not 0.5 <= cfg.engine_timeout_s <= 3600:
+        raise ConfigError("--engine-timeout must be between 0.5 and 3600 seconds")
+    if not 0 <= cfg.copy_threads <= 256:
+        raise ConfigError("--copy-threads must be between 0 and 256")
+    if cfg.pool_size < (1 << 20):
+        raise ConfigError("--pool-size must be at least 1MiB")
+    cfg.address = check_address(cfg.address, cfg.allow_remote)
+    cfg.metrics_host_port  # noqa: B018 - validates
+    return cfg

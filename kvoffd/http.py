@@ -1,0 +1,62 @@
+"""The daemon's HTTP side: /metrics, /healthz, /readyz on the metrics address.
+
+A few dozen lines on asyncio streams instead of a web framework: three GET routes, no bodies in,
+served by the same loop as everything else (a scrape reads counters; it never waits on a copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvoffd.server import Daemon
+
+log = logging.getLogger(__name__)
+
+
+async def start_http(daemon: Daemon, host: str, port: int) -> asyncio.AbstractServer:
+    routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
+        "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(daemon.metrics.registry)),
+        "/healthz": lambda: (200, "text/plain; charset=utf-8", b"ok\n"),
+        "/readyz": lambda: _readyz(daemon),
+    }
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            parts = head.split(b"\r\n", 1)[0].split()
+            method, path = (parts[0].decode(), parts[1].decode().split("?", 1)[0]) if len(parts) >= 2 else ("", "")
+            route = routes.get(path)
+            if method not in ("GET", "HEAD"):
+                status, ctype, body = 405, "text/plain", b"method not allowed\n"
+            elif route is None:
+                status, ctype, body = 404, "text/plain", b"not found: try /metrics, /healthz, /readyz\n"
+            else:
+                status, ctype, body = route()
+            reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}[status]
+            writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                         "Connection: close\r\n\r\n".encode() + (body if method != "HEAD" else b""))
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        except Exception:
+            log.exception("HTTP request failed")
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, host, port, limit=16 << 10)
+    return server
+
+
+def _readyz(daemon: Daemon) -> tuple[int, str, bytes]:
+    p = daemon.pool
+    ready = daemon.ready.is_set() and p.capacity_bytes > 0
+    body = {"ready": ready, "pool_capacity_bytes": p.capacity_bytes, "pool_total_bytes": p.nbytes,
+            "pool_pinned_bytes": p.pinned_bytes,
+            "pinned_fraction": round(p.pinned_bytes / p.nbytes, 4) if p.nbytes else 0.0,
+            "engines": len(daemon.engines), "backends": [b.name for b in daemon.backends]}
+    return (200 if ready else 503), "application/json", (json.dumps(body) + "\n").encode()

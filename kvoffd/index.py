@@ -1,0 +1,277 @@
+"""The index: (namespace, rank, key) -> slot, with LRU eviction, pins and visibility.
+
+Rules it keeps (docs/architecture.md):
+  * an entry is visible to LOOKUP/LOAD only once its copy completed (``ready``);
+  * a pinned entry (read by a LOAD, or held by a lease) is never evicted nor overwritten;
+  * only ready, unpinned entries sit in their slot size's LRU list, so eviction is O(1) per block;
+  * CLEAR unlinks entries at once; a slot still being copied is freed when its job ends.
+
+Everything here runs on the event loop thread; nothing blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvoffd.pool import Pool
+
+_HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoffctl explain`
+
+
+class Entry:
+    __slots__ = ("key", "table", "slot", "ready", "pins", "dead", "stored_at")
+
+    def __init__(self, key: bytes, table: Table, slot: int):
+        self.key = key
+        self.table = table
+        self.slot = slot
+        self.ready = False
+        self.pins = 0
+        self.dead = False  # unlinked (CLEAR) while a job still held it
+        self.stored_at = time.time()
+
+
+@dataclass
+class Table:
+    """One (namespace, rank): its entries and the size of its slots."""
+
+    namespace: str
+    rank: int
+    slot_bytes: int
+    entries: dict[bytes, Entry] = field(default_factory=dict)
+
+
+@dataclass
+class Namespace:
+    name: str
+    world_size: int
+    tables: dict[int, Table] = field(default_factory=dict)  # rank -> table
+    layouts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # rank -> segment lengths
+
+
+class Index:
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.namespaces: dict[str, Namespace] = {}
+        self._lru: dict[int, OrderedDict[Entry, None]] = {}  # slot_bytes -> evictable entries, oldest first
+        self.evicted: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        self.failed: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        self.resident = 0  # ready entries
+        self.evictions = 0
+
+    # --- namespaces -------------------------------------------------------------------------------------
+    def table(self, namespace: str, rank: int, world_size: int, slot_bytes: int,
+              layout: tuple[int, ...]) -> Table:
+        """The table an engine writes to; raises ValueError when its layout contradicts the namespace."""
+        ns = self.namespaces.get(namespace)
+        if ns is None:
+            ns = self.namespaces[namespace] = Namespace(namespace, world_size)
+        if ns.world_size != world_size:
+            raise ValueError(f"namespace {namespace!r} has world size {ns.world_size}, not {world_size}")
+        t = ns.tables.get(rank)
+        if t is None:
+            t = ns.tables[rank] = Table(namespace, rank, slot_bytes)
+            ns.layouts[rank] = layout
+        elif ns.layouts[rank] != layout:
+            raise ValueError(f"namespace {namespace!r} rank {rank} holds blocks of another layout "
+                             f"({t.slot_bytes} bytes in {len(ns.layouts[rank])} runs; this engine: "
+                             f"{slot_bytes} bytes in {len(layout)} runs)")
+        return t
+
+    # --- lookups ----------------------------------------------------------------------------------------
+    def leading_hits(self, namespace: str, keys: list[bytes]) -> tuple[int, list[Entry], str]:
+        """Leading keys ready on every rank; the hit entries (all ranks); the first miss's reason."""
+        ns = self.namespaces.get(namespace)
+        if ns is None or len(ns.tables) < ns.world_size:
+            return 0, [], "namespace_mismatch"
+        tables = [ns.tables[r].entries for r in range(ns.world_size)]
+        hits: list[Entry] = []
+        n = 0
+        if len(tables) == 1:
+            get = tables[0].get
+            for k in keys:
+                e = get(k)
+                if e is None or not e.ready:
+                    break
+                hits.append(e)
+            n = len(hits)
+        else:
+            for k in keys:
+                row = [t.get(k) for t in tables]
+                if any(e is None or not e.ready for e in row):
+                    break
+                hits.extend(row)  # type: ignore[arg-type]
+                n += 1
+        reason = ""
+        if n < len(keys):
+            miss = (namespace, keys[n])
+            reason = "evicted" if miss in self.evicted else "failed" if miss in self.failed else "absent"
+        for e in hits:  # recency: a block someone asked for is worth keeping
+            if not e.pins:
+                self._lru[e.table.slot_bytes].move_to_end(e)
+        return n, hits, reason
+
+    def get_ready(self, table: Table, key: bytes) -> Entry | None:
+        e = table.entries.get(key)
+        return e if e is not None and e.ready else None
+
+    # --- pins ---------------------------------------------------------------------------------------------
+    def pin(self, e: Entry) -> None:
+        if e.pins == 0 and e.ready and not e.dead:
+            self._lru[e.table.slot_bytes].pop(e, None)
+        e.pins += 1
+
+    def unpin(self, e: Entry) -> None:
+        e.pins -= 1
+        if e.pins == 0:
+            if e.dead:
+                self.pool.free(e.table.slot_bytes, [e.slot])
+            elif e.ready:
+                self._lru[e.table.slot_bytes][e] = None
+
+    # --- stores -------------------------------------------------------------------------------------------
+    def reserve(self, table: Table, keys: list[bytes]) -> tuple[list[int], list[Entry], int, list[int]]:
+        """Pending entries for the keys not yet present, evicting LRU blocks as needed.
+
+        Returns (indices reserved, their entries, already-present count, indices dropped for room).
+        Keys beyond what the pool can hold are dropped from the end: the leading blocks of a prefix
+        are the ones a later lookup can use.
+        """
+        entries = table.entries
+        want: list[int] = []
+        seen: set[bytes] = set()
+        for i, k in enumerate(keys):
+            if k not in entries and k not in seen:
+                seen.add(k)
+                want.append(i)
+        present = len(keys) - len(want)
+        if not want:
+            return [], [], present, []
+        size = table.slot_bytes
+        slots = self.pool.alloc(size, len(want))
+        short = len(want) - len(slots)
+        if short:
+            self.evict(size, short)
+            slots += self.pool.alloc(size, short)
+        dropped = want[len(slots):]
+        want = want[: len(slots)]
+        reserved = []
+        for i, s in zip(want, slots, strict=True):
+            e = Entry(keys[i], table, s)
+            e.pins = 1  # the store job holds it until its copy completes
+            entries[e.key] = e
+            reserved.append(e)
+        return want, reserved, present, dropped
+
+    def commit(self, entries: list[Entry]) -> int:
+        """The store copied these: make them visible (unless cleared meanwhile). Returns how many."""
+        done = 0
+        for e in entries:
+            if e.dead:
+                self.unpin(e)
+                continue
+            e.ready = True
+            e.stored_at = time.time()
+            self.resident += 1
+            done += 1
+            self._lru.setdefault(e.table.slot_bytes, OrderedDict())
+            self.unpin(e)
+        return done
+
+    def abort(self, entries: list[Entry]) -> None:
+        """The store failed: forget the entries and remember the keys as failed."""
+        now = time.time()
+        for e in entries:
+            if not e.dead:
+                del e.table.entries[e.key]
+                e.dead = True
+                self._remember(self.failed, (e.table.namespace, e.key), now)
+            self.unpin(e)
+
+    # --- eviction / clearing ----------------------------------------------------------------------------
+    def evict(self, slot_bytes: int, n: int) -> int:
+        lru = self._lru.get(slot_bytes)
+        if not lru:
+            return 0
+        freed: list[int] = []
+        now = time.time()
+        while lru and len(freed) < n:
+            e, _ = lru.popitem(last=False)
+            del e.table.entries[e.key]
+            e.dead = True
+            self.resident -= 1
+            freed.append(e.slot)
+            self._remember(self.evicted, (e.table.namespace, e.key), now)
+        self.pool.free(slot_bytes, freed)
+        self.evictions += len(freed)
+        return len(freed)
+
+    def clear(self, namespace: str = "") -> int:
+        """Unlink every entry of one namespace (or all). Returns the blocks that were resident."""
+        names = [namespace] if namespace else list(self.namespaces)
+        removed = 0
+        for name in names:
+            ns = self.namespaces.get(name)
+            if ns is None:
+                continue
+            for t in ns.tables.values():
+                free: list[int] = []
+                lru = self._lru.get(t.slot_bytes, {})
+                for e in t.entries.values():
+                    if e.ready:
+                        removed += 1
+                        self.resident -= 1
+                    e.dead = True
+                    if e.pins == 0:
+                        lru.pop(e, None)
+                        free.append(e.slot)
+                t.entries.clear()
+                self.pool.free(t.slot_bytes, free)
+            self.evicted = OrderedDict((k, v) for k, v in self.evicted.items() if k[0] != name)
+            self.failed = OrderedDict((k, v) for k, v in self.failed.items() if k[0] != name)
+        return removed
+
+    def namespace_stats(self) -> list[dict]:
+        out = []
+        for ns in self.namespaces.values():
+            blocks = sum(sum(1 for e in t.entries.values() if e.ready) for t in ns.tables.values())
+            nbytes = sum(sum(t.slot_bytes for e in t.entries.values() if e.ready) for t in ns.tables.values())
+            out.append({"namespace": ns.name, "world_size": ns.world_size, "ranks": sorted(ns.tables),
+                        "blocks": blocks, "bytes": nbytes})
+        return out
+
+    def explain(self, namespace: str, keys: list[bytes]) -> list[dict]:
+        ns = self.namespaces.get(namespace)
+        out = []
+        for k in keys:
+            item: dict = {"key": k.hex()}
+            ranks = {}
+            if ns is not None:
+                for r, t in ns.tables.items():
+                    e = t.entries.get(k)
+                    if e is not None:
+                        ranks[r] = ("resident" if e.ready else "storing", e.stored_at, e.pins)
+            if ns is None:
+                item["state"] = "namespace_unknown"
+            elif len(ranks) == ns.world_size and all(v[0] == "resident" for v in ranks.values()):
+                item.update(state="resident", stored_at=min(v[1] for v in ranks.values()),
+                            pinned=any(v[2] for v in ranks.values()))
+            elif ranks:
+                item.update(state="partial", ranks={str(r): v[0] for r, v in ranks.items()})
+            elif (namespace, k) in self.evicted:
+                item.update(state="evicted", at=self.evicted[(namespace, k)])
+            elif (namespace, k) in self.failed:
+                item.update(state="failed", at=self.failed[(namespace, k)])
+            else:
+                item["state"] = "never_seen"
+            out.append(item)
+        return out
+
+    @staticmethod
+    def _remember(history: OrderedDict, key: tuple[str, bytes], when: float) -> None:
+        history[key] = when
+        history.move_to_end(key)
+        if len(history) > _HISTORY:
+            history.popitem(last=False)

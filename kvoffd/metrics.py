@@ -1,0 +1,104 @@
+"""Every Prometheus metric of the daemon, in one place, on a registry owned by the daemon.
+
+Counters exist at zero from start (every label value is touched at construction) so dashboards and
+alerts never see a series appear out of nowhere. Gauges that mirror live state (pool bytes, engines,
+in-flight age) are read at scrape time by a collector, so they can never drift from the truth.
+docs/metrics.md documents each one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvoffd_client.protocol import PROTOCOL_VERSION, ErrorCode
+
+DIRECTIONS = ("store", "load")
+MISS_REASONS = ("absent", "evicted", "namespace_mismatch", "failed")
+DROP_REASONS = ("pool_full", "clear", "failed")
+POOL_STATES = ("capacity", "used", "pinned", "free_chunks", "total")
+
+_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0)
+_BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class _LiveState(Collector):
+    def __init__(self, read: Callable[[], dict[str, Any]]):
+        self._read = read
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        s = self._read()
+        pool = GaugeMetricFamily("kvoffd_pool_bytes", "Pool bytes by state: capacity (usable now), used, "
+                                 "pinned, free_chunks (largest allocation possible without eviction), total",
+                                 labels=["state"])
+        for state in POOL_STATES:
+            pool.add_metric([state], s["pool"][state])
+        yield pool
+        yield GaugeMetricFamily("kvoffd_engines", "Engine workers registered now", value=s["engines"])
+        yield GaugeMetricFamily("kvoffd_leases", "Lookup leases holding blocks now", value=s["leases"])
+        yield GaugeMetricFamily("kvoffd_resident_blocks", "Blocks resident and visible in the pool",
+                                value=s["resident_blocks"])
+        inflight = GaugeMetricFamily("kvoffd_in_flight_jobs", "Store/load jobs running now", labels=["direction"])
+        for d in DIRECTIONS:
+            inflight.add_metric([d], s["in_flight"][d])
+        yield inflight
+        yield GaugeMetricFamily("kvoffd_oldest_in_flight_seconds",
+                                "Age of the oldest running job (a stuck transfer shows here)",
+                                value=s["oldest_in_flight_s"])
+
+
+class Metrics:
+    def __init__(self, version: str, read_state: Callable[[], dict[str, Any]]):
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.lookups = Counter("kvoffd_lookups", "LOOKUP requests answered", registry=r)
+        self.lookup_blocks = Counter("kvoffd_lookup_blocks", "Blocks asked for by LOOKUP, by result",
+                                     ["result"], registry=r)
+        self.misses = Counter("kvoffd_misses", "Missed blocks by the reason of the first miss in the lookup",
+                              ["reason"], registry=r)
+        self.stored_blocks = Counter("kvoffd_stored_blocks", "Blocks copied into the pool", registry=r)
+        self.store_noop_blocks = Counter("kvoffd_store_noop_blocks",
+                                         "Blocks a STORE named that were already resident (no copy)", registry=r)
+        self.loaded_blocks = Counter("kvoffd_loaded_blocks", "Blocks copied back into an engine", registry=r)
+        self.transfer_bytes = Counter("kvoffd_transfer_bytes", "Bytes moved, by direction", ["direction"],
+                                      registry=r)
+        self.transfer_seconds = Histogram("kvoffd_transfer_seconds", "Job latency from accepted to complete",
+                                          ["direction"], buckets=_SECONDS_BUCKETS, registry=r)
+        self.transfer_blocks = Histogram("kvoffd_transfer_blocks", "Blocks per job", ["direction"],
+                                         buckets=_BLOCK_BUCKETS, registry=r)
+        self.transfer_gbps = Gauge("kvoffd_transfer_gbps", "Achieved GB/s of the last job of >= 1 MiB",
+                                   ["direction"], registry=r)
+        self.link_ceiling_gbps = Gauge("kvoffd_link_ceiling_gbps",
+                                       "Host<->device copy ceiling measured at start (0: not measured)",
+                                       ["direction"], registry=r)
+        self.evicted_blocks = Counter("kvoffd_evicted_blocks", "Blocks evicted (LRU) to make room", registry=r)
+        self.dropped_stores = Counter("kvoffd_dropped_stores", "Blocks a STORE could not keep, by reason",
+                                      ["reason"], registry=r)
+        self.failed_jobs = Counter("kvoffd_failed_jobs", "Jobs whose copy failed", ["direction"], registry=r)
+        self.errors = Counter("kvoffd_errors", "ERROR replies, by code", ["code"], registry=r)
+        self.engine_events = Counter("kvoffd_engine_events", "Engine registrations and departures",
+                                     ["event"], registry=r)
+        self.build = Info("kvoffd_build", "Build information", registry=r)
+        self.build.info({"version": version, "protocol": str(PROTOCOL_VERSION)})
+        for res in ("hit", "miss"):
+            self.lookup_blocks.labels(res)
+        for reason in MISS_REASONS:
+            self.misses.labels(reason)
+        for d in DIRECTIONS:
+            self.transfer_bytes.labels(d)
+            self.transfer_seconds.labels(d)
+            self.transfer_blocks.labels(d)
+            self.transfer_gbps.labels(d)
+            self.link_ceiling_gbps.labels(d)
+            self.failed_jobs.labels(d)
+        for reason in DROP_REASONS:
+            self.dropped_stores.labels(reason)
+        for code in ErrorCode:
+            self.errors.labels(code.value)
+        for ev in ("registered", "unregistered", "disconnected", "timed_out"):
+            self.engine_events.labels(ev)
+        r.register(_LiveState(read_state))

@@ -1,0 +1,667 @@
+"""The daemon's control loop: ROUTER socket in, validate, dispatch, queue work, notices out.
+
+Everything here runs on one asyncio (uvloop) thread and never blocks: copies run in backends
+(threads or CUDA streams), mapping an engine's memory runs in an executor. A client's mistake is
+answered with ERROR and changes nothing; only a bug in the daemon reaches the INTERNAL code, and even
+that is answered and logged, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import stat
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvoffd import __version__
+from kvoffd.config import Config
+from kvoffd.engines import (
+    MAX_ENGINES_PER_CONN,
+    MAX_JOBS_PER_CONN,
+    MAX_LEASES_PER_CONN,
+    Conn,
+    Engine,
+    Lease,
+    open_pidfd,
+)
+from kvoffd.index import Entry, Index
+from kvoffd.metrics import Metrics
+from kvoffd.pool import Pool
+from kvoffd.transfer.base import AttachError, Direction, TransferBackend
+from kvoffd.transfer.cpu import CpuBackend
+from kvoffd_client import protocol as P
+from kvoffd_client.protocol import ErrorCode, ProtocolError
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 2.0
+IDLE_CONN_S = 600.0
+HOUSEKEEPING_S = 0.1
+HARD_FRAME_LIMIT = 2 * P.MAX_FRAME_BYTES  # libzmq drops the peer above this; between the two: ERROR
+RCVHWM = 100  # messages queued per peer; bounds a flooding client's memory
+
+
+class AddressInUse(RuntimeError):
+    pass
+
+
+def _make_backends(cfg: Config, pool: Pool) -> list[TransferBackend]:
+    backends: list[TransferBackend] = []
+    if cfg.backend in ("auto", "cuda"):
+        try:
+            from kvoffd.transfer.cuda import CudaBackend, cuda_available
+        except ImportError as e:
+            if cfg.backend == "cuda":
+                raise RuntimeError(f"--backend cuda: the CUDA backend cannot load ({e})") from None
+        else:
+            if cuda_available():
+                backends.append(CudaBackend(pool))
+            elif cfg.backend == "cuda":
+                raise RuntimeError("--backend cuda: no CUDA device is visible")
+    if cfg.backend in ("auto", "cpu"):
+        backends.append(CpuBackend(pool, cfg.copy_threads))
+    return backends
+
+
+class Daemon:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.daemon_id = uuid.uuid4().hex
+        self.started = time.time()
+        self.pool = Pool(cfg.pool_size)
+        self.index = Index(self.pool)
+        self.backends = _make_backends(cfg, self.pool)
+        self.by_kind: dict[str, TransferBackend] = {}
+        for b in self.backends:
+            for k in b.kinds():
+                self.by_kind.setdefault(k, b)
+        self.conns: dict[bytes, Conn] = {}
+        self.engines: dict[str, Engine] = {}
+        self.leases: dict[int, Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self._jobs: dict[int, tuple[str, float]] = {}  # internal id -> (direction, started monotonic)
+        self._job_ids = itertools.count(1)
+        self._tasks: set[asyncio.Task] = set()
+        self.metrics = Metrics(__version__, self._live_state)
+        self.ready = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._ctx = zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        self.bound_address = ""
+        self.metrics_address = cfg.metrics_address  # the cli sets the bound one (port 0 picks a port)
+        self._handlers: dict[P.Op, Callable[[Conn, Any], P.Message | None]] = {
+            P.Op.UNREGISTER: self._unregister,
+            P.Op.LOOKUP: self._lookup,
+            P.Op.RELEASE: self._release,
+            P.Op.STORE: self._store,
+            P.Op.LOAD: self._load,
+            P.Op.STATS: self._stats,
+            P.Op.CLEAR: self._clear,
+            P.Op.PING: lambda c, m: P.Pong(seq=m.seq, daemon_id=self.daemon_id),
+            P.Op.EXPLAIN: lambda c, m: P.Explained(seq=m.seq, entries=self.index.explain(m.namespace, m.keys)),
+        }
+
+    # ------------------------------------------------------------------------------------------------
+    # socket
+
+    def bind(self) -> str:
+        addr = self.cfg.address
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_LIMIT)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted client may reuse its routing id
+        if addr.startswith("ipc://"):
+            path = addr[6:]
+            self._prepare_ipc_path(path)
+            old = os.umask(0o177)
+            try:
+                sock.bind(addr)
+            finally:
+                os.umask(old)
+            os.chmod(path, 0o600)
+        else:
+            sock.bind(addr)
+        self.sock = sock
+        self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.bound_address
+
+    @staticmethod
+    def _prepare_ipc_path(path: str) -> None:
+        d = os.path.dirname(path) or "."
+        if not os.path.isdir(d):
+            os.makedirs(d, mode=0o700)
+        st = os.stat(d)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            if st.st_uid == os.getuid() and os.path.basename(d.rstrip("/")).startswith("kvoffd"):
+                os.chmod(d, 0o700)  # our own directory: keep it private
+            else:
+                log.warning("socket directory %s is reachable by other users (mode %o); access is then "
+                            "guarded by the socket's mode 0600 only", d, stat.S_IMODE(st.st_mode))
+        if os.path.exists(path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)  # a stale socket from a daemon that died
+            else:
+                raise AddressInUse(f"another daemon is serving on {path}")
+            finally:
+                probe.close()
+
+    # ------------------------------------------------------------------------------------------------
+    # main loop
+
+    async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        if self.sock is None:
+            self.bind()
+        for b in self.backends:
+            b.start()
+        fd = self.sock.getsockopt(zmq.FD)
+        loop.add_reader(fd, self._drain)
+        house = asyncio.create_task(self._housekeeping())
+        self.ready.set()
+        log.info("kvoffd %s serving on %s: pool %d MiB, backends %s", __version__, self.bound_address,
+                 self.pool.nbytes >> 20, ",".join(b.name for b in self.backends))
+        if on_ready:
+            on_ready()
+        self._drain()  # messages that arrived before the reader was installed
+        try:
+            await self._stopping.wait()
+        finally:
+            loop.remove_reader(fd)
+            house.cancel()
+            await self._shutdown()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _shutdown(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for eng in list(self.engines.values()):
+            self._drop_engine(eng, "shutdown")
+        for conn in list(self.conns.values()):
+            self._close_conn(conn)
+        for b in self.backends:
+            b.close()
+        if self.sock is not None:
+            self.sock.close(0)
+            if self.bound_address.startswith("ipc://"):
+                try:
+                    os.unlink(self.bound_address[6:])
+                except OSError:
+                    pass
+        log.info("kvoffd stopped")
+
+    def _drain(self) -> None:
+        """Read every queued message. The ZeroMQ fd is edge-triggered: drain until EAGAIN."""
+        sock = self.sock
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            self._on_message(frames)
+
+    def _send(self, ident: bytes, msg: P.Message) -> None:
+        try:
+            self.sock.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("client %s is not reading; dropped a %s", ident.hex(), msg.op.value)
+        except zmq.ZMQError as e:
+            log.warning("send to %s failed: %s", ident.hex(), e)
+        # a send can consume the fd's edge; make sure pending input is not left unread
+        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        ident = frames[0]
+        try:
+            if len(frames) != 2:
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"expected one frame per message, got {len(frames) - 1}")
+            msg = P.decode(frames[1], requests_only=True)
+            conn = self.conns.get(ident)
+            if msg.op is P.Op.HELLO:
+                reply = self._hello(ident, msg)
+            elif conn is None:
+                raise ProtocolError(ErrorCode.HELLO_REQUIRED, "send HELLO first", seq=msg.seq)
+            else:
+                conn.last_seen = time.monotonic()
+                if msg.op is P.Op.REGISTER:
+                    self._spawn(self._register(conn, msg))
+                    return
+                reply = self._handlers[msg.op](conn, msg)
+        except ProtocolError as e:
+            self.metrics.errors.labels(e.code.value).inc()
+            log.debug("client %s: %s", ident.hex(), e)
+            self._send(ident, P.error_for(e))
+            return
+        except Exception:
+            log.exception("internal error handling a message from %s", ident.hex())
+            self.metrics.errors.labels(ErrorCode.INTERNAL.value).inc()
+            self._send(ident, P.Error(code=ErrorCode.INTERNAL.value, message="internal error; see the daemon log"))
+            return
+        if reply is not None:
+            self._send(ident, reply)
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------------------------------------
+    # connection and engine lifecycle
+
+    def _hello(self, ident: bytes, msg: P.Hello) -> P.Message:
+        if msg.version != P.PROTOCOL_VERSION:
+            raise ProtocolError(ErrorCode.VERSION_MISMATCH, f"this daemon speaks protocol v{P.PROTOCOL_VERSION}, "
+                                f"the client v{msg.version}; upgrade the older side", seq=msg.seq)
+        conn = self.conns.get(ident)
+        if conn is None:
+            conn = self.conns[ident] = Conn(ident=ident, pid=msg.pid, client=msg.client)
+            conn.pidfd = open_pidfd(msg.pid, msg.start_ticks)
+            if conn.pidfd >= 0:
+                asyncio.get_running_loop().add_reader(conn.pidfd, self._on_pid_exit, ident)
+        conn.last_seen = time.monotonic()
+        caps = ["lease", "explain"] + [f"memory:{k}" for k in self.by_kind]
+        return P.HelloOk(seq=msg.seq, daemon_id=self.daemon_id, pid=os.getpid(), capabilities=caps,
+                         limits={"max_frame_bytes": P.MAX_FRAME_BYTES, "max_keys": P.MAX_KEYS,
+                                 "max_jobs": MAX_JOBS_PER_CONN, "key_size": P.KEY_SIZE},
+                         heartbeat_s=HEARTBEAT_S)
+
+    async def _register(self, conn: Conn, msg: P.Register) -> None:
+        try:
+            reply = await self._do_register(conn, msg)
+        except ProtocolError as e:
+            e.seq = msg.seq
+            self.metrics.errors.labels(e.code.value).inc()
+            log.warning("engine %s: registration refused: %s", msg.engine_id, e.message)
+            reply = P.error_for(e)
+        if conn.ident in self.conns:
+            self._send(conn.ident, reply)
+
+    async def _do_register(self, conn: Conn, msg: P.Register) -> P.Message:
+        if msg.rank >= msg.world_size:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"rank {msg.rank} is not below world_size {msg.world_size}")
+        num_blocks, segments = P.parse_layout(msg.layout)
+        kind = msg.memory.get("kind")
+        backend = self.by_kind.get(kind) if type(kind) is str else None
+        if backend is None:
+            raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, f"memory kind {kind!r:.40} is not served here; "
+                                f"this daemon maps {sorted(self.by_kind)}")
+        old = self.engines.get(msg.engine_id)
+        if old is not None:
+            if old.conn is not conn and old.conn.ident in self.conns:
+                raise ProtocolError(ErrorCode.FOREIGN_ENGINE, f"engine {msg.engine_id!r} is registered by "
+                                    "another live connection")
+            self._drop_engine(old, "replaced")
+        if len(conn.engines) >= MAX_ENGINES_PER_CONN:
+            raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_ENGINES_PER_CONN} engines per connection")
+        slot_bytes = sum(s.length for s in segments)
+        if slot_bytes > self.pool.chunk_bytes:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"a block of {slot_bytes} bytes exceeds the pool's "
+                                f"{self.pool.chunk_bytes}-byte chunks")
+        layout_fp = tuple(s.length for s in segments)
+        try:
+            table = self.index.table(msg.namespace, msg.rank, msg.world_size, slot_bytes, layout_fp)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(e)) from None
+        loop = asyncio.get_running_loop()
+        try:
+            mapped = await loop.run_in_executor(None, backend.attach, msg.engine_id, msg.memory, num_blocks,
+                                                segments)
+        except AttachError as e:
+            raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, str(e)) from None
+        if conn.ident not in self.conns or msg.engine_id in self.engines:  # gone (or raced) while mapping
+            await loop.run_in_executor(None, backend.detach, mapped)
+            raise ProtocolError(ErrorCode.NOT_REGISTERED, "connection closed or engine re-registered meanwhile")
+        eng = Engine(engine_id=msg.engine_id, conn=conn, namespace=msg.namespace, rank=msg.rank,
+                     world_size=msg.world_size, mapped=mapped, backend=backend, table=table)
+        self.engines[msg.engine_id] = eng
+        conn.engines.add(msg.engine_id)
+        self.metrics.engine_events.labels("registered").inc()
+        log.info("engine %s registered: pid %d, namespace %s rank %d/%d, %d blocks of %d bytes (%s, %s)",
+                 msg.engine_id, conn.pid, msg.namespace, msg.rank, msg.world_size, num_blocks, slot_bytes,
+                 backend.name, msg.layout.get("desc", "") if isinstance(msg.layout.get("desc"), str) else "")
+        return P.Registered(seq=msg.seq, engine_id=msg.engine_id, slot_bytes=slot_bytes, backend=backend.name)
+
+    def _unregister(self, conn: Conn, msg: P.Unregister) -> P.Message:
+        eng = self._engine_of(conn, msg.engine_id, msg.seq)
+        self._drop_engine(eng, "unregistered")
+        return P.Ok(seq=msg.seq)
+
+    def _drop_engine(self, eng: Engine, why: str) -> None:
+        """Forget the engine; its cached blocks stay for the next engine of the namespace."""
+        if self.engines.get(eng.engine_id) is eng:
+            del self.engines[eng.engine_id]
+        eng.conn.engines.discard(eng.engine_id)
+        if eng.closing:
+            return
+        eng.closing = True
+        event = {"unregistered": "unregistered", "timed_out": "timed_out"}.get(why, "disconnected")
+        self.metrics.engine_events.labels(event).inc()
+        log.info("engine %s left (%s)", eng.engine_id, why)
+        if eng.mapped.in_flight == 0:
+            self._detach(eng)
+
+    def _detach(self, eng: Engine) -> None:
+        asyncio.get_running_loop().run_in_executor(None, eng.backend.detach, eng.mapped)
+
+    def _on_pid_exit(self, ident: bytes) -> None:
+        conn = self.conns.get(ident)
+        if conn is not None:
+            log.info("client pid %d exited", conn.pid)
+            self._close_conn(conn, "exited")
+
+    def _close_conn(self, conn: Conn, why: str = "disconnected") -> None:
+        self.conns.pop(conn.ident, None)
+        if conn.pidfd >= 0:
+            try:
+                asyncio.get_running_loop().remove_reader(conn.pidfd)
+            except RuntimeError:
+                pass
+            os.close(conn.pidfd)
+            conn.pidfd = -1
+        for eid in list(conn.engines):
+            eng = self.engines.get(eid)
+            if eng is not None:
+                self._drop_engine(eng, why)
+        for lid in list(conn.leases):
+            self._drop_lease(lid)
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            try:
+                now = time.monotonic()
+                for lid in [lid for lid, lease in self.leases.items() if lease.expires <= now]:
+                    self._drop_lease(lid)
+                for conn in list(self.conns.values()):
+                    idle = now - conn.last_seen
+                    if conn.engines and idle > self.cfg.engine_timeout_s:
+                        log.warning("client pid %d silent for %.1f s: unregistering its engines", conn.pid, idle)
+                        self._close_conn(conn, "timed_out")
+                    elif not conn.engines and not conn.jobs and not conn.leases and idle > IDLE_CONN_S:
+                        self._close_conn(conn)
+            except Exception:
+                log.exception("housekeeping failed")
+
+    # ------------------------------------------------------------------------------------------------
+    # lookups and leases
+
+    def _lookup(self, conn: Conn, msg: P.Lookup) -> P.Message:
+        n, entries, reason = self.index.leading_hits(msg.namespace, msg.keys)
+        m = self.metrics
+        m.lookups.inc()
+        if n:
+            m.lookup_blocks.labels("hit").inc(n)
+        if n < len(msg.keys):
+            m.lookup_blocks.labels("miss").inc(len(msg.keys) - n)
+            m.misses.labels(reason).inc(len(msg.keys) - n)
+        ns = self.index.namespaces.get(msg.namespace)
+        lease_id = 0
+        if n and msg.lease_ms:
+            if len(conn.leases) >= MAX_LEASES_PER_CONN:
+                raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_LEASES_PER_CONN} leases per connection",
+                                    seq=msg.seq)
+            lease_id = next(self._lease_ids)
+            by_rank: dict[int, list[Entry]] = {}
+            for e in entries:
+                self.index.pin(e)
+                by_rank.setdefault(e.table.rank, []).append(e)
+            self.leases[lease_id] = Lease(lease_id, conn.ident, time.monotonic() + msg.lease_ms / 1000, by_rank,
+                                          msg.namespace)
+            conn.leases.add(lease_id)
+        return P.LookupResult(seq=msg.seq, hits=n, lease_id=lease_id, world_size=ns.world_size if ns else 0)
+
+    def _release(self, conn: Conn, msg: P.Release) -> P.Message | None:
+        self._drop_lease(msg.lease_id)
+        return None  # fire and forget: releasing an unknown or expired lease is not an error
+
+    def _drop_lease(self, lease_id: int, rank: int | None = None) -> None:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return
+        ranks = list(lease.by_rank) if rank is None else [rank]
+        for r in ranks:
+            for e in lease.by_rank.pop(r, ()):
+                self.index.unpin(e)
+        if not lease.by_rank:
+            del self.leases[lease_id]
+            owner = self.conns.get(lease.owner)
+            if owner is not None:
+                owner.leases.discard(lease_id)
+
+    # ------------------------------------------------------------------------------------------------
+    # jobs
+
+    def _engine_of(self, conn: Conn, engine_id: str, seq: int) -> Engine:
+        eng = self.engines.get(engine_id)
+        if eng is None:
+            raise ProtocolError(ErrorCode.NOT_REGISTERED, f"engine {engine_id!r} is not registered", seq=seq)
+        if eng.conn is not conn:
+            raise ProtocolError(ErrorCode.FOREIGN_ENGINE, f"engine {engine_id!r} belongs to another connection",
+                                seq=seq)
+        return eng
+
+    def _check_job(self, conn: Conn, msg: P.Store | P.Load) -> tuple[Engine, np.ndarray]:
+        eng = self._engine_of(conn, msg.engine_id, msg.seq)
+        if len(msg.keys) != len(msg.block_ids):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{len(msg.keys)} keys but {len(msg.block_ids)} block ids",
+                                seq=msg.seq, job_id=msg.job_id)
+        ids = np.array(msg.block_ids, dtype=np.int64)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= eng.mapped.num_blocks):
+            raise ProtocolError(ErrorCode.BAD_BLOCK_ID, f"block ids must lie in [0, {eng.mapped.num_blocks}); got "
+                                f"[{int(ids.min())}, {int(ids.max())}]", seq=msg.seq, job_id=msg.job_id)
+        if msg.event >= 0 and msg.event >= eng.mapped.extra.get("num_events", 0):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"event {msg.event} is not in this engine's event ring",
+                                seq=msg.seq, job_id=msg.job_id)
+        if msg.job_id in conn.jobs:
+            raise ProtocolError(ErrorCode.DUPLICATE_JOB, f"job {msg.job_id} is already in flight", seq=msg.seq,
+                                job_id=msg.job_id)
+        if len(conn.jobs) >= MAX_JOBS_PER_CONN:
+            raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_JOBS_PER_CONN} jobs in flight per connection",
+                                seq=msg.seq, job_id=msg.job_id)
+        return eng, ids
+
+    def _store(self, conn: Conn, msg: P.Store) -> P.Message | None:
+        eng, ids = self._check_job(conn, msg)
+        evicted = self.index.evictions
+        idx, entries, present, dropped = self.index.reserve(eng.table, msg.keys)
+        m = self.metrics
+        if self.index.evictions != evicted:
+            m.evicted_blocks.inc(self.index.evictions - evicted)
+        if present:
+            m.store_noop_blocks.inc(present)
+        if dropped:
+            m.dropped_stores.labels("pool_full").inc(len(dropped))
+        if not entries:
+            return P.Notice(seq=msg.seq, job_id=msg.job_id, ok=not dropped, failed=dropped,
+                            code="pool_full" if dropped else "")
+        sel = ids[idx]
+        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+        self._begin_job(conn, eng, msg.job_id)
+        self._spawn(self._run_store(conn, eng, msg, idx, entries, sel, slots, dropped))
+        return None
+
+    async def _run_store(self, conn: Conn, eng: Engine, msg: P.Store, idx: list[int], entries: list[Entry],
+                         ids: np.ndarray, slots: np.ndarray, dropped: list[int]) -> None:
+        t0 = time.monotonic()
+        jid = next(self._job_ids)
+        self._jobs[jid] = ("store", t0)
+        failed = list(dropped)
+        code, text = ("pool_full", "") if dropped else ("", "")
+        try:
+            await eng.backend.copy(Direction.STORE, eng.mapped, ids, slots, msg.event)
+        except asyncio.CancelledError:
+            self.index.abort(entries)
+            raise
+        except Exception as e:
+            log.warning("store job %d of engine %s failed: %s", msg.job_id, eng.engine_id, e)
+            self.index.abort(entries)
+            self.metrics.failed_jobs.labels("store").inc()
+            self.metrics.dropped_stores.labels("failed").inc(len(entries))
+            failed = sorted(failed + idx)
+            code, text = "copy_failed", str(e)[:200]
+        else:
+            done = self.index.commit(entries)
+            if done < len(entries):
+                self.metrics.dropped_stores.labels("clear").inc(len(entries) - done)
+            self._account(Direction.STORE, len(entries), len(entries) * eng.mapped.slot_bytes, t0)
+        finally:
+            self._jobs.pop(jid, None)
+            self._end_job(conn, eng, msg.job_id)
+        self._notice(conn, msg.job_id, failed, code, text)
+
+    def _load(self, conn: Conn, msg: P.Load) -> P.Message | None:
+        eng, ids = self._check_job(conn, msg)
+        failed: list[int] = []
+        entries: list[Entry] = []
+        ok_idx: list[int] = []
+        get = eng.table.entries.get
+        for i, k in enumerate(msg.keys):
+            e = get(k)
+            if e is None or not e.ready:
+                failed.append(i)
+            else:
+                self.index.pin(e)
+                entries.append(e)
+                ok_idx.append(i)
+        if msg.lease_id:
+            lease = self.leases.get(msg.lease_id)
+            if lease is not None and lease.namespace == eng.namespace:
+                self._drop_lease(msg.lease_id, eng.rank)
+        if failed:
+            self.metrics.misses.labels("absent").inc(len(failed))
+        if not entries:
+            return P.Notice(seq=msg.seq, job_id=msg.job_id, ok=not failed, failed=failed,
+                            code="not_resident" if failed else "")
+        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+        self._begin_job(conn, eng, msg.job_id)
+        self._spawn(self._run_load(conn, eng, msg, ok_idx, entries, ids[ok_idx], slots, failed))
+        return None
+
+    async def _run_load(self, conn: Conn, eng: Engine, msg: P.Load, idx: list[int], entries: list[Entry],
+                        ids: np.ndarray, slots: np.ndarray, failed: list[int]) -> None:
+        t0 = time.monotonic()
+        jid = next(self._job_ids)
+        self._jobs[jid] = ("load", t0)
+        code, text = ("not_resident", "") if failed else ("", "")
+        try:
+            await eng.backend.copy(Direction.LOAD, eng.mapped, ids, slots, msg.event)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("load job %d of engine %s failed: %s", msg.job_id, eng.engine_id, e)
+            self.metrics.failed_jobs.labels("load").inc()
+            failed = sorted(failed + idx)
+            code, text = "copy_failed", str(e)[:200]
+        else:
+            self._account(Direction.LOAD, len(entries), len(entries) * eng.mapped.slot_bytes, t0)
+        finally:
+            for e in entries:
+                self.index.unpin(e)
+            self._jobs.pop(jid, None)
+            self._end_job(conn, eng, msg.job_id)
+        self._notice(conn, msg.job_id, failed, code, text)
+
+    def _begin_job(self, conn: Conn, eng: Engine, job_id: int) -> None:
+        conn.jobs.add(job_id)
+        eng.mapped.in_flight += 1
+
+    def _end_job(self, conn: Conn, eng: Engine, job_id: int) -> None:
+        conn.jobs.discard(job_id)
+        eng.mapped.in_flight -= 1
+        if eng.closing and eng.mapped.in_flight == 0:
+            self._detach(eng)
+
+    def _notice(self, conn: Conn, job_id: int, failed: list[int], code: str, text: str) -> None:
+        if conn.ident in self.conns:
+            self._send(conn.ident, P.Notice(job_id=job_id, ok=not failed, failed=failed, code=code, message=text))
+
+    def _account(self, d: Direction, blocks: int, nbytes: int, t0: float) -> None:
+        m = self.metrics
+        dt = time.monotonic() - t0
+        (m.stored_blocks if d is Direction.STORE else m.loaded_blocks).inc(blocks)
+        m.transfer_bytes.labels(d.value).inc(nbytes)
+        m.transfer_seconds.labels(d.value).observe(dt)
+        m.transfer_blocks.labels(d.value).observe(blocks)
+        if nbytes >= (1 << 20) and dt > 0:
+            m.transfer_gbps.labels(d.value).set(nbytes / dt / 1e9)
+
+    # ------------------------------------------------------------------------------------------------
+    # admin
+
+    def _clear(self, conn: Conn, msg: P.Clear) -> P.Message:
+        if msg.namespace and msg.namespace not in self.index.namespaces:
+            return P.Cleared(seq=msg.seq, removed_blocks=0, in_flight_jobs=0)
+        in_flight = sum(1 for e in self.engines.values() if not msg.namespace or e.namespace == msg.namespace
+                        for _ in range(e.mapped.in_flight))
+        removed = self.index.clear(msg.namespace)
+        log.info("cleared %s: %d blocks removed, %d jobs in flight", msg.namespace or "all namespaces", removed,
+                 in_flight)
+        return P.Cleared(seq=msg.seq, removed_blocks=removed, in_flight_jobs=in_flight)
+
+    def _stats(self, conn: Conn, msg: P.Stats) -> P.Message:
+        return P.StatsResult(seq=msg.seq, stats=self.stats())
+
+    def _in_flight(self) -> tuple[dict[str, int], float]:
+        counts = {"store": 0, "load": 0}
+        oldest = 0.0
+        now = time.monotonic()
+        for d, t0 in self._jobs.values():
+            counts[d] += 1
+            oldest = max(oldest, now - t0)
+        return counts, oldest
+
+    def _live_state(self) -> dict[str, Any]:
+        counts, oldest = self._in_flight()
+        p = self.pool
+        return {"pool": {"capacity": p.capacity_bytes, "used": p.used_bytes, "pinned": p.pinned_bytes,
+                         "free_chunks": p.free_chunk_bytes, "total": p.nbytes},
+                "engines": len(self.engines), "leases": len(self.leases), "resident_blocks": self.index.resident,
+                "in_flight": counts, "oldest_in_flight_s": oldest}
+
+    def stats(self) -> dict[str, Any]:
+        m = self.metrics
+        counts, oldest = self._in_flight()
+
+        def c(counter, *labels) -> int:
+            return int((counter.labels(*labels) if labels else counter)._value.get())
+
+        return {
+            "daemon": {"id": self.daemon_id, "pid": os.getpid(), "version": __version__,
+                       "protocol": P.PROTOCOL_VERSION, "uptime_s": round(time.time() - self.started, 3),
+                       "address": self.bound_address, "metrics_address": self.metrics_address,
+                       "backends": [b.describe() for b in self.backends]},
+            "pool": self.pool.stats(),
+            "counters": {
+                "lookups": c(m.lookups), "lookup_hit_blocks": c(m.lookup_blocks, "hit"),
+                "lookup_miss_blocks": c(m.lookup_blocks, "miss"), "stored_blocks": c(m.stored_blocks),
+                "store_noop_blocks": c(m.store_noop_blocks), "loaded_blocks": c(m.loaded_blocks),
+                "store_bytes": c(m.transfer_bytes, "store"), "load_bytes": c(m.transfer_bytes, "load"),
+                "evicted_blocks": self.index.evictions,
+                "dropped_stores": sum(c(m.dropped_stores, r) for r in ("pool_full", "clear", "failed")),
+                "errors": sum(c(m.errors, code.value) for code in ErrorCode),
+            },
+            "resident_blocks": self.index.resident,
+            "leases": len(self.leases),
+            "engines": [e.describe() for e in self.engines.values()],
+            "namespaces": self.index.namespace_stats(),
+            "in_flight_jobs": counts["store"] + counts["load"],
+            "oldest_in_flight_s": round(oldest, 6),
+        }

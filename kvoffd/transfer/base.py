@@ -1,0 +1,121 @@
+"""The small seam between the server and the code that moves bytes.
+
+The server owns the decisions (which blocks, which slots, visibility); a backend only maps an
+engine's memory and copies batches between it and the pool. One call moves a whole job, never a block.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvoffd.pool import Pool
+from kvoffd_client.protocol import Segment
+
+
+class Direction(enum.Enum):
+    STORE = "store"  # engine -> pool
+    LOAD = "load"  # pool -> engine
+
+
+class AttachError(Exception):
+    """The engine's memory description cannot be mapped (answered as MEMORY_UNREACHABLE)."""
+
+
+@dataclass
+class MappedMemory:
+    """An engine's KV memory as the daemon sees it, plus the layout of one block in it."""
+
+    engine_id: str
+    kind: str
+    size: int
+    num_blocks: int
+    segments: list[Segment]
+    slot_bytes: int
+    # backend-private state (the mapping, the device, the event ring)
+    handle: Any = None
+    in_flight: int = 0  # jobs using this mapping; detach waits for zero
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check_bounds(self) -> None:
+        last = self.num_blocks - 1
+        for i, s in enumerate(self.segments):
+            end = s.offset + last * s.stride + s.length
+            if end > self.size:
+                raise AttachError(f"segment {i} ends at byte {end}, past the {self.size}-byte region")
+
+
+class TransferBackend(ABC):
+    """Maps engine memory and copies batches. ``copy`` is awaited by the server's job task."""
+
+    name: str = "base"
+
+    def __init__(self, pool: Pool):
+        self.pool = pool
+
+    def start(self) -> None:  # noqa: B027 - optional hook
+        """Called once inside the running event loop (start pollers, pinning threads...)."""
+
+    @abstractmethod
+    def kinds(self) -> tuple[str, ...]:
+        """Memory kinds (REGISTER memory.kind) this backend can map."""
+
+    @abstractmethod
+    def attach(self, engine_id: str, memory: dict[str, Any], num_blocks: int,
+               segments: list[Segment]) -> MappedMemory:
+        """Map the engine's memory. Raises AttachError. Runs off the event loop (may be slow)."""
+
+    @abstractmethod
+    def detach(self, mapped: MappedMemory) -> None:
+        """Unmap. Only called when no job is in flight on it. Runs off the event loop."""
+
+    @abstractmethod
+    async def copy(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
+                   slots: np.ndarray, event: int = -1) -> None:
+        """Move ``block_ids[i]`` <-> pool slot at byte offset ``slots[i]`` for every i, as one batch.
+
+        Returns once the bytes are in place (for a LOAD: visible to the engine's next kernel).
+        ``event`` is the index in the engine's event ring that a STORE must wait for (-1: none).
+        Raises on failure; the job then fails as a whole.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release everything (the daemon is stopping)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+def run_descriptors(mapped: MappedMemory, block_ids: np.ndarray, slots: np.ndarray, pool_base: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte runs for a batch, built with numpy: (engine offsets, pool addresses, lengths).
+
+    Run k of block i is segment k of that block; in the pool the segments sit back to back in the
+    slot. Order is block-major so neighbouring runs on both sides can be coalesced.
+    """
+    seg_off = np.fromiter((s.offset for s in mapped.segments), dtype=np.int64, count=len(mapped.segments))
+    seg_stride = np.fromiter((s.stride for s in mapped.segments), dtype=np.int64, count=len(mapped.segments))
+    seg_len = np.fromiter((s.length for s in mapped.segments), dtype=np.int64, count=len(mapped.segments))
+    seg_pos = np.concatenate(([0], np.cumsum(seg_len)[:-1]))
+    b = block_ids.astype(np.int64)[:, None]
+    eng = (seg_off[None, :] + b * seg_stride[None, :]).ravel()
+    pool = (pool_base + slots.astype(np.int64)[:, None] + seg_pos[None, :]).ravel()
+    lens = np.broadcast_to(seg_len, (len(block_ids), len(seg_len))).ravel()
+    return eng, pool, lens
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge runs that continue the previous one on both sides (contiguous blocks -> one run)."""
+    if len(lens) <= 1:
+        return src, dst, lens
+    cont = (src[1:] == src[:-1] + lens[:-1]) & (dst[1:] == dst[:-1] + lens[:-1])
+    if not cont.any():
+        return src, dst, lens
+    starts = np.concatenate(([True], ~cont))
+    group = np.cumsum(starts) - 1
+    new_lens = np.bincount(group, weights=lens).astype(np.int64)
+    return src[starts], dst[starts], new_lens
