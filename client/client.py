@@ -188,7 +188,7 @@ class KvoffdClient:
     def _pump(self, timeout_ms: int = 0) -> None:
         """Process link events, incoming messages, reconnection and deadlines. Never blocks past timeout."""
         now = time.monotonic()
-        while self._monitor.poll(0):
+        while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # no system call, unlike poll()
             ev = recv_monitor_message(self._monitor)
             if ev["event"] == zmq.EVENT_DISCONNECTED:
                 self._link_down_since = self._link_down_since or now
@@ -200,7 +200,7 @@ class KvoffdClient:
             self._fail_jobs("daemon_lost", "the connection to the daemon broke")
         if not self._ready:
             self._try_hello(now)
-        if self._sock.poll(timeout_ms, zmq.POLLIN):
+        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN or (timeout_ms and self._sock.poll(timeout_ms, zmq.POLLIN)):
             while True:
                 try:
                     frame = self._sock.recv(zmq.NOBLOCK)

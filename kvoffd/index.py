@@ -3,7 +3,7 @@
 Rules it keeps (docs/architecture.md):
   * an entry is visible to LOOKUP/LOAD only once its copy completed (``ready``);
   * a pinned entry (read by a LOAD, or held by a lease) is never evicted nor overwritten;
-  * only ready, unpinned entries sit in their slot size's LRU list, so eviction is O(1) per block;
+  * ready entries sit in their slot size's LRU list; eviction is O(1) per block and skips pinned ones;
   * CLEAR unlinks entries at once; a slot still being copied is freed when its job ends.
 
 Everything here runs on the event loop thread; nothing blocks.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 from kvoffd.pool import Pool
 
@@ -21,7 +22,7 @@ _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoff
 
 
 class Entry:
-    __slots__ = ("key", "table", "slot", "ready", "pins", "dead", "stored_at")
+    __slots__ = ("key", "table", "slot", "ready", "pins", "dead", "in_lru", "stored_at")
 
     def __init__(self, key: bytes, table: Table, slot: int):
         self.key = key
@@ -29,18 +30,20 @@ class Entry:
         self.slot = slot
         self.ready = False
         self.pins = 0
-        self.dead = False  # unlinked (CLEAR) while a job still held it
+        self.dead = False  # unlinked (evicted, cleared, failed) while a job may still hold it
+        self.in_lru = False
         self.stored_at = time.time()
 
 
 @dataclass
 class Table:
-    """One (namespace, rank): its entries and the size of its slots."""
+    """One (namespace, rank): its entries (``visible`` holds the ready ones) and its slot size."""
 
     namespace: str
     rank: int
     slot_bytes: int
     entries: dict[bytes, Entry] = field(default_factory=dict)
+    visible: dict[bytes, Entry] = field(default_factory=dict)
 
 
 @dataclass
@@ -52,10 +55,14 @@ class Namespace:
 
 
 class Index:
+    """Pins are lazy with respect to the LRU: pinning is one increment (lookups with leases pin
+    thousands of blocks per step); eviction skips pinned entries it meets and unpinning puts them
+    back as most recently used."""
+
     def __init__(self, pool: Pool):
         self.pool = pool
         self.namespaces: dict[str, Namespace] = {}
-        self._lru: dict[int, OrderedDict[Entry, None]] = {}  # slot_bytes -> evictable entries, oldest first
+        self._lru: dict[int, OrderedDict[Entry, None]] = {}  # slot_bytes -> ready entries, oldest first
         self.evicted: OrderedDict[tuple[str, bytes], float] = OrderedDict()
         self.failed: OrderedDict[tuple[str, bytes], float] = OrderedDict()
         self.resident = 0  # ready entries
@@ -74,6 +81,7 @@ class Index:
         if t is None:
             t = ns.tables[rank] = Table(namespace, rank, slot_bytes)
             ns.layouts[rank] = layout
+            self._lru.setdefault(slot_bytes, OrderedDict())
         elif ns.layouts[rank] != layout:
             raise ValueError(f"namespace {namespace!r} rank {rank} holds blocks of another layout "
                              f"({t.slot_bytes} bytes in {len(ns.layouts[rank])} runs; this engine: "
@@ -81,55 +89,50 @@ class Index:
         return t
 
     # --- lookups ----------------------------------------------------------------------------------------
-    def leading_hits(self, namespace: str, keys: list[bytes]) -> tuple[int, list[Entry], str]:
-        """Leading keys ready on every rank; the hit entries (all ranks); the first miss's reason."""
+    def leading_hits(self, namespace: str, keys: list[bytes], want_entries: bool = False
+                     ) -> tuple[int, list[Entry], str]:
+        """Leading keys ready on every rank; their entries (all ranks, if wanted); the first miss's reason.
+
+        The scan runs in C (takewhile over dict membership): this is the hot path of every step.
+        """
         ns = self.namespaces.get(namespace)
         if ns is None or len(ns.tables) < ns.world_size:
             return 0, [], "namespace_mismatch"
-        tables = [ns.tables[r].entries for r in range(ns.world_size)]
-        hits: list[Entry] = []
-        n = 0
-        if len(tables) == 1:
-            get = tables[0].get
-            for k in keys:
-                e = get(k)
-                if e is None or not e.ready:
-                    break
-                hits.append(e)
-            n = len(hits)
-        else:
-            for k in keys:
-                row = [t.get(k) for t in tables]
-                if any(e is None or not e.ready for e in row):
-                    break
-                hits.extend(row)  # type: ignore[arg-type]
-                n += 1
+        n = len(keys)
+        for r in range(ns.world_size):
+            vis = ns.tables[r].visible
+            n = len(list(takewhile(vis.__contains__, keys[:n] if n < len(keys) else keys)))
+            if not n:
+                break
         reason = ""
         if n < len(keys):
             miss = (namespace, keys[n])
             reason = "evicted" if miss in self.evicted else "failed" if miss in self.failed else "absent"
-        for e in hits:  # recency: a block someone asked for is worth keeping
-            if not e.pins:
-                self._lru[e.table.slot_bytes].move_to_end(e)
+        hits: list[Entry] = []
+        if want_entries and n:
+            head = keys[:n]
+            for r in range(ns.world_size):
+                hits += map(ns.tables[r].visible.__getitem__, head)
         return n, hits, reason
 
-    def get_ready(self, table: Table, key: bytes) -> Entry | None:
-        e = table.entries.get(key)
-        return e if e is not None and e.ready else None
-
     # --- pins ---------------------------------------------------------------------------------------------
-    def pin(self, e: Entry) -> None:
-        if e.pins == 0 and e.ready and not e.dead:
-            self._lru[e.table.slot_bytes].pop(e, None)
+    @staticmethod
+    def pin(e: Entry) -> None:
         e.pins += 1
 
     def unpin(self, e: Entry) -> None:
         e.pins -= 1
-        if e.pins == 0:
-            if e.dead:
-                self.pool.free(e.table.slot_bytes, [e.slot])
-            elif e.ready:
-                self._lru[e.table.slot_bytes][e] = None
+        if e.pins:
+            return
+        if e.dead:
+            self.pool.free(e.table.slot_bytes, [e.slot])
+        elif e.ready:
+            lru = self._lru[e.table.slot_bytes]
+            if e.in_lru:
+                lru.move_to_end(e)  # just read by a load: most recently used
+            else:
+                lru[e] = None
+                e.in_lru = True
 
     # --- stores -------------------------------------------------------------------------------------------
     def reserve(self, table: Table, keys: list[bytes]) -> tuple[list[int], list[Entry], int, list[int]]:
@@ -166,18 +169,17 @@ class Index:
         return want, reserved, present, dropped
 
     def commit(self, entries: list[Entry]) -> int:
-        """The store copied these: make them visible (unless cleared meanwhile). Returns how many."""
+        """The store copied these: make them visible (unless unlinked meanwhile). Returns how many."""
         done = 0
+        now = time.time()
         for e in entries:
-            if e.dead:
-                self.unpin(e)
-                continue
-            e.ready = True
-            e.stored_at = time.time()
-            self.resident += 1
-            done += 1
-            self._lru.setdefault(e.table.slot_bytes, OrderedDict())
+            if not e.dead:
+                e.ready = True
+                e.stored_at = now
+                e.table.visible[e.key] = e
+                done += 1
             self.unpin(e)
+        self.resident += done
         return done
 
     def abort(self, entries: list[Entry]) -> None:
@@ -192,6 +194,7 @@ class Index:
 
     # --- eviction / clearing ----------------------------------------------------------------------------
     def evict(self, slot_bytes: int, n: int) -> int:
+        """Free up to ``n`` slots of this size, least recently used first, skipping pinned blocks."""
         lru = self._lru.get(slot_bytes)
         if not lru:
             return 0
@@ -199,11 +202,16 @@ class Index:
         now = time.time()
         while lru and len(freed) < n:
             e, _ = lru.popitem(last=False)
-            del e.table.entries[e.key]
+            e.in_lru = False
+            if e.pins:
+                continue  # back in the list when its last pin drops
+            t = e.table
+            del t.entries[e.key]
+            del t.visible[e.key]
             e.dead = True
-            self.resident -= 1
             freed.append(e.slot)
-            self._remember(self.evicted, (e.table.namespace, e.key), now)
+            self._remember(self.evicted, (t.namespace, e.key), now)
+        self.resident -= len(freed)
         self.pool.free(slot_bytes, freed)
         self.evictions += len(freed)
         return len(freed)
@@ -218,26 +226,29 @@ class Index:
                 continue
             for t in ns.tables.values():
                 free: list[int] = []
-                lru = self._lru.get(t.slot_bytes, {})
+                lru = self._lru[t.slot_bytes]
                 for e in t.entries.values():
                     if e.ready:
                         removed += 1
-                        self.resident -= 1
+                    if e.in_lru:
+                        del lru[e]
+                        e.in_lru = False
                     e.dead = True
                     if e.pins == 0:
-                        lru.pop(e, None)
                         free.append(e.slot)
                 t.entries.clear()
+                t.visible.clear()
                 self.pool.free(t.slot_bytes, free)
             self.evicted = OrderedDict((k, v) for k, v in self.evicted.items() if k[0] != name)
             self.failed = OrderedDict((k, v) for k, v in self.failed.items() if k[0] != name)
+        self.resident -= removed
         return removed
 
     def namespace_stats(self) -> list[dict]:
         out = []
         for ns in self.namespaces.values():
-            blocks = sum(sum(1 for e in t.entries.values() if e.ready) for t in ns.tables.values())
-            nbytes = sum(sum(t.slot_bytes for e in t.entries.values() if e.ready) for t in ns.tables.values())
+            blocks = sum(len(t.visible) for t in ns.tables.values())
+            nbytes = sum(len(t.visible) * t.slot_bytes for t in ns.tables.values())
             out.append({"namespace": ns.name, "world_size": ns.world_size, "ranks": sorted(ns.tables),
                         "blocks": blocks, "bytes": nbytes})
         return out

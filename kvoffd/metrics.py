@@ -101,4 +101,7 @@ class Metrics:
             self.errors.labels(code.value)
         for ev in ("registered", "unregistered", "disconnected", "timed_out"):
             self.engine_events.labels(ev)
+        # children used on every request, bound once (labels() takes a lock and a dict lookup)
+        self.lookup_hit = self.lookup_blocks.labels("hit")
+        self.lookup_miss = self.lookup_blocks.labels("miss")
         r.register(_LiveState(read_state))

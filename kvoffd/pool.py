@@ -89,6 +89,8 @@ class Pool:
         return out
 
     def free(self, slot_bytes: int, offsets: list[int]) -> None:
+        if not offsets:
+            return
         slab = self._slabs[slot_bytes]
         slab.free.extend(offsets)
         slab.used -= len(offsets)

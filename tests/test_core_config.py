@@ -1,0 +1,89 @@
+"""Configuration: embedded defaults, env vars, flags, one clear line for a bad value."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from kvoffd.config import ConfigError, default_address, load_config, parse_size
+
+
+def test_sizes_with_units():
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("64GiB") == 64 << 30
+    assert parse_size("1.5 GiB") == 3 << 29
+    assert parse_size("1000") == 1000
+    for bad in ("12XB", "-1GiB", "", "GiB", "0"):
+        with pytest.raises(ConfigError):
+            parse_size(bad)
+
+
+def test_defaults_env_and_flags(tmp_path):
+    cfg = load_config([], environ={})
+    assert cfg.address == default_address() and cfg.address.startswith("ipc://")
+    assert cfg.pool_size <= 4 << 30 and cfg.metrics_address == "127.0.0.1:9464"
+    cfg = load_config([], environ={"KVOFFD_POOL_SIZE": "1GiB", "KVOFFD_LOG_LEVEL": "debug"})
+    assert cfg.pool_size == 1 << 30 and cfg.log_level == "debug"
+    cfg = load_config(["--pool-size", "2GiB"], environ={"KVOFFD_POOL_SIZE": "1GiB"})
+    assert cfg.pool_size == 2 << 30  # flags win over the environment
+
+
+def test_default_address_prefers_xdg_runtime_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert default_address() == f"ipc://{tmp_path}/kvoffd/kvoffd.sock"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert default_address() == f"ipc:///tmp/kvoffd-{os.getuid()}/kvoffd.sock"
+
+
+def test_tcp_binds_loopback_unless_told():
+    assert load_config(["--address", "tcp://*:5555"], environ={}).address == "tcp://127.0.0.1:5555"
+    assert load_config(["--address", "tcp://*:5555", "--allow-remote"], environ={}).address == "tcp://*:5555"
+    with pytest.raises(ConfigError, match="--allow-remote"):
+        load_config(["--address", "tcp://10.1.2.3:5555"], environ={})
+    with pytest.raises(ConfigError):
+        load_config(["--address", "http://x"], environ={})
+
+
+@pytest.mark.parametrize("args", [["--pool-size", "lots"], ["--log-level", "loud"], ["--backend", "tpu"],
+                                  ["--metrics-address", "nowhere"], ["--address", "tcp://8.8.8.8:1"],
+                                  ["--engine-timeout", "abc"]])
+def test_bad_values_fail_at_start_with_one_line(args):
+    r = subprocess.run([sys.executable, "-m", "kvoffd", *args], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvoffd: "), r.stderr
+
+
+def test_help_explains_every_flag():
+    r = subprocess.run([sys.executable, "-m", "kvoffd", "--help"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0
+    for flag in ("--address", "--pool-size", "--metrics-address", "--log-level", "--backend", "--allow-remote",
+                 "KVOFFD_"):
+        assert flag in r.stdout
+
+
+def test_socket_directory_and_socket_are_private(make_daemon, tmp_path):
+    d = make_daemon("16MiB", name="private")
+    path = d.address[len("ipc://"):]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    # the default runtime directory is created 0700
+    rt = tmp_path / "rt"
+    rt.mkdir()
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(rt), "KVOFFD_METRICS_ADDRESS": "off", "KVOFFD_POOL_SIZE": "16MiB"}
+    p = subprocess.Popen([sys.executable, "-m", "kvoffd"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        from conftest import wait_until
+
+        assert wait_until(lambda: (rt / "kvoffd" / "kvoffd.sock").exists(), 20)
+        assert stat.S_IMODE(os.stat(rt / "kvoffd").st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(rt / "kvoffd" / "kvoffd.sock").st_mode) == 0o600
+        # a second daemon on the same socket refuses to steal it
+        r = subprocess.run([sys.executable, "-m", "kvoffd"], env=env, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 1 and "another daemon" in r.stderr
+    finally:
+        p.terminate()
+        p.wait(10)
