@@ -78,6 +78,7 @@ class KvoffdClient:
         self._seq = itertools.count(1)
         self._ready = False
         self._hello_seq = 0
+        self._hello_seqs: set[int] = set()
         self._hello_sent = 0.0
         self._backoff = 0.05
         self._next_try = 0.0
@@ -109,7 +110,11 @@ class KvoffdClient:
 
     @property
     def connected(self) -> bool:
-        return self._ready
+        """Whether the daemon is reachable now (processes pending link events first; never waits)."""
+        with self._lock:
+            if not self._closed:
+                self._pump(0)
+            return self._ready
 
     def connect(self, timeout_s: float | None = None) -> bool:
         """Handshake now, waiting up to ``timeout_s``. False (never an exception) when unreachable."""
@@ -135,6 +140,7 @@ class KvoffdClient:
                       capabilities=["lease"])
         if self._send(msg):
             self._hello_seq, self._hello_sent = seq, now
+            self._hello_seqs.add(seq)
             self._backoff = 0.05
         else:
             self._next_try = now + self._backoff
@@ -142,6 +148,7 @@ class KvoffdClient:
 
     def _on_hello(self, msg: P.HelloOk) -> None:
         self._hello_seq = 0
+        self._hello_seqs.clear()
         restarted = self.daemon_id is not None and msg.daemon_id != self.daemon_id
         if restarted:
             log.warning("kvoffd restarted (daemon %s -> %s): failing %d jobs in flight, re-registering %d engines",
@@ -198,21 +205,25 @@ class KvoffdClient:
                 self._next_try = 0.0
         if self._link_down_since is not None and self._jobs and now - self._link_down_since > self.link_grace_s:
             self._fail_jobs("daemon_lost", "the connection to the daemon broke")
+        self._read_all()  # first: a HELLO_OK already here must be seen before another HELLO goes out
         if not self._ready:
             self._try_hello(now)
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN or (timeout_ms and self._sock.poll(timeout_ms, zmq.POLLIN)):
-            while True:
-                try:
-                    frame = self._sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._dispatch(frame)
+        if timeout_ms and self._sock.poll(timeout_ms, zmq.POLLIN):
+            self._read_all()
         if self._jobs:
             expired = [j for j, job in self._jobs.items() if job.deadline <= now]
             for job_id in expired:
                 job = self._jobs.pop(job_id)
                 self._notices.append(P.Notice(job_id=job_id, ok=False, failed=list(range(job.n)), code="timeout",
                                               message=f"no answer within {self.job_deadline_s} s"))
+
+    def _read_all(self) -> None:
+        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._dispatch(frame)
 
     def _dispatch(self, frame: bytes) -> None:
         try:
@@ -224,8 +235,9 @@ class KvoffdClient:
             if self._jobs.pop(msg.job_id, None) is not None:
                 self._notices.append(msg)
             return
-        if isinstance(msg, P.HelloOk) and msg.seq == self._hello_seq:
-            self._on_hello(msg)
+        if isinstance(msg, P.HelloOk):
+            if msg.seq in self._hello_seqs:  # any HELLO of ours answered (the daemon answers each one)
+                self._on_hello(msg)
             return
         if isinstance(msg, P.Error):
             if msg.code == P.ErrorCode.HELLO_REQUIRED.value:
@@ -251,12 +263,10 @@ class KvoffdClient:
             with self._lock:
                 if self._closed:
                     return
+                self._pump(0)  # notices the link going down or up even while the engine is idle
                 interval = self.hello.heartbeat_s if self.hello else 2.0
-                if time.monotonic() - self._last_send >= interval / 2:
-                    if self._ready:
-                        self._send(P.Ping(seq=0))
-                    else:
-                        self._pump(0)
+                if self._ready and time.monotonic() - self._last_send >= interval / 2:
+                    self._send(P.Ping(seq=0))
 
     # ------------------------------------------------------------------------------------------------
     # requests

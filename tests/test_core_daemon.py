@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 from conftest import chain_keys, wait_until
 
 from kvoffd_client import protocol as P
@@ -162,3 +163,43 @@ def test_daemon_sigterm_exits_cleanly(make_daemon):
     d = make_daemon("16MiB", name="term")
     assert d.stop(signal.SIGTERM) == 0
     assert "kvoffd stopped" in d.log()
+
+
+def test_client_connects_by_itself_when_the_daemon_starts_late(make_daemon, tmp_path):
+    from kvoffd_client.client import KvoffdClient
+
+    c = KvoffdClient(f"ipc://{tmp_path}/late.sock", timeout_s=0.2)
+    try:
+        assert not c.connect(0.3)
+        make_daemon("16MiB", name="late")
+        # nobody calls the client: its heartbeat thread alone must complete the handshake
+        assert wait_until(lambda: c.connected, 5.0)
+        assert c.lookup("late", chain_keys(2)).hits == 0
+    finally:
+        c.close()
+
+
+def test_client_fails_jobs_and_reregisters_when_the_daemon_restarts(make_daemon, tmp_path):
+    import torch
+
+    from kvoffd_client.client import DaemonUnavailable, KvoffdClient
+    from kvoffd_client.handles import describe_layout, share_cpu_kv_caches
+
+    d = make_daemon("16MiB", name="restart")
+    raw = torch.zeros(2, 16, 1, 16, 64)
+    kv = {"l0": raw[0], "l1": raw[1]}
+    c = KvoffdClient(d.address, link_grace_s=0.3)
+    try:
+        assert c.connect(5)
+        c.register("rs-0", "rs", 0, 1, share_cpu_kv_caches(kv, "rs"), describe_layout(kv, 16))
+        d.stop(signal.SIGKILL)
+        assert wait_until(lambda: not c.connected, 3.0)
+        with pytest.raises(DaemonUnavailable):  # nothing is queued for a daemon that is not there
+            c.submit_load("rs-0", 7, chain_keys(2), [0, 1])
+        d2 = make_daemon("16MiB", name="restart")
+        assert wait_until(lambda: c.connected, 5.0)
+        # the new daemon knows the engine again without the engine doing anything
+        assert wait_until(lambda: any(e["engine_id"] == "rs-0" for e in c.stats()["engines"]), 3.0)
+        assert d2.client().stats()["daemon"]["id"] == c.daemon_id
+    finally:
+        c.close()
