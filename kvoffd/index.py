@@ -22,7 +22,7 @@ _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoff
 
 
 class Entry:
-    __slots__ = ("key", "table", "slot", "ready", "pins", "dead", "in_lru", "stored_at")
+    __slots__ = ("key", "table", "slot", "ready", "pins", "dead", "in_lru", "stored_at", "checksum")
 
     def __init__(self, key: bytes, table: Table, slot: int):
         self.key = key
@@ -33,6 +33,7 @@ class Entry:
         self.dead = False  # unlinked (evicted, cleared, failed) while a job may still hold it
         self.in_lru = False
         self.stored_at = time.time()
+        self.checksum = -1  # set in --verify mode
 
 
 @dataclass
@@ -192,6 +193,23 @@ class Index:
                 self._remember(self.failed, (e.table.namespace, e.key), now)
             self.unpin(e)
 
+    def discard(self, e: Entry) -> None:
+        """Unlink a ready entry found corrupt; its slot is freed when its last pin drops."""
+        if e.dead:
+            return
+        t = e.table
+        del t.entries[e.key]
+        t.visible.pop(e.key, None)
+        if e.in_lru:
+            del self._lru[t.slot_bytes][e]
+            e.in_lru = False
+        e.dead = True
+        if e.ready:
+            self.resident -= 1
+        self._remember(self.failed, (t.namespace, e.key), time.time())
+        if e.pins == 0:
+            self.pool.free(t.slot_bytes, [e.slot])
+
     # --- eviction / clearing ----------------------------------------------------------------------------
     def evict(self, slot_bytes: int, n: int) -> int:
         """Free up to ``n`` slots of this size, least recently used first, skipping pinned blocks."""
@@ -263,12 +281,13 @@ class Index:
                 for r, t in ns.tables.items():
                     e = t.entries.get(k)
                     if e is not None:
-                        ranks[r] = ("resident" if e.ready else "storing", e.stored_at, e.pins)
+                        ranks[r] = ("resident" if e.ready else "storing", e.stored_at, e.pins, e.slot)
             if ns is None:
                 item["state"] = "namespace_unknown"
             elif len(ranks) == ns.world_size and all(v[0] == "resident" for v in ranks.values()):
                 item.update(state="resident", stored_at=min(v[1] for v in ranks.values()),
-                            pinned=any(v[2] for v in ranks.values()))
+                            pinned=any(v[2] for v in ranks.values()),
+                            slots={str(r): v[3] for r, v in ranks.items()})
             elif ranks:
                 item.update(state="partial", ranks={str(r): v[0] for r, v in ranks.items()})
             elif (namespace, k) in self.evicted:

@@ -79,6 +79,9 @@ class Metrics:
         self.dropped_stores = Counter("kvoffd_dropped_stores", "Blocks a STORE could not keep, by reason",
                                       ["reason"], registry=r)
         self.failed_jobs = Counter("kvoffd_failed_jobs", "Jobs whose copy failed", ["direction"], registry=r)
+        self.checksum_failures = Counter("kvoffd_checksum_failures", "Blocks whose checksum did not match on "
+                                         "load (--verify); each is reported failed so the engine recomputes",
+                                         registry=r)
         self.errors = Counter("kvoffd_errors", "ERROR replies, by code", ["code"], registry=r)
         self.engine_events = Counter("kvoffd_engine_events", "Engine registrations and departures",
                                      ["event"], registry=r)

@@ -16,6 +16,7 @@ import socket
 import stat
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -521,6 +522,10 @@ class Daemon:
             failed = sorted(failed + idx)
             code, text = "copy_failed", str(e)[:200]
         else:
+            if self.cfg.verify:
+                sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, entries)
+                for e, c in zip(entries, sums, strict=True):
+                    e.checksum = c
             done = self.index.commit(entries)
             if done < len(entries):
                 self.metrics.dropped_stores.labels("clear").inc(len(entries) - done)
@@ -565,7 +570,22 @@ class Daemon:
         self._jobs[jid] = ("load", t0)
         code, text = ("not_resident", "") if failed else ("", "")
         try:
-            await eng.backend.copy(Direction.LOAD, eng.mapped, ids, slots, msg.event)
+            if self.cfg.verify:
+                sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, entries)
+                bad = [j for j, (e, c) in enumerate(zip(entries, sums, strict=True)) if e.checksum != c]
+                if bad:
+                    log.error("engine %s: %d blocks failed their checksum; reporting them failed", eng.engine_id,
+                              len(bad))
+                    self.metrics.checksum_failures.inc(len(bad))
+                    for j in bad:
+                        self.index.discard(entries[j])
+                    failed = sorted(failed + [idx[j] for j in bad])
+                    code, text = "checksum_mismatch", f"{len(bad)} blocks corrupt in the pool"
+                    keep = np.ones(len(entries), dtype=bool)
+                    keep[bad] = False
+                    ids, slots = ids[keep], slots[keep]
+            if len(ids):
+                await eng.backend.copy(Direction.LOAD, eng.mapped, ids, slots, msg.event)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -574,13 +594,18 @@ class Daemon:
             failed = sorted(failed + idx)
             code, text = "copy_failed", str(e)[:200]
         else:
-            self._account(Direction.LOAD, len(entries), len(entries) * eng.mapped.slot_bytes, t0)
+            self._account(Direction.LOAD, len(ids), len(ids) * eng.mapped.slot_bytes, t0)
         finally:
             for e in entries:
                 self.index.unpin(e)
             self._jobs.pop(jid, None)
             self._end_job(conn, eng, msg.job_id)
         self._notice(conn, msg.job_id, failed, code, text)
+
+    def _checksums(self, entries: list[Entry]) -> list[int]:
+        """crc32 of each slot (--verify). Runs in an executor: zlib releases the GIL on big buffers."""
+        buf = self.pool.buffer
+        return [zlib.crc32(buf[e.slot:e.slot + e.table.slot_bytes]) for e in entries]
 
     def _begin_job(self, conn: Conn, eng: Engine, job_id: int) -> None:
         conn.jobs.add(job_id)
@@ -651,7 +676,8 @@ class Daemon:
                        "protocol": P.PROTOCOL_VERSION, "uptime_s": round(time.time() - self.started, 3),
                        "address": self.bound_address, "metrics_address": self.metrics_address,
                        "backends": [b.describe() for b in self.backends]},
-            "pool": self.pool.stats(),
+            "pool": {**self.pool.stats(), "base_address": self.pool.base_address},
+            "verify": self.cfg.verify,
             "counters": {
                 "lookups": c(m.lookups), "lookup_hit_blocks": c(m.lookup_blocks, "hit"),
                 "lookup_miss_blocks": c(m.lookup_blocks, "miss"), "stored_blocks": c(m.stored_blocks),

@@ -203,3 +203,16 @@ def test_client_fails_jobs_and_reregisters_when_the_daemon_restarts(make_daemon,
         assert d2.client().stats()["daemon"]["id"] == c.daemon_id
     finally:
         c.close()
+
+
+def test_verify_mode_round_trip(make_daemon, engines):
+    d = make_daemon("16MiB", "--verify", name="verify")
+    eng = engines(d.address, "vf-0", namespace="vf", blocks=16)
+    keys = chain_keys(8, b"vf")
+    eng("fill", ids=list(range(8)), seed=4)
+    assert eng.store(1, keys, list(range(8)))["ok"]
+    assert eng.load(2, keys, list(range(8, 16)))["ok"]
+    assert eng("digest", ids=list(range(8, 16))) == eng("digest", ids=list(range(8)))
+    stats = d.client().stats()
+    assert stats["verify"] is True and stats["pool"]["base_address"] > 0
+    assert "kvoffd_checksum_failures_total 0.0" in d.metrics()
