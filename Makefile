@@ -17,6 +17,8 @@ $(VENV)/.stamp-install: pyproject.toml | $(VPY)
 	touch $@
 
 $(VENV)/.stamp-test: pyproject.toml | $(VPY)
+	@command -v systemd-analyze >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd) \
+		|| echo "systemd-analyze unavailable: the unit-file test will fail"
 	$(VPY) -m pip install -q -e '.[test]'
 	touch $@ $(VENV)/.stamp-install
 

@@ -7,7 +7,8 @@ import logging
 import signal
 import sys
 
-from kvoffd.config import ConfigError, load_config
+from kvoffd import sdnotify
+from kvoffd.config import ConfigError, format_size, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,8 +37,13 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("kvoffd").error("cannot start: %s", e)
             return 1
         loop = asyncio.get_running_loop()
+
+        def stop() -> None:
+            sdnotify.stopping(f"draining {len(daemon._jobs)} jobs")
+            daemon.stop()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, daemon.stop)
+            loop.add_signal_handler(sig, stop)
         http = None
         hp = cfg.metrics_host_port
         if hp is not None:
@@ -51,8 +57,12 @@ def main(argv: list[str] | None = None) -> int:
             port = http.sockets[0].getsockname()[1]
             daemon.metrics_address = f"{hp[0]}:{port}"
             logging.getLogger("kvoffd").info("metrics on http://%s:%d/metrics", hp[0], port)
+        def ready() -> None:
+            sdnotify.ready(f"serving on {daemon.bound_address}; pool {format_size(daemon.pool.nbytes)}, "
+                           f"backends {','.join(b.name for b in daemon.backends)}")
+
         try:
-            await daemon.serve(on_ready=_notify_ready)
+            await daemon.serve(on_ready=ready)
         finally:
             if http is not None:
                 http.close()
@@ -61,11 +71,3 @@ def main(argv: list[str] | None = None) -> int:
     if uvloop is not None:
         return uvloop.run(run())
     return asyncio.run(run())
-
-
-def _notify_ready() -> None:
-    try:
-        from kvoffd.sdnotify import notify
-    except ImportError:
-        return
-    notify("READY=1")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -54,6 +54,8 @@ class _LiveState(Collector):
 
 class Metrics:
     def __init__(self, version: str, read_state: Callable[[], dict[str, Any]]):
+        # no *_created series: they double the series count and kvoffd_start_time_seconds says it once
+        disable_created_metrics()
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.lookups = Counter("kvoffd_lookups", "LOOKUP requests answered", registry=r)
         self.lookup_blocks = Counter("kvoffd_lookup_blocks", "Blocks asked for by LOOKUP, by result",
@@ -85,6 +87,9 @@ class Metrics:
         self.errors = Counter("kvoffd_errors", "ERROR replies, by code", ["code"], registry=r)
         self.engine_events = Counter("kvoffd_engine_events", "Engine registrations and departures",
                                      ["event"], registry=r)
+        self.start_time = Gauge("kvoffd_start_time_seconds", "When this daemon started (unix time): a change "
+                                "means a restart, and the cache it held is gone", registry=r)
+        self.start_time.set_to_current_time()
         self.build = Info("kvoffd_build", "Build information", registry=r)
         self.build.info({"version": version, "protocol": str(PROTOCOL_VERSION)})
         for res in ("hit", "miss"):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvoffd import __version__
+from kvoffd import __version__, sdnotify
 from kvoffd.config import Config
 from kvoffd.engines import (
     MAX_ENGINES_PER_CONN,
@@ -388,10 +388,15 @@ class Daemon:
             self._drop_lease(lid)
 
     async def _housekeeping(self) -> None:
+        watchdog_s = sdnotify.watchdog_interval()
+        last_watchdog = 0.0
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
             try:
                 now = time.monotonic()
+                if watchdog_s and now - last_watchdog >= watchdog_s:
+                    sdnotify.watchdog()  # from the loop itself: a stalled loop stops the pings
+                    last_watchdog = now
                 for lid in [lid for lid, lease in self.leases.items() if lease.expires <= now]:
                     self._drop_lease(lid)
                 for conn in list(self.conns.values()):

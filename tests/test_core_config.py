@@ -76,7 +76,7 @@ def test_socket_directory_and_socket_are_private(make_daemon, tmp_path):
     env = {**os.environ, "XDG_RUNTIME_DIR": str(rt), "KVOFFD_METRICS_ADDRESS": "off", "KVOFFD_POOL_SIZE": "16MiB"}
     p = subprocess.Popen([sys.executable, "-m", "kvoffd"], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        from conftest import wait_until
+        from kvtest import wait_until
 
         assert wait_until(lambda: (rt / "kvoffd" / "kvoffd.sock").exists(), 20)
         assert stat.S_IMODE(os.stat(rt / "kvoffd").st_mode) == 0o700

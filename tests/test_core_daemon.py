@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from conftest import chain_keys, wait_until
+from kvtest import chain_keys, wait_until
 
 from kvoffd_client import protocol as P
 

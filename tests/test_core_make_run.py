@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, wait_until
+from kvtest import ROOT, wait_until
 
 
 @pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "kvoffd").exists(), reason="needs the project's .venv (make test)")

@@ -7,7 +7,7 @@ import os
 import msgpack
 import pytest
 import zmq
-from conftest import chain_keys
+from kvtest import chain_keys
 
 from kvoffd_client import protocol as P
 

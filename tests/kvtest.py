@@ -1,0 +1,152 @@
+"""Helpers shared by the test modules: chained keys, daemon processes, stand-in engines, waiting.
+
+(A module of its own, not conftest.py: tests/gpu and tests/vllm have conftest files of their own, and
+``from conftest import`` would pick whichever directory came first on sys.path.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvoffd_client.client import KvoffdClient
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def chain_keys(n: int, salt: bytes = b"", parent: bytes = b"root") -> list[bytes]:
+    """Keys chained like vLLM's block hashes: each hashes its parent and its block's tokens."""
+    keys, h = [], hashlib.sha256(parent).digest()
+    for i in range(n):
+        h = hashlib.sha256(h + salt + i.to_bytes(4, "little")).digest()
+        keys.append(h)
+    return keys
+
+
+@dataclass
+class DaemonProc:
+    address: str
+    proc: subprocess.Popen
+    log_path: str
+    metrics_address: str = ""
+    clients: list[KvoffdClient] = field(default_factory=list)
+
+    def client(self, **kw) -> KvoffdClient:
+        c = KvoffdClient(self.address, **kw)
+        assert c.connect(10), f"daemon at {self.address} not reachable; log:\n{self.log()}"
+        self.clients.append(c)
+        return c
+
+    def log(self) -> str:
+        try:
+            return Path(self.log_path).read_text()[-4000:]
+        except OSError:
+            return ""
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def http(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://{self.metrics_address}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        for c in self.clients:
+            c.close()
+        self.clients.clear()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start_daemon(address: str, pool_size: str = "256MiB", *extra: str, env: dict | None = None) -> DaemonProc:
+    fd, log_path = tempfile.mkstemp(prefix="kvoffd-test-", suffix=".log")
+    with os.fdopen(fd, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", pool_size,
+                                 "--metrics-address", "127.0.0.1:0", "--log-level", "debug", *extra],
+                                stdout=subprocess.DEVNULL, stderr=log, env=env or os.environ.copy(), cwd=ROOT)
+    d = DaemonProc(address, proc, log_path)
+    c = KvoffdClient(address, heartbeat=False)
+    try:
+        if not c.connect(20):
+            proc.kill()
+            raise RuntimeError(f"daemon did not come up:\n{d.log()}")
+        d.metrics_address = c.stats()["daemon"]["metrics_address"]
+    finally:
+        c.close()
+    return d
+
+
+class Engine:
+    """A stand-in engine worker in its own process (tests/standin_engine.py)."""
+
+    def __init__(self, address: str, engine_id: str, **kw: object):
+        args = [sys.executable, str(ROOT / "tests" / "standin_engine.py"), "--address", address,
+                "--engine-id", engine_id]
+        for k, v in kw.items():
+            args += ["--" + k.replace("_", "-"), str(v)]
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"stand-in engine {engine_id} failed to start (exit {self.proc.wait()})")
+        self.info = json.loads(line)
+
+    def __call__(self, op: str, **kw: object):
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"stand-in engine died (exit {self.proc.poll()})")
+        return json.loads(line)["result"]
+
+    def store(self, job: int, keys: list[bytes], ids: list[int]) -> dict:
+        return self("store", job=job, keys=[k.hex() for k in keys], ids=ids)[0]
+
+    def load(self, job: int, keys: list[bytes], ids: list[int], lease: int = 0) -> dict:
+        return self("load", job=job, keys=[k.hex() for k in keys], ids=ids, lease=lease)[0]
+
+    def lookup(self, keys: list[bytes], lease_ms: int = 0) -> dict:
+        return self("lookup", keys=[k.hex() for k in keys], lease_ms=lease_ms)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self("exit")
+            except (RuntimeError, BrokenPipeError, json.JSONDecodeError):
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def wait_until(pred, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()

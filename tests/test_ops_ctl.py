@@ -1,0 +1,118 @@
+"""kvoffctl against a live daemon: every command, the JSON mode, and the unreachable case.
+
+Runs the real console entry point in a subprocess (what an operator types), against a real daemon
+with a stand-in engine that stores real blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from kvtest import chain_keys
+
+NS = "ops-ctl"
+
+
+def ctl(address: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvoffd.ctl", "--address", address, *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def loaded(make_daemon, engines):
+    """A private daemon (clear must not touch other tests' data) holding 6 blocks of NS."""
+    d = make_daemon("64MiB", name="ctl")
+    eng = engines(d.address, "ctl-eng-0", namespace=NS, blocks=16)
+    keys = chain_keys(6, b"ctl")
+    eng("fill", ids=list(range(6)), seed=3)
+    assert eng.store(1, keys, list(range(6)))["ok"]
+    assert eng.lookup(keys)["hits"] == 6
+    return d, eng, keys
+
+
+def test_status_stats_engines_namespaces(loaded):
+    d, _eng, _keys = loaded
+    r = ctl(d.address, "status")
+    assert r.returncode == 0, r.stderr
+    assert "daemon" in r.stdout and "ping" in r.stdout and "hit rate" in r.stdout
+    assert "100.0%" in r.stdout  # one lookup, 6 of 6 blocks hit
+    r = ctl(d.address, "stats")
+    assert r.returncode == 0, r.stderr
+    assert "stored_blocks" in r.stdout and "capacity" in r.stdout
+    r = ctl(d.address, "--json", "stats")
+    st = json.loads(r.stdout)
+    assert st["counters"]["stored_blocks"] == 6
+    assert st["counters"]["lookup_hit_blocks"] == 6
+    r = ctl(d.address, "engines")
+    assert r.returncode == 0, r.stderr
+    assert "ctl-eng-0" in r.stdout and NS in r.stdout and "0/1" in r.stdout
+    r = ctl(d.address, "namespaces")
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith(NS))
+    assert line.split()[2] == "6"
+    assert [n["namespace"] for n in json.loads(ctl(d.address, "--json", "namespaces").stdout)] == [NS]
+
+
+def test_explain_resident_and_never_seen(loaded):
+    d, _eng, keys = loaded
+    other = chain_keys(1, b"never")[0]
+    r = ctl(d.address, "explain", "--namespace", NS, keys[0].hex(), other.hex())
+    assert r.returncode == 0, r.stderr
+    rows = r.stdout.splitlines()[1:]
+    assert "resident" in rows[0] and "stored" in rows[0]
+    assert "never_seen" in rows[1]
+    r = ctl(d.address, "--json", "explain", "--namespace", "no-such-ns", keys[0].hex())
+    assert json.loads(r.stdout)[0]["state"] == "namespace_unknown"
+
+
+def test_clear_namespace_then_lookup_misses(loaded):
+    d, eng, keys = loaded
+    r = ctl(d.address, "clear", "--namespace", NS)
+    assert r.returncode == 0, r.stderr
+    assert "removed 6 blocks" in r.stdout
+    assert "no jobs were in flight" in r.stdout
+    assert eng.lookup(keys)["hits"] == 0  # the reset really resets
+    r = ctl(d.address, "--json", "stats")
+    assert json.loads(r.stdout)["counters"]["lookup_miss_blocks"] >= 6
+    # store again, then clear everything
+    assert eng.store(2, keys, list(range(6)))["ok"]
+    r = ctl(d.address, "--json", "clear")
+    assert json.loads(r.stdout) == {"namespace": "", "removed_blocks": 6, "in_flight_jobs": 0}
+    assert eng.lookup(keys)["hits"] == 0
+
+
+def test_unreachable_daemon_is_one_line_and_exit_2(tmp_path):
+    for address in (f"ipc://{tmp_path}/nobody.sock", "tcp://127.0.0.1:9"):
+        r = ctl(address, "--timeout", "0.5", "status")
+        assert r.returncode == 2
+        assert "Traceback" not in r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "cannot reach kvoffd" in lines[0] and address in lines[0]
+
+
+def test_stale_socket_is_named(tmp_path):
+    import socket
+
+    path = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))  # a socket file nobody listens on, as a crashed daemon leaves
+    s.close()
+    r = ctl(f"ipc://{path}", "--timeout", "0.5", "status")
+    assert r.returncode == 2 and "stale socket" in r.stderr
+
+
+def test_bad_key_is_a_usage_error(tmp_path):
+    r = ctl(f"ipc://{tmp_path}/x.sock", "explain", "--namespace", "n", "abcd")
+    assert r.returncode == 2 and "64 hex digits" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_default_address_comes_from_env(loaded, monkeypatch):
+    d, _eng, _keys = loaded
+    env = {"KVOFFD_ADDRESS": d.address, "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-m", "kvoffd.ctl", "status"], capture_output=True, text=True, env=env,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert d.address in r.stdout
