@@ -1,0 +1,195 @@
+"""Cache identity: which engines may share KV bytes, and how block hashes become daemon keys.
+
+vLLM's block hashes cover token ids (plus LoRA, multimodal, cache-salt extras) but not the model,
+the dtype, the layout or the parallel rank. Two engines may reuse each other's blocks only when the
+bytes of a block mean the same thing to both, so the namespace is a fingerprint of everything that
+shapes those bytes. Any difference gives a different namespace: a miss, never a wrong token.
+
+Both connector roles compute the namespace from the same configs, so the scheduler's LOOKUP and the
+workers' REGISTER agree without talking to each other. The TP/PP rank is not in the namespace: the
+daemon keys blocks by (namespace, rank, key) and a lookup hits only when every rank holds the block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvoffd_client.protocol import KEY_SIZE, MAX_NAME
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+#: Bumped whenever the way keys or namespaces are derived changes (old entries then simply miss).
+KEY_FORMAT_VERSION = 1
+
+#: Hash algorithms whose seed is random per process unless PYTHONHASHSEED is set.
+_PROCESS_SEEDED_ALGOS = ("xxhash", "xxhash_cbor")
+
+
+class UnsupportedConfig(Exception):
+    """The engine's configuration cannot be offloaded safely; the connector falls back to no offload."""
+
+
+@dataclass(frozen=True)
+class CacheIdentity:
+    """What the connector needs to address the daemon: the namespace and the key geometry."""
+
+    namespace: str
+    block_size: int  # tokens per vLLM (manager) block
+    hashes_per_block: int  # request.block_hashes entries per block (block_size // hash_block_size)
+    world_size: int  # ranks that must all hold a block for it to hit (tp * pp * pcp)
+    fields: dict[str, Any]  # the fingerprinted inputs, for the log line and `docs/vllm.md`
+
+
+def fold_key(block_hash: bytes) -> bytes:
+    """A vLLM block hash as a daemon key (exactly KEY_SIZE bytes); sha256 hashes pass through."""
+    if len(block_hash) == KEY_SIZE:
+        return block_hash
+    return hashlib.blake2b(block_hash, digest_size=KEY_SIZE).digest()
+
+
+def _vllm_minor() -> str:
+    try:
+        import vllm
+
+        m = re.match(r"(\d+)\.(\d+)", getattr(vllm, "__version__", ""))
+        return f"{m.group(1)}.{m.group(2)}" if m else "unknown"
+    except Exception:  # pragma: no cover - vllm is present wherever this runs
+        return "unknown"
+
+
+def _platform() -> str:
+    try:
+        from vllm.platforms import current_platform
+
+        return current_platform._enum.name.lower()
+    except Exception:
+        return "unknown"
+
+
+def _cpu_attention_isa(dtype: Any, block_size: int, head_size: int, cache_dtype: str) -> str:
+    """The CPU attention kernel packs a page differently per ISA (vec, amx, neon, ...)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(dtype, block_size, head_size, cache_dtype))
+    except Exception:
+        return "unknown"
+
+
+def _hf_config_digest(vllm_config: VllmConfig) -> str:
+    """Architecture, layer count, rope and every other model knob that changes KV values."""
+    try:
+        d = vllm_config.model_config.hf_config.to_dict()
+    except Exception:
+        return "unknown"
+    # The path the config was read from is not a property of the model.
+    for k in ("_name_or_path", "transformers_version", "_commit_hash"):
+        d.pop(k, None)
+    blob = json.dumps(d, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _short_model(model: str) -> str:
+    base = model.rstrip("/").split("/")[-1] or "model"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", base)[:48]
+
+
+def check_hash_stability(vllm_config: VllmConfig) -> None:
+    """Raise UnsupportedConfig when block hashes would differ between processes or restarts."""
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    if algo in _PROCESS_SEEDED_ALGOS and not os.environ.get("PYTHONHASHSEED"):
+        raise UnsupportedConfig(
+            f"prefix_caching_hash_algo={algo!r} seeds its block hashes randomly per process unless "
+            "PYTHONHASHSEED is set, so blocks stored by one engine could never be found by another "
+            "(or after a restart). Set PYTHONHASHSEED to the same value for every engine, or use the "
+            "default sha256. kvoffd offload is disabled for this engine."
+        )
+
+
+def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> CacheIdentity:
+    """Fingerprint the engine's KV bytes. Raises UnsupportedConfig for what we cannot offload."""
+    check_hash_stability(vllm_config)
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        raise UnsupportedConfig(
+            f"the model has {len(groups)} KV-cache groups (hybrid attention); kvoffd handles a single "
+            "full-attention group for now. Offload is disabled for this engine."
+        )
+    spec = groups[0].kv_cache_spec
+    block_size = int(spec.block_size)
+    if getattr(spec, "dcp_sharded", False):
+        dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+        block_size *= dcp
+    hash_block = int(kv_cache_config.hash_block_size or vllm_config.cache_config.hash_block_size
+                     or block_size)
+    if block_size % hash_block:
+        raise UnsupportedConfig(f"block size {block_size} is not a multiple of the hash block size {hash_block}")
+
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    tp = int(pc.tensor_parallel_size)
+    pp = int(pc.pipeline_parallel_size)
+    pcp = int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
+    dcp = int(getattr(pc, "decode_context_parallel_size", 1) or 1)
+    platform = _platform()
+    layout = str(kv_cache_config.kv_cache_layout or getattr(cc, "kv_cache_layout", None) or "default")
+    head_size = int(getattr(spec, "head_size", 0))
+    spec_dtype = getattr(spec, "dtype", None)
+    fields: dict[str, Any] = {
+        "key_format": KEY_FORMAT_VERSION,
+        "vllm": _vllm_minor(),
+        "model": str(mc.model),
+        "revision": str(mc.revision),
+        "hf_config": _hf_config_digest(vllm_config),
+        "quantization": str(mc.quantization),
+        "dtype": str(mc.dtype),
+        "cache_dtype": str(cc.cache_dtype),
+        "platform": platform,
+        "attention_backend": str(getattr(getattr(vllm_config, "attention_config", None), "backend", None)),
+        "layout": layout,
+        "spec": type(spec).__name__,
+        "spec_dtype": str(spec_dtype),
+        "num_kv_heads": int(getattr(spec, "num_kv_heads", 0)),
+        "head_size": head_size,
+        "head_size_v": int(getattr(spec, "head_size_v", 0) or 0),
+        "page_size_bytes": int(spec.page_size_bytes),
+        "num_layers": len(groups[0].layer_names),
+        "block_size": block_size,
+        "hash_block_size": hash_block,
+        "hash_algo": str(cc.prefix_caching_hash_algo),
+        "tp": tp,
+        "pp": pp,
+        "pcp": pcp,
+        "dcp": dcp,
+        "kv_tp_replicas": int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1),
+    }
+    if platform == "cpu":
+        fields["cpu_isa"] = _cpu_attention_isa(spec_dtype, int(spec.block_size), head_size, str(cc.cache_dtype))
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+    namespace = f"vllm{KEY_FORMAT_VERSION}:{_short_model(str(mc.model))}:{digest}"[:MAX_NAME]
+    return CacheIdentity(namespace=namespace, block_size=block_size, hashes_per_block=block_size // hash_block,
+                         world_size=tp * pp * pcp, fields=fields)
+
+
+def worker_rank(vllm_config: VllmConfig) -> int:
+    """This worker's rank among the ranks that share one engine's blocks (tp + tp*(pcp + pcp*pp))."""
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        pp_rank = ps.get_pp_group().rank_in_group
+        pcp = int(getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) or 1)
+        pcp_rank = ps.get_pcp_group().rank_in_group if pcp > 1 else 0
+        return tp_rank + tp * (pcp_rank + pcp * pp_rank)
+    except Exception:
+        return 0

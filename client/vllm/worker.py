@@ -1,0 +1,252 @@
+"""Worker half of KvoffdConnector (one per TP/PP rank): registers the KV memory, submits jobs.
+
+The daemon copies on its own, so the worker only sends one STORE per step (after the forward) and
+one LOAD per loading request, and turns the daemon's NOTICEs into vLLM's finished/failed sets. It
+never waits, except to fence a preemption: vLLM frees a preempted request's blocks without telling
+the connector and may hand them out in the same step, so stores still reading them must finish
+before this step's forward writes there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from kvoffd_client.client import DaemonUnavailable, KvoffdClient, KvoffdError
+from kvoffd_client.protocol import Notice
+from kvoffd_client.vllm.common import KvoffdMetadata, KvoffdStats, KvoffdWorkerMeta, Settings, log
+from kvoffd_client.vllm.identity import CacheIdentity
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class _StoreJob:
+    req_ids: list[str]
+    n: int
+    event: int = -1
+
+
+@dataclass
+class _LoadJob:
+    req_id: str
+    n: int
+
+
+class KvoffdWorker:
+    def __init__(self, settings: Settings, identity: CacheIdentity | None, engine_id: str, rank: int,
+                 num_blocks: int):
+        self.s = settings
+        self.identity = identity
+        self.engine_id = engine_id
+        self.rank = rank
+        self.num_blocks = num_blocks
+        self.stats = KvoffdStats()
+        self.client: KvoffdClient | None = None
+        self.memory: dict[str, Any] | None = None
+        self._cuda: Any = None  # handles_cuda.CudaExport on GPUs
+        self._registered = False  # REGISTER was sent (or is remembered for replay on connect)
+        self._stores: dict[int, _StoreJob] = {}
+        self._req_stores: dict[str, set[int]] = {}
+        self._loads: dict[int, _LoadJob] = {}
+        self._awaiting: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._meta = KvoffdWorkerMeta()
+        if identity is not None:
+            self.client = KvoffdClient(settings.address, name=f"vllm-worker:{engine_id}",
+                                       timeout_s=max(settings.connect_timeout_s, 0.1),
+                                       job_deadline_s=settings.job_timeout_s)
+            if not self.client.connect(settings.connect_timeout_s):
+                # The scheduler half logs the one warning; this is the per-worker detail.
+                log.info("kvoffd: no daemon answering at %s yet (worker %s)", settings.address, engine_id)
+
+    @property
+    def active(self) -> bool:
+        return self.client is not None and self._registered
+
+    # --------------------------------------------------------------------------------------------
+    # registration
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.client is None or self.identity is None or not kv_caches:
+            return
+        first = next(iter(kv_caches.values()))
+        try:
+            if first.device.type == "cpu":
+                from kvoffd_client.handles import describe_layout, share_cpu_kv_caches
+
+                layout = describe_layout(kv_caches, self.num_blocks)
+                self.memory = share_cpu_kv_caches(kv_caches, tag=self.engine_id)
+            elif first.device.type == "cuda":
+                from kvoffd_client.handles_cuda import export_kv_caches
+
+                self._cuda = export_kv_caches(kv_caches, self.num_blocks)
+                self.memory, layout = self._cuda.memory, self._cuda.layout
+            else:
+                raise ValueError(f"KV tensors on {first.device.type} are not supported")
+        except Exception as e:  # never take the engine down: serve without offload
+            log.error("kvoffd: cannot share this worker's KV cache (%s); offload disabled", e)
+            self._shutdown_client()
+            return
+        layout["desc"] = f"{self.identity.fields.get('layout')} {layout.get('desc', '')}"[:200]
+        self._registered = True
+        try:
+            reg = self.client.register(self.engine_id, self.identity.namespace, self.rank,
+                                       self.identity.world_size, self.memory, layout,
+                                       timeout_s=self.s.connect_timeout_s if self.client.connected else 0.001)
+            log.info("kvoffd: worker %s registered in namespace %s (%d blocks, %d bytes per block, %s)",
+                     self.engine_id, self.identity.namespace, self.num_blocks, reg.slot_bytes, reg.backend)
+        except DaemonUnavailable:
+            pass  # the client registers when the daemon appears (it replays registrations)
+        except KvoffdError as e:
+            log.error("kvoffd: the daemon refused this worker's registration (%s); offload disabled", e)
+            self._shutdown_client()
+
+    # --------------------------------------------------------------------------------------------
+    # per step
+
+    def _complete(self, notices: list[Notice]) -> None:
+        for nt in notices:
+            sj = self._stores.pop(nt.job_id, None)
+            if sj is not None:
+                self._meta.stores_done[nt.job_id] = self._meta.stores_done.get(nt.job_id, 0) + 1
+                if not nt.ok or nt.failed:
+                    self._meta.stores_failed[nt.job_id] = self._meta.stores_failed.get(nt.job_id, 0) + 1
+                    self.stats.add("store_failed_blocks", len(nt.failed) or sj.n)
+                for r in sj.req_ids:
+                    jobs = self._req_stores.get(r)
+                    if jobs is not None:
+                        jobs.discard(nt.job_id)
+                        if not jobs:
+                            del self._req_stores[r]
+                if self._cuda is not None:
+                    self._cuda.ring.release(sj.event)
+                continue
+            lj = self._loads.pop(nt.job_id, None)
+            if lj is not None:
+                self._finished_recving.add(lj.req_id)
+                if not nt.ok or nt.failed:
+                    self._failed_recving.add(lj.req_id)
+                    self._meta.load_failed_at[lj.req_id] = min(nt.failed) if nt.failed else 0
+                    self.stats.add("load_failed_jobs")
+                    log.debug("kvoffd: load job %d for %s failed (%s: %s)", nt.job_id, lj.req_id, nt.code,
+                              nt.message)
+
+    def _poll(self) -> None:
+        # take_notices also drives reconnection, so call it while the link is down too.
+        if self.client is not None and (self._stores or self._loads or not self.client.connected):
+            self._complete(self.client.take_notices())
+
+    def handle_preemptions(self, meta: KvoffdMetadata) -> None:
+        if not meta.preempted or not self._stores:
+            return
+        preempted = set(meta.preempted)
+        jobs = {j for j, sj in self._stores.items() if preempted.intersection(sj.req_ids)}
+        if not jobs or self.client is None:
+            return
+        t0 = time.perf_counter()
+        self._complete(self.client.wait_notices(jobs, self.s.fence_timeout_s))
+        waited = int((time.perf_counter() - t0) * 1e6)
+        self.stats.add("fence_waits")
+        self.stats.add("fence_wait_us", waited)
+        left = jobs.intersection(self._stores)
+        if left:
+            # Only a hung (not dead) daemon gets here: the client fails jobs of a lost link quickly.
+            self.stats.add("fence_timeouts")
+            log.error("kvoffd: %d store jobs still read blocks of preempted requests after %.1f s; "
+                      "continuing (the daemon is not answering)", len(left), self.s.fence_timeout_s)
+
+    def start_load_kv(self, meta: KvoffdMetadata) -> None:
+        for ld in meta.loads:
+            self.stats.add("load_jobs")
+            self.stats.add("load_blocks", len(ld.keys))
+            try:
+                if not self.active:
+                    raise DaemonUnavailable()
+                assert self.client is not None
+                self.client.submit_load(self.engine_id, ld.job_id, ld.keys, ld.block_ids, lease_id=ld.lease_id)
+                self._loads[ld.job_id] = _LoadJob(ld.req_id, len(ld.keys))
+            except (DaemonUnavailable, KvoffdError):
+                # Reported as failed with this step's results: vLLM recomputes.
+                self._finished_recving.add(ld.req_id)
+                self._failed_recving.add(ld.req_id)
+                self._meta.load_failed_at[ld.req_id] = 0
+                self.stats.add("load_failed_jobs")
+
+    def wait_for_save(self, meta: KvoffdMetadata) -> None:
+        """Submit the step's STORE. On CPU the forward is done when this runs; on CUDA an event marks it."""
+        if not meta.store_job_id:
+            return
+        job = meta.store_job_id
+        n = len(meta.store_keys)
+        self.stats.add("store_jobs")
+        self.stats.add("store_blocks", n)
+        event = -1
+        try:
+            if not self.active or self.client is None or not self.client.connected:
+                raise DaemonUnavailable()
+            if self._cuda is not None:
+                event = self._cuda.ring.record()
+            self.client.submit_store(self.engine_id, job, meta.store_keys, meta.store_block_ids, event=event)
+        except (DaemonUnavailable, KvoffdError):
+            if self._cuda is not None:
+                self._cuda.ring.release(event)
+            # Nothing reads the blocks: done (and failed) at once, so nobody waits for it.
+            self._meta.stores_done[job] = self._meta.stores_done.get(job, 0) + 1
+            self._meta.stores_failed[job] = self._meta.stores_failed.get(job, 0) + 1
+            self.stats.add("store_dropped_jobs")
+            return
+        self._stores[job] = _StoreJob(list(meta.store_req_ids), n, event)
+        for r in meta.store_req_ids:
+            self._req_stores.setdefault(r, set()).add(job)
+
+    def get_transfer_results(self, meta: KvoffdMetadata | None) -> KVConnectorTransferResults:
+        if meta is not None and meta.await_stores:
+            self._awaiting.update(meta.await_stores)
+        self._poll()
+        sending: set[str] = set()
+        if self._awaiting:
+            sending = {r for r in self._awaiting if r not in self._req_stores}
+            self._awaiting -= sending
+        recving, self._finished_recving = self._finished_recving, set()
+        failed, self._failed_recving = self._failed_recving, set()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def build_worker_meta(self) -> KvoffdWorkerMeta | None:
+        if self._meta.is_empty():
+            return None
+        out, self._meta = self._meta, KvoffdWorkerMeta()
+        return out
+
+    def get_stats(self) -> KvoffdStats | None:
+        return self.stats.take()
+
+    # --------------------------------------------------------------------------------------------
+
+    def _shutdown_client(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        self._registered = False
+
+    def shutdown(self) -> None:
+        client = self.client
+        if client is not None:
+            if self._stores:
+                self._complete(client.wait_notices(set(self._stores), min(self.s.fence_timeout_s, 2.0)))
+            if self._registered and client.connected:
+                try:
+                    client.unregister(self.engine_id, timeout_s=1.0)
+                except (DaemonUnavailable, KvoffdError):
+                    pass
+            self._shutdown_client()
+        if self.memory is not None and self.memory.get("kind") == "cpu_shm":
+            from kvoffd_client.handles import release_cpu_kv_caches
+
+            release_cpu_kv_caches(self.memory)
+            self.memory = None

@@ -1,0 +1,251 @@
+"""Background pinning of the pool: the daemon serves at once, capacity grows as memory is pinned.
+
+Page-locking a large pool is slow when done the usual way (torch's ``pin_memory`` allocator manages
+~1.9 GiB/s on an H200 host, so a 512 GiB pool would keep the daemon down for minutes). Measured on
+the H200 host (docs/cuda.md):
+  * the cost is almost all first-touch page faults and zeroing, and it parallelises across cores
+    (``madvise(MADV_POPULATE_WRITE)`` faults a whole range in one call, GIL released);
+  * with transparent huge pages the faults are 2 MiB each and ``cuMemHostRegister`` of populated
+    memory runs at ~40 GiB/s on one thread, but several registrations at once serialise inside the
+    driver and get *slower* in total;
+  * shared anonymous memory (shmem) gets no huge pages where shmem THP is off (the default), and
+    faults ~8x slower than private memory.
+So: ``threads`` workers populate 1 GiB regions (MADV_HUGEPAGE first), one registrar thread
+registers them in address order (at most 64 GiB each: single huge registrations are known to fail),
+and the pool becomes allocatable up to the registered prefix through ``on_progress``. If the pool's
+mapping is shared and still untouched, it is first replaced by a private one at the same address
+(``remap_private``), which changes nothing for the daemon (it never forks) and gets huge pages.
+
+Regions are registered PORTABLE, so every GPU's context in the daemon can DMA to and from them.
+If registration fails (memlock limit, no GPU), the rest of the pool is made usable unpinned and a
+warning is logged: the copies then still work, only slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvoffd.pool import Pool
+from kvoffd.transfer import cudart
+
+log = logging.getLogger(__name__)
+
+MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+MAX_REGION = 64 << 30
+MAP_FIXED = 0x10
+POPULATE_STEP = 32 << 20
+
+
+@dataclass
+class PinStats:
+    pinned_bytes: int = 0
+    total_bytes: int = 0
+    started: float = 0.0
+    finished: float = 0.0  # 0 while running
+    error: str = ""
+    touch_s: float = 0.0  # summed over threads: first touch (populate)
+    register_s: float = 0.0  # summed over threads: cuMemHostRegister
+    regions: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) registered
+
+    @property
+    def seconds(self) -> float:
+        end = self.finished or time.monotonic()
+        return max(end - self.started, 1e-9) if self.started else 0.0
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.pinned_bytes / (1 << 30) / self.seconds if self.started else 0.0
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise.restype = ctypes.c_int
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.mmap.restype = ctypes.c_void_p
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+class Pinner:
+    """Pins ``pool`` region by region in background threads; see the module docstring.
+
+    ``on_progress(nbytes)`` is called from the registrar thread each time the pinned prefix grows
+    (and once with the whole pool when pinning gives up); the caller hands it to its event loop.
+    """
+
+    def __init__(self, pool: Pool, on_progress: Callable[[int], None] | None = None, *,
+                 region_bytes: int = 1 << 30, threads: int = 0, device: int = 0, populate: bool = True,
+                 hugepages: bool = True, remap_private: bool = False):
+        step = pool.chunk_bytes
+        region_bytes = min(max(region_bytes, step), MAX_REGION)
+        self.region_bytes = region_bytes - region_bytes % step
+        self.pool = pool
+        self.on_progress = on_progress
+        # more populate threads did not help on the H200 VM (4: 9.3 GiB/s, 8: 8.0, 12: 7.2)
+        self.threads = threads or max(1, min(4, (os.cpu_count() or 2) // 2))
+        self.device = device
+        self.populate = populate
+        self.hugepages = hugepages
+        self.remap_private = remap_private
+        self.stats = PinStats(total_bytes=pool.nbytes)
+        self._regions = [(o, min(self.region_bytes, pool.nbytes - o))
+                         for o in range(0, pool.nbytes, self.region_bytes)]
+        self._next = 0
+        self._touched = [False] * len(self._regions)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._go = threading.Event()
+        self._workers: list[threading.Thread] = []
+        self._libc = _libc()
+        self._failed = False
+
+    # --- control ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.stats.started = time.monotonic()
+        if not self._regions:
+            self.stats.finished = self.stats.started
+            return
+        if self.remap_private:
+            self._remap()
+        n = min(self.threads, len(self._regions)) if self.populate and self._libc else 0
+        self._workers = [threading.Thread(target=self._touch_work, name=f"kvoffd-touch-{i}", daemon=True)
+                         for i in range(n)]
+        self._workers.append(threading.Thread(target=self._register_work, name="kvoffd-pin", daemon=True))
+        # Create every thread before any populates: populating holds the mmap lock, which thread
+        # creation (stack mmap) needs; starting them one by one made start() take ~1 s.
+        for t in self._workers:
+            t.start()
+        self._go.set()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop taking new regions and wait for the ones in progress."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        for t in self._workers:
+            t.join(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every region is done (tests and benchmarks). True when finished."""
+        for t in self._workers:
+            t.join(timeout)
+        return all(not t.is_alive() for t in self._workers)
+
+    def unpin(self) -> None:
+        """Unregister every pinned region. Call after stop() and once no copy uses the pool."""
+        if not self.stats.regions:
+            return
+        try:
+            drv = cudart.driver()
+            drv.use_device(self.device)
+        except (cudart.CudaUnavailable, cudart.CudaError) as e:
+            log.warning("cannot unpin the pool: %s", e)
+            return
+        base = self.pool.base_address
+        with self._lock:
+            regions, self.stats.regions = self.stats.regions, []
+        for off, _ in regions:
+            try:
+                drv.host_unregister(base + off)
+            except cudart.CudaError as e:
+                log.warning("cuMemHostUnregister at offset %d: %s", off, e)
+        self.stats.pinned_bytes = 0
+        self.pool.pinned_bytes = 0
+
+    # --- work -------------------------------------------------------------------------------------
+    def _remap(self) -> None:
+        """Swap the pool's untouched mapping for a private one at the same address (huge pages)."""
+        pool = self.pool
+        if self._libc is None or pool.used_bytes or pool.pinned_bytes:
+            return
+        r = self._libc.mmap(pool.base_address, pool.nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED, -1, 0)
+        if r != pool.base_address:
+            log.warning("could not remap the pool privately (errno %d); pinning it as is", ctypes.get_errno())
+
+    def _touch_work(self) -> None:
+        self._go.wait()
+        while True:
+            with self._lock:
+                if self._stop.is_set() or self._failed or self._next >= len(self._regions):
+                    return
+                i = self._next
+                self._next += 1
+            off, length = self._regions[i]
+            t0 = time.monotonic()
+            self._touch(self.pool.base_address + off, length)
+            with self._cond:
+                self.stats.touch_s += time.monotonic() - t0
+                self._touched[i] = True
+                self._cond.notify_all()
+
+    def _register_work(self) -> None:
+        self._go.wait()
+        try:
+            drv = cudart.driver()
+            drv.use_device(self.device)
+        except (cudart.CudaUnavailable, cudart.CudaError) as e:
+            self._give_up(f"no CUDA driver: {e}")
+            return
+        base = self.pool.base_address
+        touching = any(t.name.startswith("kvoffd-touch") for t in self._workers)
+        for i, (off, length) in enumerate(self._regions):
+            with self._cond:
+                while touching and not self._touched[i] and not self._stop.is_set():
+                    self._cond.wait(0.1)
+                if self._stop.is_set():
+                    return
+            t0 = time.monotonic()
+            try:
+                drv.host_register(base + off, length)
+            except cudart.CudaError as e:
+                self._give_up(f"cuMemHostRegister of {length} bytes at offset {off}: {e}")
+                return
+            with self._lock:
+                self.stats.register_s += time.monotonic() - t0
+                self.stats.regions.append((off, length))
+                self.stats.pinned_bytes += length
+                self.pool.pinned_bytes = self.stats.pinned_bytes
+            if self.on_progress is not None:
+                self.on_progress(off + length)
+        self.stats.finished = time.monotonic()
+        log.info("pool pinned: %.1f GiB in %.2f s (%.1f GiB/s; %d populate threads)",
+                 self.stats.pinned_bytes / (1 << 30), self.stats.seconds, self.stats.gib_per_s,
+                 len(self._workers) - 1)
+
+    def _touch(self, addr: int, length: int) -> None:
+        if self._libc is None:
+            return
+        if self.hugepages:
+            self._libc.madvise(addr, length, MADV_HUGEPAGE)  # a hint; shmem may ignore it
+        # in POPULATE_STEP pieces: each call holds the process's mmap lock, which any mmap (the event
+        # loop's large allocations included) waits for
+        for a in range(addr, addr + length, POPULATE_STEP):
+            if not self.populate or self._stop.is_set():
+                return
+            if self._libc.madvise(a, min(POPULATE_STEP, addr + length - a), MADV_POPULATE_WRITE) != 0:
+                self.populate = False  # old kernel: registration faults the pages itself
+
+    def _give_up(self, why: str) -> None:
+        with self._lock:
+            if self._failed:
+                return
+            self._failed = True
+            self.stats.error = why
+            self.stats.finished = time.monotonic()
+        log.warning("pinning stopped (%s); the rest of the pool is used unpinned (slower copies)", why)
+        if self.on_progress is not None:
+            self.on_progress(self.pool.nbytes)

@@ -1,0 +1,51 @@
+"""Background pinning: capacity grows as regions are pinned; failure degrades to unpinned memory."""
+
+from __future__ import annotations
+
+import time
+
+from kvoffd.pinning import Pinner
+from kvoffd.pool import Pool
+
+
+def test_pinner_pins_everything_and_grows_capacity():
+    pool = Pool(3 << 30)
+    seen: list[int] = []
+
+    def progress(n: int) -> None:
+        seen.append(n)
+        pool.set_usable_bytes(n)
+
+    pool.set_usable_bytes(0)
+    assert pool.capacity_bytes == 0
+    p = Pinner(pool, progress, region_bytes=512 << 20, threads=4)
+    t = time.perf_counter()
+    p.start()
+    assert p.wait(120)
+    dt = time.perf_counter() - t
+    try:
+        assert not p.stats.error, p.stats.error
+        assert p.stats.pinned_bytes == pool.nbytes == pool.pinned_bytes
+        assert seen == sorted(seen) and seen[-1] == pool.nbytes
+        assert pool.capacity_bytes == pool.nbytes
+        print(f"pinned {pool.nbytes >> 30} GiB in {dt:.2f} s")
+    finally:
+        p.unpin()
+        assert pool.pinned_bytes == 0
+        pool.close()
+
+
+def test_pinner_gives_up_cleanly_without_cuda(monkeypatch):
+    from kvoffd.transfer import cudart
+
+    def boom():
+        raise cudart.CudaUnavailable("no driver (test)")
+
+    monkeypatch.setattr(cudart, "driver", boom)
+    pool = Pool(256 << 20)
+    got: list[int] = []
+    p = Pinner(pool, got.append, region_bytes=64 << 20, threads=2)
+    p.start()
+    assert p.wait(10)
+    assert p.stats.error and got == [pool.nbytes]
+    pool.close()

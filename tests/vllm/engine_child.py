@@ -1,0 +1,38 @@
+"""Run fresh in-process vLLM engines in a new process; print one JSON line of results per engine.
+
+Used by the cross-process test: ``python engine_child.py MODEL ADDRESS CONFIGS_JSON PROMPTS_JSON``,
+where CONFIGS_JSON is a list of ``{"dtype": ..., "block_size": ..., "multiprocess": bool}``. A
+multiprocess engine (EngineCore and worker in spawned processes, as ``vllm serve`` runs) checks that
+the connector imports and pickles across processes; put it first (vLLM caches its env switches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from engine_helpers import close_llm, drain, external_hits, generate, make_llm  # noqa: E402
+
+
+def main() -> None:
+    model, address, configs, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+    for cfg in configs:
+        kw = dict(cfg)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if kw.pop("multiprocess", False) else "0"
+        llm = make_llm(model, address, **kw)
+        try:
+            outputs = generate(llm, prompts)
+            hits = external_hits(llm)
+            if hasattr(llm.llm_engine.engine_core, "engine_core"):  # in-process: step it ourselves
+                drain(llm)
+        finally:
+            close_llm(llm)
+        print("RESULT " + json.dumps({"config": cfg, "outputs": outputs, "external_hits": hits}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

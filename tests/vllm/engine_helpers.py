@@ -1,0 +1,205 @@
+"""Helpers for the vLLM end-to-end tests (shared by conftest.py, the tests and engine_child.py)."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+# Must be set before vllm is imported anywhere in this process.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+BLOCK = 32
+
+
+# --------------------------------------------------------------------------------------------------
+# model
+
+
+def build_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """A 2-layer random Llama (head_dim 32: the CPU attention kernels reject 16). ~0.4 M params."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# daemon
+
+
+class Daemon:
+    """A real kvoffd subprocess on a private socket, with kill/restart for the degradation drills."""
+
+    def __init__(self, workdir: Path, pool: str = "256MiB"):
+        self.workdir = workdir
+        self.address = f"ipc://{workdir}/kvoffd.sock"
+        self.pool = pool
+        self.proc: subprocess.Popen | None = None
+        self.metrics_url = ""
+        self.log = workdir / "kvoffd.log"
+
+    def start(self, timeout: float = 20.0) -> Daemon:
+        from kvoffd_client.client import KvoffdClient
+
+        self.log_f = open(self.log, "a")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvoffd", "--address", self.address, "--pool-size", self.pool,
+             "--metrics-address", "127.0.0.1:0", "--log-level", "info"],
+            stdout=self.log_f, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        c = KvoffdClient(self.address, name="test", heartbeat=False)
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"kvoffd exited: {self.log.read_text()[-2000:]}")
+                if c.connect(0.2):
+                    ma = c.stats()["daemon"].get("metrics_address", "")
+                    self.metrics_url = f"http://{ma}/metrics"
+                    return self
+        finally:
+            c.close()
+        raise RuntimeError(f"kvoffd did not come up: {self.log.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def stats(self) -> dict[str, Any]:
+        from kvoffd_client.client import KvoffdClient
+
+        with KvoffdClient(self.address, name="test", heartbeat=False) as c:
+            return c.stats()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a metric's samples from /metrics matching ``labels``."""
+        text = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if not line.startswith(name):
+                continue
+            m = re.match(rf"{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)", line)
+            if not m:
+                continue
+            lab = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+            if all(lab.get(k) == v for k, v in labels.items()):
+                total += float(m.group(2))
+        return total
+
+
+# --------------------------------------------------------------------------------------------------
+# engines
+
+
+def make_llm(model: str, address: str | None = None, *, dtype: str = "float32", block_size: int = BLOCK,
+             max_model_len: int = 1024,
+             extra: dict[str, Any] | None = None, kv_bytes: int = 32 << 20, **kw: Any):
+    """An in-process vLLM engine; with ``address``, wired to kvoffd through KvoffdConnector."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    ktc = None
+    if address is not None:
+        ktc = KVTransferConfig(kv_connector="KvoffdConnector", kv_connector_module_path="kvoffd_client.vllm",
+                               kv_role="kv_both", kv_load_failure_policy="recompute",
+                               kv_connector_extra_config={"kvoffd_address": address, **(extra or {})})
+    return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, max_model_len=max_model_len,
+               block_size=block_size, max_num_seqs=16, max_num_batched_tokens=1024, kv_cache_memory_bytes=kv_bytes,
+               seed=0, disable_log_stats=False, **{"kv_transfer_config": ktc, **kw})
+
+
+def close_llm(llm: Any) -> None:
+    """Shut an in-process engine down fully (the worker connector is a process global in vLLM)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        ensure_kv_transfer_shutdown()
+        del llm
+        gc.collect()
+
+
+def core_of(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core
+
+
+def drain(llm: Any, timeout: float = 30.0) -> None:
+    """Step the engine until it holds no request (delayed frees waiting for store acknowledgements).
+
+    ``LLM.generate`` returns once outputs are complete; a delay-free connector may still hold blocks
+    for a few steps, which in-process mode only advances when someone steps the engine.
+    """
+    client = llm.llm_engine.engine_core
+    sched = core_of(llm).scheduler
+    deadline = time.monotonic() + timeout
+    while sched.has_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the engine still holds requests")
+        client.get_output()
+        time.sleep(0.001)
+
+
+def vllm_metric(llm: Any, name: str, **labels: str) -> float:
+    """A counter from vLLM's own metrics (what `vllm serve` exposes on /metrics), summed over labels."""
+    return sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics()
+               if m.name == name and all(m.labels.get(k) == v for k, v in labels.items()))
+
+
+def external_hits(llm: Any) -> float:
+    """vLLM's own counter of tokens served from the connector (vllm:external_prefix_cache_hits)."""
+    return vllm_metric(llm, "vllm:external_prefix_cache_hits")
+
+
+# --------------------------------------------------------------------------------------------------
+# workload
+
+
+def shared_prefix_prompts(n: int = 4, prefix: int = 70, seed: int = 0) -> list[list[int]]:
+    """Prompts sharing a 70-token prefix (2 full blocks), each with its own 40..67-token tail."""
+    base = [(7 * j + seed) % 500 + 3 for j in range(prefix)]
+    return [base + [(11 * i + j + seed) % 500 + 3 for j in range(40 + 9 * i)] for i in range(n)]
+
+
+def greedy(max_tokens: int = 20):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 20) -> list[list[int]]:
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy(max_tokens), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+PROMPTS = shared_prefix_prompts()

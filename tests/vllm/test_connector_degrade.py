@@ -1,0 +1,168 @@
+"""KvoffdConnector when things go wrong: no daemon, a daemon SIGKILLed mid-load, preemption under load."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_helpers import (
+    PROMPTS,
+    Daemon,
+    close_llm,
+    drain,
+    external_hits,
+    generate,
+    greedy,
+    make_llm,
+)
+
+pytestmark = pytest.mark.vllm
+
+
+def _worker() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def _registered(d: Daemon) -> bool:
+    try:
+        return bool(d.stats()["engines"])
+    except Exception:
+        return False
+
+
+def _offload_works(llm: Any, d: Daemon, reference: list[list[int]]) -> None:
+    """Store PROMPTS, drop vLLM's own cache, and get every offered block back from the daemon."""
+    assert generate(llm, PROMPTS) == reference
+    drain(llm)
+    assert llm.reset_prefix_cache()
+    h0 = external_hits(llm)
+    assert generate(llm, PROMPTS) == reference
+    assert external_hits(llm) - h0 == 13 * 32
+    drain(llm)
+
+
+def test_no_daemon_at_start_serves_then_connects(tiny_model: str, reference: list[list[int]],
+                                                 tmp_path: Path) -> None:
+    d = Daemon(tmp_path)  # not started
+    llm = make_llm(tiny_model, d.address)
+    try:
+        assert generate(llm, PROMPTS) == reference
+        drain(llm)
+        d.start()
+        _wait(lambda: _registered(d), 15, "the worker did not register once the daemon appeared")
+        _offload_works(llm, d, reference)
+    finally:
+        close_llm(llm)
+        d.stop()
+
+
+def test_daemon_sigkilled_while_loading(tiny_model: str, reference: list[list[int]], tmp_path: Path) -> None:
+    """Loads in flight when the daemon dies fail within a bounded time, vLLM recomputes with identical
+    output, and a restarted daemon is used again without restarting vLLM."""
+    from vllm.inputs import TokensPrompt
+
+    d = Daemon(tmp_path).start()
+    llm = make_llm(tiny_model, d.address)
+    try:
+        assert generate(llm, PROMPTS) == reference
+        drain(llm)
+        assert llm.reset_prefix_cache()
+        worker = _worker()
+        real_start = worker.start_load_kv
+
+        def freeze_daemon_then_load(meta: Any) -> None:
+            # The daemon stops before it sees the LOADs, so they are certainly in flight at the kill.
+            if meta.loads and d.proc is not None:
+                os.kill(d.proc.pid, signal.SIGSTOP)
+            real_start(meta)
+
+        worker.start_load_kv = freeze_daemon_then_load
+        engine = llm.llm_engine
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), greedy())
+        outputs: dict[str, list[int]] = {}
+        killed_at = None
+        t0 = time.monotonic()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+            if killed_at is None and worker._loads:
+                d.kill()
+                killed_at = time.monotonic()
+            assert time.monotonic() - t0 < 60, "requests hang after the daemon died"
+        assert killed_at is not None, "no load was in flight"
+        assert time.monotonic() - killed_at < 10
+        assert [outputs[str(i)] for i in range(len(PROMPTS))] == reference
+        assert worker.stats.lifetime.get("load_failed_jobs", 0) >= 1
+        worker.start_load_kv = real_start
+        drain(llm)
+
+        d.start()
+        _wait(lambda: _registered(d), 15, "the worker did not re-register with the restarted daemon")
+        _offload_works(llm, d, reference)
+    finally:
+        close_llm(llm)
+        d.stop()
+
+
+def test_preemption_fences_in_flight_stores(tiny_model: str, tmp_path: Path) -> None:
+    """A KV cache of 9 usable blocks for 4 requests needing 17 (48 tokens each): vLLM preempts and
+    reuses the victims' blocks at once. Every store is kept in flight ~50 ms (the daemon is paused), so preemptions find stores
+    still reading the freed blocks; the fence waits for them. The stored blocks are then loaded back
+    and the outputs match: nothing was overwritten under a store."""
+    plain = make_llm(tiny_model)
+    try:
+        reference = generate(plain, PROMPTS, max_tokens=48)
+    finally:
+        close_llm(plain)
+    d = Daemon(tmp_path).start()
+    llm = make_llm(tiny_model, d.address, kv_bytes=10 * 2 * 16384, max_model_len=256,
+                   extra={"kvoffd_prefetch_lookups": False})
+    try:
+        worker = _worker()
+        real_save, real_fence = worker.wait_for_save, worker.handle_preemptions
+        preemptions: list[list[str]] = []
+
+        def slow_daemon_save(meta: Any) -> None:
+            real_save(meta)
+            if meta.store_job_id and d.proc is not None:
+                os.kill(d.proc.pid, signal.SIGSTOP)
+                threading.Timer(0.05, os.kill, (d.proc.pid, signal.SIGCONT)).start()
+
+        def fence(meta: Any) -> None:
+            if meta.preempted:
+                preemptions.append(list(meta.preempted))
+            real_fence(meta)
+
+        worker.wait_for_save, worker.handle_preemptions = slow_daemon_save, fence
+        out = generate(llm, PROMPTS, max_tokens=48)
+        worker.wait_for_save, worker.handle_preemptions = real_save, real_fence
+        drain(llm)
+        assert preemptions, "the workload did not preempt"
+        assert worker.stats.lifetime.get("fence_waits", 0) >= 1
+        assert worker.stats.lifetime.get("fence_timeouts", 0) == 0
+        assert out == reference
+        assert llm.reset_prefix_cache()
+        h0 = external_hits(llm)
+        assert generate(llm, PROMPTS, max_tokens=48) == reference
+        assert external_hits(llm) > h0
+        drain(llm)
+    finally:
+        close_llm(llm)
+        d.stop()

@@ -1,0 +1,70 @@
+"""The connector's pure parts: hash-stability refusal, key folding, settings, result aggregation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+def _cfg(algo: str) -> SimpleNamespace:
+    return SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo=algo))
+
+
+def test_xxhash_without_pythonhashseed_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvoffd_client.vllm.identity import UnsupportedConfig, check_hash_stability
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    for algo in ("xxhash", "xxhash_cbor"):
+        with pytest.raises(UnsupportedConfig, match="PYTHONHASHSEED"):
+            check_hash_stability(_cfg(algo))
+    check_hash_stability(_cfg("sha256"))
+    check_hash_stability(_cfg("sha256_cbor"))
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    check_hash_stability(_cfg("xxhash"))
+
+
+def test_fold_key() -> None:
+    from kvoffd_client.protocol import KEY_SIZE
+    from kvoffd_client.vllm.identity import fold_key
+
+    h = bytes(range(32))
+    assert fold_key(h) is h
+    short = bytes(16)
+    assert len(fold_key(short)) == KEY_SIZE and fold_key(short) == fold_key(bytes(16)) != fold_key(bytes(17))
+
+
+def test_settings() -> None:
+    from kvoffd_client.vllm.common import Settings
+
+    with pytest.raises(ValueError, match="kvoffd_address"):
+        Settings.from_extra({})
+    s = Settings.from_extra({"kvoffd_address": "ipc:///x", "kvoffd_lease_ms": "5000",
+                             "kvoffd_store_decode": "false", "kvoffd_job_timeout_s": 3})
+    assert (s.address, s.lease_ms, s.store_decode, s.job_timeout_s) == ("ipc:///x", 5000, False, 3.0)
+
+
+def test_worker_meta_and_stats_aggregate() -> None:
+    from kvoffd_client.vllm.common import KvoffdStats, KvoffdWorkerMeta
+
+    a = KvoffdWorkerMeta(stores_done={1: 1}, load_failed_at={"r": 2})
+    b = KvoffdWorkerMeta(stores_done={1: 1, 2: 1}, stores_failed={2: 1}, load_failed_at={"r": 0})
+    m = a.aggregate(b)
+    assert m.stores_done == {1: 2, 2: 1} and m.stores_failed == {2: 1} and m.load_failed_at == {"r": 0}
+    s = KvoffdStats()
+    assert s.take() is None
+    s.add("store_blocks", 3)
+    t = s.take()
+    assert t is not None and t.reduce() == {"store_blocks": 3} and s.is_empty()
+    assert s.lifetime == {"store_blocks": 3}
+    assert KvoffdStats(data=dict(t.to_dict())).aggregate(t).reduce() == {"store_blocks": 6}
+
+
+def test_module_imports_nothing_heavy() -> None:
+    """vLLM imports the connector module in its API-server process: it must not pull vllm or torch."""
+    code = "import sys, kvoffd_client.vllm; assert 'vllm' not in sys.modules and 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
