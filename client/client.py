@@ -29,6 +29,9 @@ from kvoffd_client import protocol as P
 log = logging.getLogger("kvoffd_client")
 
 
+EXPIRY_GRACE_S = 2.0
+
+
 class KvoffdError(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(f"{code}: {message}")
@@ -215,7 +218,7 @@ class KvoffdClient:
             for job_id in expired:
                 job = self._jobs.pop(job_id)
                 self._notices.append(P.Notice(job_id=job_id, ok=False, failed=list(range(job.n)), code="timeout",
-                                              message=f"no answer within {self.job_deadline_s} s"))
+                                              message=f"no answer within {self.job_deadline_s + EXPIRY_GRACE_S} s"))
 
     def _read_all(self) -> None:
         while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -377,9 +380,13 @@ class KvoffdClient:
             if msg.job_id in self._jobs:
                 raise KvoffdError(P.ErrorCode.DUPLICATE_JOB.value, f"job {msg.job_id} is already in flight")
             msg.seq = next(self._seq)
+            now = time.monotonic()
+            # The daemon will not start the job after job_deadline_s; this client gives up on it only
+            # EXPIRY_GRACE_S later, when a copy started just in time has surely ended.
+            msg.expires_ns = int((now + self.job_deadline_s) * 1e9)
             if not self._send(msg):
                 raise DaemonUnavailable("cannot send to kvoffd")
-            self._jobs[msg.job_id] = _Job(len(msg.keys), time.monotonic() + self.job_deadline_s)
+            self._jobs[msg.job_id] = _Job(len(msg.keys), now + self.job_deadline_s + EXPIRY_GRACE_S)
 
     def take_notices(self) -> list[P.Notice]:
         """Completion notices that arrived (real or synthesized for lost jobs). Never waits."""

@@ -78,6 +78,7 @@ class ErrorCode(str, enum.Enum):
     MEMORY_UNREACHABLE = "memory_unreachable"  # the daemon could not map the engine's memory
     UNKNOWN_LEASE = "unknown_lease"
     TOO_MANY = "too_many"  # a per-client bound (jobs in flight, leases, engines) was hit
+    EXPIRED = "expired"  # a job reached the daemon after its expires_ns: nothing was done
     INTERNAL = "internal"
 
 
@@ -339,11 +340,17 @@ class Store(Message):
     keys: list[bytes] = field(default_factory=list)
     block_ids: Sequence[int] = field(default_factory=list)  # on the wire: little-endian int32
     event: int = -1
+    expires_ns: int = 0  # CLOCK_MONOTONIC: the daemon refuses to start the copy after this (0: never)
 
 
 @dataclass(slots=True)
 class Load(Message):
-    """Copy the pool's blocks for ``keys[i]`` into engine block ``block_ids[i]``."""
+    """Copy the pool's blocks for ``keys[i]`` into engine block ``block_ids[i]``.
+
+    ``expires_ns`` protects against a daemon that hangs and then wakes up: a client that has given
+    up on a job (and let vLLM reuse the blocks) must not see it run late. The clock is the host's
+    CLOCK_MONOTONIC, which every process on the host shares.
+    """
 
     op: ClassVar[Op] = Op.LOAD
     engine_id: str = ""
@@ -352,6 +359,7 @@ class Load(Message):
     block_ids: Sequence[int] = field(default_factory=list)
     lease_id: int = 0
     event: int = -1
+    expires_ns: int = 0
 
 
 @dataclass(slots=True)
@@ -453,6 +461,7 @@ Store.checks = {
     "keys": _keys,
     "block_ids": _ids,
     "event": lambda v, n: _int(v, n, -1, 1 << 20),
+    "expires_ns": _int,
 }
 Load.checks = {**Store.checks, "lease_id": _int}
 Stats.checks = {"detail": _bool}

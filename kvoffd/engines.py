@@ -8,9 +8,11 @@ heartbeats (any message; clients ping every few seconds) for everything else.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvoffd.index import Entry, Table
@@ -33,7 +35,7 @@ class Conn:
     engines: set[str] = field(default_factory=set)
     jobs: set[int] = field(default_factory=set)  # client job ids in flight
     leases: set[int] = field(default_factory=set)
-    pidfd: int = -1
+    watched: bool = False  # registered with the PidWatcher
 
 
 @dataclass
@@ -90,3 +92,58 @@ def open_pidfd(pid: int, start_ticks: int) -> int:
         os.close(fd)
         return -1
     return fd
+
+
+class PidWatcher:
+    """One pidfd per client process, shared by all its connections (a process that opens and closes
+    connections in a loop must not cost the daemon a descriptor each). ``on_exit(ident)`` runs on the
+    loop for every connection of a process that exited."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_exit: Callable[[bytes], None]) -> None:
+        self._loop = loop
+        self._on_exit = on_exit
+        self._by_pid: dict[tuple[int, int], tuple[int, set[bytes]]] = {}  # (pid, ticks) -> (fd, idents)
+        self._of: dict[bytes, tuple[int, int]] = {}
+
+    def watch(self, ident: bytes, pid: int, start_ticks: int) -> bool:
+        key = (pid, start_ticks)
+        ent = self._by_pid.get(key)
+        if ent is None:
+            fd = open_pidfd(pid, start_ticks)
+            if fd < 0:
+                return False
+            ent = self._by_pid[key] = (fd, set())
+            self._loop.add_reader(fd, self._fired, key)
+        ent[1].add(ident)
+        self._of[ident] = key
+        return True
+
+    def unwatch(self, ident: bytes) -> None:
+        key = self._of.pop(ident, None)
+        if key is None:
+            return
+        idents = self._by_pid[key][1]
+        idents.discard(ident)
+        if not idents:
+            self._close(key)
+
+    def _close(self, key: tuple[int, int]) -> None:
+        fd, idents = self._by_pid.pop(key)
+        for ident in idents:
+            self._of.pop(ident, None)
+        try:
+            self._loop.remove_reader(fd)
+        except RuntimeError:  # the loop is closing
+            pass
+        os.close(fd)
+
+    def _fired(self, key: tuple[int, int]) -> None:
+        idents = list(self._by_pid[key][1])
+        self._close(key)
+        log.info("client pid %d exited (%d connections)", key[0], len(idents))
+        for ident in idents:
+            self._on_exit(ident)
+
+    def close(self) -> None:
+        for key in list(self._by_pid):
+            self._close(key)

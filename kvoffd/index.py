@@ -70,23 +70,31 @@ class Index:
         self.evictions = 0
 
     # --- namespaces -------------------------------------------------------------------------------------
+    def check_table(self, namespace: str, rank: int, world_size: int, layout: tuple[int, ...]) -> None:
+        """Raise ValueError if an engine of this shape contradicts the namespace (changes nothing)."""
+        ns = self.namespaces.get(namespace)
+        if ns is None:
+            return
+        if ns.world_size != world_size:
+            raise ValueError(f"namespace {namespace!r} has world size {ns.world_size}, not {world_size}")
+        have = ns.layouts.get(rank)
+        if have is not None and have != layout:
+            raise ValueError(f"namespace {namespace!r} rank {rank} holds blocks of another layout "
+                             f"({sum(have)} bytes in {len(have)} runs; this engine: {sum(layout)} bytes in "
+                             f"{len(layout)} runs)")
+
     def table(self, namespace: str, rank: int, world_size: int, slot_bytes: int,
               layout: tuple[int, ...]) -> Table:
-        """The table an engine writes to; raises ValueError when its layout contradicts the namespace."""
+        """The table an engine writes to (created on first use); ValueError as ``check_table``."""
+        self.check_table(namespace, rank, world_size, layout)
         ns = self.namespaces.get(namespace)
         if ns is None:
             ns = self.namespaces[namespace] = Namespace(namespace, world_size)
-        if ns.world_size != world_size:
-            raise ValueError(f"namespace {namespace!r} has world size {ns.world_size}, not {world_size}")
         t = ns.tables.get(rank)
         if t is None:
             t = ns.tables[rank] = Table(namespace, rank, slot_bytes)
             ns.layouts[rank] = layout
             self._lru.setdefault(slot_bytes, OrderedDict())
-        elif ns.layouts[rank] != layout:
-            raise ValueError(f"namespace {namespace!r} rank {rank} holds blocks of another layout "
-                             f"({t.slot_bytes} bytes in {len(ns.layouts[rank])} runs; this engine: "
-                             f"{slot_bytes} bytes in {len(layout)} runs)")
         return t
 
     # --- lookups ----------------------------------------------------------------------------------------
@@ -136,12 +144,13 @@ class Index:
                 e.in_lru = True
 
     # --- stores -------------------------------------------------------------------------------------------
-    def reserve(self, table: Table, keys: list[bytes]) -> tuple[list[int], list[Entry], int, list[int]]:
-        """Pending entries for the keys not yet present, evicting LRU blocks as needed.
+    def plan(self, table: Table, keys: list[bytes]) -> tuple[list[int], list[int], int, list[int]]:
+        """Slots for the keys not yet present, evicting LRU blocks as needed; no entries yet.
 
-        Returns (indices reserved, their entries, already-present count, indices dropped for room).
-        Keys beyond what the pool can hold are dropped from the end: the leading blocks of a prefix
-        are the ones a later lookup can use.
+        Returns (indices to copy, their slots, already-present count, indices dropped for room).
+        Split from ``add_pending`` so the server can start the copy first and do the per-key
+        bookkeeping while the bytes move. Keys beyond what the pool can hold are dropped from the
+        end: the leading blocks of a prefix are the ones a later lookup can use.
         """
         entries = table.entries
         want: list[int] = []
@@ -159,15 +168,23 @@ class Index:
         if short:
             self.evict(size, short)
             slots += self.pool.alloc(size, short)
-        dropped = want[len(slots):]
-        want = want[: len(slots)]
-        reserved = []
+        return want[: len(slots)], slots, present, want[len(slots):]
+
+    def add_pending(self, table: Table, keys: list[bytes], want: list[int], slots: list[int]) -> list[Entry]:
+        """Pending (invisible) entries for a planned store, pinned by the store job."""
+        entries = table.entries
+        out = []
         for i, s in zip(want, slots, strict=True):
             e = Entry(keys[i], table, s)
-            e.pins = 1  # the store job holds it until its copy completes
+            e.pins = 1
             entries[e.key] = e
-            reserved.append(e)
-        return want, reserved, present, dropped
+            out.append(e)
+        return out
+
+    def reserve(self, table: Table, keys: list[bytes]) -> tuple[list[int], list[Entry], int, list[int]]:
+        """plan + add_pending in one step (for callers that need no overlap)."""
+        want, slots, present, dropped = self.plan(table, keys)
+        return want, self.add_pending(table, keys, want, slots), present, dropped
 
     def commit(self, entries: list[Entry]) -> int:
         """The store copied these: make them visible (unless unlinked meanwhile). Returns how many."""

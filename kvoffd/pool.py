@@ -5,8 +5,8 @@ different block sizes, so the pool hands out memory in chunks (64 MiB by default
 cut into slots of one size only (a slab per slot size). A slot is named by its byte offset in the
 pool, which is all a transfer backend needs (``base + offset``).
 
-The allocation is an anonymous shared mapping: it costs nothing until touched, so the daemon is
-ready at once whatever the pool size. A backend that needs the memory pinned (CUDA) makes chunks
+The allocation is an anonymous private mapping (huge pages where the kernel gives them): it costs
+nothing until touched, so the daemon is ready at once whatever the pool size. A backend that needs the memory pinned (CUDA) makes chunks
 usable as it pins them (``set_usable_bytes``); until then only usable chunks are handed out.
 """
 
@@ -38,7 +38,7 @@ class Pool:
         self.chunk_bytes = chunk_bytes
         self.num_chunks = nbytes // chunk_bytes
         self.nbytes = self.num_chunks * chunk_bytes
-        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.buffer = np.frombuffer(self._map, dtype=np.uint8)
         self.base_address = self.buffer.ctypes.data
         self._free_chunks: list[int] = list(range(self.num_chunks - 1, -1, -1))

@@ -17,7 +17,7 @@ import stat
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from kvoffd.engines import (
     Conn,
     Engine,
     Lease,
-    open_pidfd,
+    PidWatcher,
 )
 from kvoffd.index import Entry, Index
 from kvoffd.metrics import Metrics
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
 IDLE_CONN_S = 600.0
+MAX_CONNS = 4096
 HOUSEKEEPING_S = 0.1
 HARD_FRAME_LIMIT = 2 * P.MAX_FRAME_BYTES  # libzmq drops the peer above this; between the two: ERROR
 RCVHWM = 100  # messages queued per peer; bounds a flooding client's memory
@@ -53,6 +54,12 @@ RCVHWM = 100  # messages queued per peer; bounds a flooding client's memory
 
 class AddressInUse(RuntimeError):
     pass
+
+
+def _failed_future(exc: BaseException) -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_exception(exc)
+    return fut
 
 
 def _make_backends(cfg: Config, pool: Pool) -> list[TransferBackend]:
@@ -92,6 +99,8 @@ class Daemon:
         self._jobs: dict[int, tuple[str, float]] = {}  # internal id -> (direction, started monotonic)
         self._job_ids = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
+        self._pids: PidWatcher | None = None
+        self._last_reap = 0.0
         self.metrics = Metrics(__version__, self._live_state)
         self.ready = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -197,6 +206,8 @@ class Daemon:
             self._drop_engine(eng, "shutdown")
         for conn in list(self.conns.values()):
             self._close_conn(conn)
+        if self._pids is not None:
+            self._pids.close()
         for b in self.backends:
             b.close()
         if self.sock is not None:
@@ -276,10 +287,12 @@ class Daemon:
                                 f"the client v{msg.version}; upgrade the older side", seq=msg.seq)
         conn = self.conns.get(ident)
         if conn is None:
+            if len(self.conns) >= MAX_CONNS:
+                self._reap_idle_conns(force=True)
             conn = self.conns[ident] = Conn(ident=ident, pid=msg.pid, client=msg.client)
-            conn.pidfd = open_pidfd(msg.pid, msg.start_ticks)
-            if conn.pidfd >= 0:
-                asyncio.get_running_loop().add_reader(conn.pidfd, self._on_pid_exit, ident)
+            if self._pids is None:
+                self._pids = PidWatcher(asyncio.get_running_loop(), self._on_pid_exit)
+            conn.watched = self._pids.watch(ident, msg.pid, msg.start_ticks)
         conn.last_seen = time.monotonic()
         caps = ["lease", "explain"] + [f"memory:{k}" for k in self.by_kind]
         return P.HelloOk(seq=msg.seq, daemon_id=self.daemon_id, pid=os.getpid(), capabilities=caps,
@@ -308,20 +321,18 @@ class Daemon:
             raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, f"memory kind {kind!r:.40} is not served here; "
                                 f"this daemon maps {sorted(self.by_kind)}")
         old = self.engines.get(msg.engine_id)
-        if old is not None:
-            if old.conn is not conn and old.conn.ident in self.conns:
-                raise ProtocolError(ErrorCode.FOREIGN_ENGINE, f"engine {msg.engine_id!r} is registered by "
-                                    "another live connection")
-            self._drop_engine(old, "replaced")
-        if len(conn.engines) >= MAX_ENGINES_PER_CONN:
+        if old is not None and old.conn is not conn and old.conn.ident in self.conns:
+            raise ProtocolError(ErrorCode.FOREIGN_ENGINE, f"engine {msg.engine_id!r} is registered by "
+                                "another live connection")
+        if old is None and len(conn.engines) >= MAX_ENGINES_PER_CONN:
             raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_ENGINES_PER_CONN} engines per connection")
         slot_bytes = sum(s.length for s in segments)
         if slot_bytes > self.pool.chunk_bytes:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"a block of {slot_bytes} bytes exceeds the pool's "
                                 f"{self.pool.chunk_bytes}-byte chunks")
         layout_fp = tuple(s.length for s in segments)
-        try:
-            table = self.index.table(msg.namespace, msg.rank, msg.world_size, slot_bytes, layout_fp)
+        try:  # checked now, created only once the memory is mapped: a refused REGISTER leaves nothing
+            self.index.check_table(msg.namespace, msg.rank, msg.world_size, layout_fp)
         except ValueError as e:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(e)) from None
         loop = asyncio.get_running_loop()
@@ -330,9 +341,21 @@ class Daemon:
                                                 segments)
         except AttachError as e:
             raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, str(e)) from None
-        if conn.ident not in self.conns or msg.engine_id in self.engines:  # gone (or raced) while mapping
+        try:
+            if conn.ident not in self.conns:
+                raise ProtocolError(ErrorCode.NOT_REGISTERED, "the connection closed while mapping")
+            current = self.engines.get(msg.engine_id)
+            if current is not old:
+                raise ProtocolError(ErrorCode.NOT_REGISTERED, "the engine was registered again meanwhile")
+            try:
+                table = self.index.table(msg.namespace, msg.rank, msg.world_size, slot_bytes, layout_fp)
+            except ValueError as e:
+                raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(e)) from None
+        except ProtocolError:
             await loop.run_in_executor(None, backend.detach, mapped)
-            raise ProtocolError(ErrorCode.NOT_REGISTERED, "connection closed or engine re-registered meanwhile")
+            raise
+        if old is not None:  # a re-registration replaces the engine only now that the new one works
+            self._drop_engine(old, "replaced")
         eng = Engine(engine_id=msg.engine_id, conn=conn, namespace=msg.namespace, rank=msg.rank,
                      world_size=msg.world_size, mapped=mapped, backend=backend, table=table)
         self.engines[msg.engine_id] = eng
@@ -359,6 +382,10 @@ class Daemon:
         event = {"unregistered": "unregistered", "timed_out": "timed_out"}.get(why, "disconnected")
         self.metrics.engine_events.labels(event).inc()
         log.info("engine %s left (%s)", eng.engine_id, why)
+        if why not in ("unregistered", "replaced") and eng.mapped.in_flight:
+            n = eng.backend.abort(eng.mapped)  # a dead engine's events never fire
+            if n:
+                log.info("engine %s: failed %d jobs still waiting for its events", eng.engine_id, n)
         if eng.mapped.in_flight == 0:
             self._detach(eng)
 
@@ -368,18 +395,14 @@ class Daemon:
     def _on_pid_exit(self, ident: bytes) -> None:
         conn = self.conns.get(ident)
         if conn is not None:
-            log.info("client pid %d exited", conn.pid)
+            conn.watched = False
             self._close_conn(conn, "exited")
 
     def _close_conn(self, conn: Conn, why: str = "disconnected") -> None:
         self.conns.pop(conn.ident, None)
-        if conn.pidfd >= 0:
-            try:
-                asyncio.get_running_loop().remove_reader(conn.pidfd)
-            except RuntimeError:
-                pass
-            os.close(conn.pidfd)
-            conn.pidfd = -1
+        if conn.watched and self._pids is not None:
+            self._pids.unwatch(conn.ident)
+            conn.watched = False
         for eid in list(conn.engines):
             eng = self.engines.get(eid)
             if eng is not None:
@@ -404,10 +427,27 @@ class Daemon:
                     if conn.engines and idle > self.cfg.engine_timeout_s:
                         log.warning("client pid %d silent for %.1f s: unregistering its engines", conn.pid, idle)
                         self._close_conn(conn, "timed_out")
-                    elif not conn.engines and not conn.jobs and not conn.leases and idle > IDLE_CONN_S:
-                        self._close_conn(conn)
+                if now - self._last_reap > 1.0:
+                    self._reap_idle_conns()
+                    self._last_reap = now
             except Exception:
                 log.exception("housekeeping failed")
+
+    def _reap_idle_conns(self, force: bool = False) -> None:
+        """Forget connections that hold nothing and said nothing for a while (ZeroMQ does not tell
+        the daemon when a peer goes). Clients heartbeat every few seconds, so a live one is never
+        idle this long; when the table is full, the longest-idle empty ones go first."""
+        now = time.monotonic()
+        empty = [c for c in self.conns.values() if not c.engines and not c.jobs and not c.leases]
+        limit = IDLE_CONN_S
+        if force or len(self.conns) > MAX_CONNS // 2:
+            limit = min(limit, 3 * HEARTBEAT_S)
+        for c in empty:
+            if now - c.last_seen > limit:
+                self._close_conn(c)
+        if force and len(self.conns) >= MAX_CONNS:
+            for c in sorted(empty, key=lambda c: c.last_seen)[: len(self.conns) - MAX_CONNS + 1]:
+                self._close_conn(c)
 
     # ------------------------------------------------------------------------------------------------
     # lookups and leases
@@ -438,8 +478,10 @@ class Daemon:
         return P.LookupResult(seq=msg.seq, hits=n, lease_id=lease_id, world_size=ns.world_size if ns else 0)
 
     def _release(self, conn: Conn, msg: P.Release) -> P.Message | None:
-        self._drop_lease(msg.lease_id)
-        return None  # fire and forget: releasing an unknown or expired lease is not an error
+        lease = self.leases.get(msg.lease_id)
+        if lease is not None and lease.owner == conn.ident:  # only its owner may drop a lease
+            self._drop_lease(msg.lease_id)
+        return None  # fire and forget: releasing an unknown, expired or foreign lease changes nothing
 
     def _drop_lease(self, lease_id: int, rank: int | None = None) -> None:
         lease = self.leases.get(lease_id)
@@ -458,17 +500,24 @@ class Daemon:
     # ------------------------------------------------------------------------------------------------
     # jobs
 
-    def _engine_of(self, conn: Conn, engine_id: str, seq: int) -> Engine:
+    def _engine_of(self, conn: Conn, engine_id: str, seq: int, job_id: int | None = None) -> Engine:
+        """The engine, if this connection registered it (a refused job's ERROR names the job, so the
+        client can fail it at once)."""
         eng = self.engines.get(engine_id)
         if eng is None:
-            raise ProtocolError(ErrorCode.NOT_REGISTERED, f"engine {engine_id!r} is not registered", seq=seq)
+            raise ProtocolError(ErrorCode.NOT_REGISTERED, f"engine {engine_id!r} is not registered", seq=seq,
+                                job_id=job_id)
         if eng.conn is not conn:
             raise ProtocolError(ErrorCode.FOREIGN_ENGINE, f"engine {engine_id!r} belongs to another connection",
-                                seq=seq)
+                                seq=seq, job_id=job_id)
         return eng
 
     def _check_job(self, conn: Conn, msg: P.Store | P.Load) -> tuple[Engine, np.ndarray]:
-        eng = self._engine_of(conn, msg.engine_id, msg.seq)
+        eng = self._engine_of(conn, msg.engine_id, msg.seq, msg.job_id)
+        if msg.expires_ns and time.monotonic_ns() > msg.expires_ns:
+            self.metrics.expired_jobs.inc()
+            raise ProtocolError(ErrorCode.EXPIRED, f"job {msg.job_id} arrived after its deadline; not started",
+                                seq=msg.seq, job_id=msg.job_id)
         if len(msg.keys) != len(msg.block_ids):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{len(msg.keys)} keys but {len(msg.block_ids)} block ids",
                                 seq=msg.seq, job_id=msg.job_id)
@@ -490,7 +539,7 @@ class Daemon:
     def _store(self, conn: Conn, msg: P.Store) -> P.Message | None:
         eng, ids = self._check_job(conn, msg)
         evicted = self.index.evictions
-        idx, entries, present, dropped = self.index.reserve(eng.table, msg.keys)
+        want, slot_list, present, dropped = self.index.plan(eng.table, msg.keys)
         m = self.metrics
         if self.index.evictions != evicted:
             m.evicted_blocks.inc(self.index.evictions - evicted)
@@ -498,47 +547,54 @@ class Daemon:
             m.store_noop_blocks.inc(present)
         if dropped:
             m.dropped_stores.labels("pool_full").inc(len(dropped))
-        if not entries:
+        if not want:
             return P.Notice(seq=msg.seq, job_id=msg.job_id, ok=not dropped, failed=dropped,
                             code="pool_full" if dropped else "")
-        sel = ids[idx]
-        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+        t0 = time.monotonic()
+        slots = np.array(slot_list, dtype=np.int64)
+        try:  # the copy starts first; the per-key bookkeeping below runs while the bytes move
+            fut = eng.backend.submit(Direction.STORE, eng.mapped, ids[want], slots, msg.event)
+        except Exception as e:
+            fut = _failed_future(e)
+        entries = self.index.add_pending(eng.table, msg.keys, want, slot_list)
         self._begin_job(conn, eng, msg.job_id)
-        self._spawn(self._run_store(conn, eng, msg, idx, entries, sel, slots, dropped))
+        self._spawn(self._finish_store(conn, eng, msg, want, entries, fut, dropped, t0))
         return None
 
-    async def _run_store(self, conn: Conn, eng: Engine, msg: P.Store, idx: list[int], entries: list[Entry],
-                         ids: np.ndarray, slots: np.ndarray, dropped: list[int]) -> None:
-        t0 = time.monotonic()
+    async def _finish_store(self, conn: Conn, eng: Engine, msg: P.Store, idx: list[int], entries: list[Entry],
+                            fut: Awaitable[None], dropped: list[int], t0: float) -> None:
         jid = next(self._job_ids)
         self._jobs[jid] = ("store", t0)
-        failed = list(dropped)
-        code, text = ("pool_full", "") if dropped else ("", "")
         try:
-            await eng.backend.copy(Direction.STORE, eng.mapped, ids, slots, msg.event)
+            await fut
         except asyncio.CancelledError:
             self.index.abort(entries)
+            self._jobs.pop(jid, None)
+            self._end_job(conn, eng, msg.job_id)
             raise
         except Exception as e:
             log.warning("store job %d of engine %s failed: %s", msg.job_id, eng.engine_id, e)
+            self._jobs.pop(jid, None)
+            self._end_job(conn, eng, msg.job_id)
+            self._notice(conn, msg.job_id, sorted(dropped + idx), "copy_failed", str(e)[:200])
             self.index.abort(entries)
             self.metrics.failed_jobs.labels("store").inc()
             self.metrics.dropped_stores.labels("failed").inc(len(entries))
-            failed = sorted(failed + idx)
-            code, text = "copy_failed", str(e)[:200]
-        else:
-            if self.cfg.verify:
-                sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, entries)
-                for e, c in zip(entries, sums, strict=True):
-                    e.checksum = c
-            done = self.index.commit(entries)
-            if done < len(entries):
-                self.metrics.dropped_stores.labels("clear").inc(len(entries) - done)
-            self._account(Direction.STORE, len(entries), len(entries) * eng.mapped.slot_bytes, t0)
-        finally:
-            self._jobs.pop(jid, None)
-            self._end_job(conn, eng, msg.job_id)
-        self._notice(conn, msg.job_id, failed, code, text)
+            return
+        if self.cfg.verify:
+            sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, entries)
+            for e, c in zip(entries, sums, strict=True):
+                e.checksum = c
+        self._jobs.pop(jid, None)
+        self._end_job(conn, eng, msg.job_id)
+        # The engine may reuse its blocks from now on: tell it before the bookkeeping. Nothing can
+        # interleave between the notice and the commit (same loop callback), so a lookup that follows
+        # the notice sees the blocks.
+        self._notice(conn, msg.job_id, dropped, "pool_full" if dropped else "", "")
+        self._account(Direction.STORE, len(entries), len(entries) * eng.mapped.slot_bytes, t0)
+        done = self.index.commit(entries)
+        if done < len(entries):
+            self.metrics.dropped_stores.labels("clear").inc(len(entries) - done)
 
     def _load(self, conn: Conn, msg: P.Load) -> P.Message | None:
         eng, ids = self._check_job(conn, msg)
@@ -551,7 +607,7 @@ class Daemon:
             if e is None:
                 failed.append(i)
             else:
-                self.index.pin(e)
+                e.pins += 1  # Index.pin, inlined
                 entries.append(e)
                 ok_idx.append(i)
         if msg.lease_id:
@@ -589,9 +645,12 @@ class Daemon:
                     keep = np.ones(len(entries), dtype=bool)
                     keep[bad] = False
                     ids, slots = ids[keep], slots[keep]
+            if msg.expires_ns and time.monotonic_ns() > msg.expires_ns:  # checksums took too long
+                raise TimeoutError("deadline passed before the copy could start")
             if len(ids):
-                await eng.backend.copy(Direction.LOAD, eng.mapped, ids, slots, msg.event)
+                await eng.backend.submit(Direction.LOAD, eng.mapped, ids, slots, msg.event)
         except asyncio.CancelledError:
+            self._release_load(conn, eng, msg.job_id, jid, entries)
             raise
         except Exception as e:
             log.warning("load job %d of engine %s failed: %s", msg.job_id, eng.engine_id, e)
@@ -600,12 +659,17 @@ class Daemon:
             code, text = "copy_failed", str(e)[:200]
         else:
             self._account(Direction.LOAD, len(ids), len(ids) * eng.mapped.slot_bytes, t0)
-        finally:
-            for e in entries:
-                self.index.unpin(e)
-            self._jobs.pop(jid, None)
-            self._end_job(conn, eng, msg.job_id)
-        self._notice(conn, msg.job_id, failed, code, text)
+        self._jobs.pop(jid, None)
+        self._end_job(conn, eng, msg.job_id)
+        self._notice(conn, msg.job_id, failed, code, text)  # first: the engine is waiting on it
+        for e in entries:
+            self.index.unpin(e)
+
+    def _release_load(self, conn: Conn, eng: Engine, job_id: int, jid: int, entries: list[Entry]) -> None:
+        self._jobs.pop(jid, None)
+        self._end_job(conn, eng, job_id)
+        for e in entries:
+            self.index.unpin(e)
 
     def _checksums(self, entries: list[Entry]) -> list[int]:
         """crc32 of each slot (--verify). Runs in an executor: zlib releases the GIL on big buffers."""

@@ -216,3 +216,32 @@ def test_verify_mode_round_trip(make_daemon, engines):
     stats = d.client().stats()
     assert stats["verify"] is True and stats["pool"]["base_address"] > 0
     assert "kvoffd_checksum_failures_total 0.0" in d.metrics()
+
+
+def test_a_job_past_its_deadline_is_refused_not_run(make_daemon):
+    """A daemon that stalled must not run jobs the client has given up on (late writes into reused blocks)."""
+    import time
+
+    import torch
+
+    from kvoffd_client import protocol as P
+    from kvoffd_client.client import KvoffdClient, KvoffdError
+    from kvoffd_client.handles import describe_layout, share_cpu_kv_caches
+
+    d = make_daemon("16MiB", name="expiry")
+    raw = torch.zeros(2, 8, 1, 16, 64)
+    kv = {"l0": raw[0], "l1": raw[1]}
+    c = KvoffdClient(d.address)
+    try:
+        assert c.connect(5)
+        c.register("ex-0", "ex", 0, 1, share_cpu_kv_caches(kv, "ex"), describe_layout(kv, 8))
+        keys = chain_keys(2, b"ex")
+        with pytest.raises(KvoffdError, match="expired"):
+            c.request(P.Store(engine_id="ex-0", job_id=1, keys=keys, block_ids=[0, 1],
+                              expires_ns=time.monotonic_ns() - 1))
+        assert c.lookup("ex", keys).hits == 0  # nothing was stored
+        c.submit_store("ex-0", 2, keys, [0, 1])  # the client's own deadline is in the future: runs
+        assert c.wait_notices({2}, 5)[0].ok
+        assert 'kvoffd_expired_jobs_total 1.0' in d.metrics()
+    finally:
+        c.close()

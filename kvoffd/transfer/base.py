@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,14 +75,24 @@ class TransferBackend(ABC):
         """Unmap. Only called when no job is in flight on it. Runs off the event loop."""
 
     @abstractmethod
+    def submit(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
+               slots: np.ndarray, event: int = -1) -> Awaitable[None]:
+        """Start moving ``block_ids[i]`` <-> pool slot at byte offset ``slots[i]``, as one batch.
+
+        The work must begin before this returns (the server does its per-key bookkeeping while the
+        bytes move); the awaitable completes once they are in place (for a LOAD: visible to the
+        engine's next kernel) and raises if the job failed as a whole. Called on the event loop.
+        ``event`` is the index in the engine's event ring that a STORE must wait for (-1: none).
+        """
+
     async def copy(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
                    slots: np.ndarray, event: int = -1) -> None:
-        """Move ``block_ids[i]`` <-> pool slot at byte offset ``slots[i]`` for every i, as one batch.
+        await self.submit(direction, mapped, block_ids, slots, event)
 
-        Returns once the bytes are in place (for a LOAD: visible to the engine's next kernel).
-        ``event`` is the index in the engine's event ring that a STORE must wait for (-1: none).
-        Raises on failure; the job then fails as a whole.
-        """
+    def abort(self, mapped: MappedMemory) -> int:
+        """The engine died: fail its jobs that have not started (e.g. waiting on an event its GPU will
+        never reach). Jobs already moving bytes finish. Returns how many were failed."""
+        return 0
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release everything (the daemon is stopping)."""

@@ -18,6 +18,7 @@ import errno
 import logging
 import mmap
 import os
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -71,8 +72,13 @@ class CpuBackend(TransferBackend):
     def attach(self, engine_id: str, memory: dict[str, Any], num_blocks: int,
                segments: list[Segment]) -> MappedMemory:
         path, size = memory.get("path"), memory.get("size")
-        if type(path) is not str or not path.startswith(_SHM_DIRS) or "/../" in path:
-            raise AttachError(f"memory.path must be a file under {_SHM_DIRS[0]}, got {path!r:.80}")
+        # A file directly in /dev/shm, named by the connector: no subdirectory (it could be a symlink
+        # to anywhere the daemon's user can read), and the file itself opened without following links.
+        if (type(path) is not str or os.path.dirname(path) != _SHM_DIRS[0].rstrip("/")
+                or not os.path.basename(path).startswith(SHM_PREFIX)
+                or os.path.realpath(os.path.dirname(path)) != os.path.realpath(_SHM_DIRS[0])):
+            raise AttachError(f"memory.path must be a {SHM_PREFIX}* file directly under {_SHM_DIRS[0]}, "
+                              f"got {path!r:.80}")
         if type(size) is not int or size <= 0:
             raise AttachError("memory.size must be a positive integer")
         try:
@@ -111,16 +117,16 @@ class CpuBackend(TransferBackend):
             log.warning("engine %s: mapping still referenced; the OS frees it at exit", mapped.engine_id)
         _unlink_if_orphan(mapped.extra["path"])
 
-    async def copy(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
-                   slots: np.ndarray, event: int = -1) -> None:
+    def submit(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
+               slots: np.ndarray, event: int = -1) -> Awaitable[None]:
         eng, pool, lens = run_descriptors(mapped, block_ids, slots, self.pool.base_address)
         eng = eng + mapped.extra["base"]
         src, dst = (eng, pool) if direction is Direction.STORE else (pool, eng)
         src, dst, lens = coalesce(src, dst, lens)
         loop = asyncio.get_running_loop()
         parts = _split(len(lens), lens, self.threads)
-        await asyncio.gather(*(loop.run_in_executor(self._executor, self._copy_runs, src[a:b], dst[a:b],
-                                                    lens[a:b]) for a, b in parts))
+        return asyncio.gather(*(loop.run_in_executor(self._executor, self._copy_runs, src[a:b], dst[a:b],
+                                                     lens[a:b]) for a, b in parts))
 
     def _copy_runs(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
         if self._pvm is not None:
