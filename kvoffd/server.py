@@ -557,25 +557,21 @@ class Daemon:
         except Exception as e:
             fut = _failed_future(e)
         entries = self.index.add_pending(eng.table, msg.keys, want, slot_list)
-        self._begin_job(conn, eng, msg.job_id)
-        self._spawn(self._finish_store(conn, eng, msg, want, entries, fut, dropped, t0))
+        jid = self._begin_job(conn, eng, msg.job_id, "store", t0)
+        self._spawn(self._finish_store(conn, eng, msg, jid, want, entries, fut, dropped, t0))
         return None
 
-    async def _finish_store(self, conn: Conn, eng: Engine, msg: P.Store, idx: list[int], entries: list[Entry],
-                            fut: Awaitable[None], dropped: list[int], t0: float) -> None:
-        jid = next(self._job_ids)
-        self._jobs[jid] = ("store", t0)
+    async def _finish_store(self, conn: Conn, eng: Engine, msg: P.Store, jid: int, idx: list[int],
+                            entries: list[Entry], fut: Awaitable[None], dropped: list[int], t0: float) -> None:
         try:
             await fut
         except asyncio.CancelledError:
             self.index.abort(entries)
-            self._jobs.pop(jid, None)
-            self._end_job(conn, eng, msg.job_id)
+            self._end_job(conn, eng, msg.job_id, jid)
             raise
         except Exception as e:
             log.warning("store job %d of engine %s failed: %s", msg.job_id, eng.engine_id, e)
-            self._jobs.pop(jid, None)
-            self._end_job(conn, eng, msg.job_id)
+            self._end_job(conn, eng, msg.job_id, jid)
             self._notice(conn, msg.job_id, sorted(dropped + idx), "copy_failed", str(e)[:200])
             self.index.abort(entries)
             self.metrics.failed_jobs.labels("store").inc()
@@ -585,8 +581,7 @@ class Daemon:
             sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, entries)
             for e, c in zip(entries, sums, strict=True):
                 e.checksum = c
-        self._jobs.pop(jid, None)
-        self._end_job(conn, eng, msg.job_id)
+        self._end_job(conn, eng, msg.job_id, jid)
         # The engine may reuse its blocks from now on: tell it before the bookkeeping. Nothing can
         # interleave between the notice and the commit (same loop callback), so a lookup that follows
         # the notice sees the blocks.
@@ -620,15 +615,13 @@ class Daemon:
             return P.Notice(seq=msg.seq, job_id=msg.job_id, ok=not failed, failed=failed,
                             code="not_resident" if failed else "")
         slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
-        self._begin_job(conn, eng, msg.job_id)
-        self._spawn(self._run_load(conn, eng, msg, ok_idx, entries, ids[ok_idx], slots, failed))
+        t0 = time.monotonic()
+        jid = self._begin_job(conn, eng, msg.job_id, "load", t0)
+        self._spawn(self._run_load(conn, eng, msg, jid, t0, ok_idx, entries, ids[ok_idx], slots, failed))
         return None
 
-    async def _run_load(self, conn: Conn, eng: Engine, msg: P.Load, idx: list[int], entries: list[Entry],
-                        ids: np.ndarray, slots: np.ndarray, failed: list[int]) -> None:
-        t0 = time.monotonic()
-        jid = next(self._job_ids)
-        self._jobs[jid] = ("load", t0)
+    async def _run_load(self, conn: Conn, eng: Engine, msg: P.Load, jid: int, t0: float, idx: list[int],
+                        entries: list[Entry], ids: np.ndarray, slots: np.ndarray, failed: list[int]) -> None:
         code, text = ("not_resident", "") if failed else ("", "")
         try:
             if self.cfg.verify:
@@ -659,15 +652,13 @@ class Daemon:
             code, text = "copy_failed", str(e)[:200]
         else:
             self._account(Direction.LOAD, len(ids), len(ids) * eng.mapped.slot_bytes, t0)
-        self._jobs.pop(jid, None)
-        self._end_job(conn, eng, msg.job_id)
+        self._end_job(conn, eng, msg.job_id, jid)
         self._notice(conn, msg.job_id, failed, code, text)  # first: the engine is waiting on it
         for e in entries:
             self.index.unpin(e)
 
     def _release_load(self, conn: Conn, eng: Engine, job_id: int, jid: int, entries: list[Entry]) -> None:
-        self._jobs.pop(jid, None)
-        self._end_job(conn, eng, job_id)
+        self._end_job(conn, eng, job_id, jid)
         for e in entries:
             self.index.unpin(e)
 
@@ -676,11 +667,16 @@ class Daemon:
         buf = self.pool.buffer
         return [zlib.crc32(buf[e.slot:e.slot + e.table.slot_bytes]) for e in entries]
 
-    def _begin_job(self, conn: Conn, eng: Engine, job_id: int) -> None:
+    def _begin_job(self, conn: Conn, eng: Engine, job_id: int, direction: str, t0: float) -> int:
+        """An accepted job: counted in flight (and aged) from now until its notice."""
         conn.jobs.add(job_id)
         eng.mapped.in_flight += 1
+        jid = next(self._job_ids)
+        self._jobs[jid] = (direction, t0)
+        return jid
 
-    def _end_job(self, conn: Conn, eng: Engine, job_id: int) -> None:
+    def _end_job(self, conn: Conn, eng: Engine, job_id: int, jid: int) -> None:
+        self._jobs.pop(jid, None)
         conn.jobs.discard(job_id)
         eng.mapped.in_flight -= 1
         if eng.closing and eng.mapped.in_flight == 0:

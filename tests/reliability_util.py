@@ -1,0 +1,407 @@
+"""Helpers for the reliability drills (tests/test_reliability_*.py), and the soak worker process.
+
+Everything talks to a real daemon over real sockets. Engine memory here is a numpy view of a file in
+/dev/shm made the way the connector makes it (``kvoffd-<pid>-...``, mode 0600), without torch, so a
+worker process starts in well under a second and fills and checks blocks at memory speed.
+
+Block contents are a pure function of the block's key (:func:`block_content`): any process can check
+any block it loads without asking who stored it, and a stale block (an old key's bytes in a reused
+slot) or a misplaced one (another key's bytes) can never pass the check.
+
+Run as a script it is the soak worker: ``python tests/reliability_util.py soak --address ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import mmap
+import os
+import re
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests"))
+
+from kvoffd_client import protocol as P  # noqa: E402
+from kvoffd_client.client import KvoffdClient  # noqa: E402
+
+# --------------------------------------------------------------------------------------------------
+# process measurements
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """The kB fields of /proc/PID/status (VmRSS, RssAnon, RssShmem, ...)."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                out[name] = int(parts[0])
+    return out
+
+
+def rss_kb(pid: int) -> int:
+    return proc_status(pid)["VmRSS"]
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def maps_mention(pid: int, text: str) -> bool:
+    """Whether /proc/PID/maps names ``text`` (a mapped file's path)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return any(text in line for line in f)
+
+
+def find_pool_base(pid: int, pool_bytes: int) -> int:
+    """Start address of the daemon's pool: its only shared anonymous mapping of exactly that size.
+
+    Fallback for daemons that do not report ``pool_base`` in stats.
+    """
+    found = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            m = re.match(r"([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)", line)
+            if not m:
+                continue
+            lo, hi, perms, name = int(m[1], 16), int(m[2], 16), m[3], m[4]
+            if hi - lo == pool_bytes and perms.endswith("s") and ("/dev/zero" in name or "SYSV" in name
+                                                                 or "anon_shmem" in name):
+                found.append(lo)
+    if len(found) != 1:
+        raise RuntimeError(f"expected one {pool_bytes}-byte shared anonymous mapping in pid {pid}, found {found}")
+    return found[0]
+
+
+def poke(pid: int, address: int, data: bytes) -> None:
+    """Write into another process's memory behind its back (/proc/PID/mem; needs ptrace rights)."""
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as f:
+        f.seek(address)
+        f.write(data)
+
+
+def peek(pid: int, address: int, n: int) -> bytes:
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as f:
+        f.seek(address)
+        return f.read(n)
+
+
+# --------------------------------------------------------------------------------------------------
+# keys and block contents
+
+
+def keyspace(n: int, salt: bytes) -> list[bytes]:
+    return [hashlib.sha256(salt + i.to_bytes(8, "little")).digest() for i in range(n)]
+
+
+_POS_CACHE: dict[int, np.ndarray] = {}
+
+
+def _positions(slot_bytes: int) -> np.ndarray:
+    pos = _POS_CACHE.get(slot_bytes)
+    if pos is None:
+        i = np.arange(slot_bytes, dtype=np.uint64)
+        pos = _POS_CACHE[slot_bytes] = ((i * 2654435761) >> 11).astype(np.uint8)
+    return pos
+
+
+def block_content(keys: Sequence[bytes], slot_bytes: int) -> np.ndarray:
+    """(len(keys), slot_bytes) uint8: each key's bytes tiled, XOR a position pattern.
+
+    Distinct per key and per position, so neither another key's block nor a shifted copy matches.
+    """
+    k = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), P.KEY_SIZE)
+    tiled = np.tile(k, (1, slot_bytes // P.KEY_SIZE))
+    return tiled ^ _positions(slot_bytes)[None, :]
+
+
+# --------------------------------------------------------------------------------------------------
+# engine memory without torch
+
+
+class ShmEngine:
+    """KV memory of one engine: ``layers`` per-layer regions of ``num_blocks`` blocks in one /dev/shm file.
+
+    A block occupies one run per layer (like vLLM's per-layer LBHNC views), so the daemon handles a
+    multi-segment layout; its pool slot is the layers' runs back to back.
+    """
+
+    def __init__(self, num_blocks: int, slot_bytes: int, layers: int = 2, tag: str = "rel"):
+        assert slot_bytes % (layers * P.KEY_SIZE) == 0
+        self.num_blocks, self.slot_bytes, self.layers = num_blocks, slot_bytes, layers
+        self.half = slot_bytes // layers
+        self.size = num_blocks * slot_bytes
+        self.path = f"/dev/shm/kvoffd-{os.getpid()}-{tag[:40]}-{uuid.uuid4().hex[:8]}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.size)
+            self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.mem = np.frombuffer(self._mm, dtype=np.uint8).reshape(layers, num_blocks, self.half)
+
+    @property
+    def memory(self) -> dict[str, Any]:
+        return {"kind": "cpu_shm", "path": self.path, "size": self.size}
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        seg = [[layer * self.num_blocks * self.half, self.half, self.half] for layer in range(self.layers)]
+        return {"num_blocks": self.num_blocks, "segments": seg, "desc": f"reliability {self.layers} layers"}
+
+    def write(self, ids: Sequence[int], data: np.ndarray) -> None:
+        self.mem[:, list(ids), :] = data.reshape(len(ids), self.layers, self.half).transpose(1, 0, 2)
+
+    def read(self, ids: Sequence[int]) -> np.ndarray:
+        return self.mem[:, list(ids), :].transpose(1, 0, 2).reshape(len(ids), self.slot_bytes)
+
+    def fill(self, ids: Sequence[int], keys: Sequence[bytes]) -> None:
+        self.write(ids, block_content(keys, self.slot_bytes))
+
+    def poison(self, ids: Sequence[int], value: int = 0xA5) -> None:
+        self.mem[:, list(ids), :] = value
+
+    def matches(self, ids: Sequence[int], keys: Sequence[bytes]) -> np.ndarray:
+        """Per block: whether it holds exactly ``keys[i]``'s content."""
+        if not len(ids):
+            return np.zeros(0, dtype=bool)
+        return (self.read(ids) == block_content(keys, self.slot_bytes)).all(axis=1)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self._mm).hexdigest()
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+# --------------------------------------------------------------------------------------------------
+# a raw peer: the protocol without the client library's manners
+
+
+class RawPeer:
+    """A bare DEALER. Sends whatever it is given; reads replies only when asked."""
+
+    def __init__(self, address: str, *, sndhwm: int = 100_000, rcvhwm: int = 100_000,
+                 routing_id: bytes | None = None):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, sndhwm)
+        self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        self.sock.setsockopt(zmq.ROUTING_ID, routing_id or uuid.uuid4().bytes)
+        self.sock.connect(address)
+        self._seq = 1 << 40
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def send(self, frame: bytes | list[bytes]) -> None:
+        if isinstance(frame, list):
+            self.sock.send_multipart(frame)
+        else:
+            self.sock.send(frame)
+
+    def send_msg(self, msg: P.Message) -> int:
+        if not msg.seq:
+            msg.seq = self.next_seq()
+        self.send(P.encode(msg))
+        return msg.seq
+
+    def recv(self, timeout_s: float = 5.0) -> dict | None:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return msgpack.unpackb(self.sock.recv(), raw=False)
+
+    def recv_until(self, pred, timeout_s: float = 10.0) -> list[dict]:
+        """Every reply up to and including the first one ``pred`` accepts (raises on timeout)."""
+        out: list[dict] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            r = self.recv(max(left, 0.0))
+            if r is None:
+                raise TimeoutError(f"no matching reply within {timeout_s} s ({len(out)} others received)")
+            out.append(r)
+            if pred(r):
+                return out
+
+    def ask(self, msg: P.Message, timeout_s: float = 10.0) -> dict:
+        seq = self.send_msg(msg)
+        return self.recv_until(lambda r: r.get("seq") == seq and r.get("op") != "notice", timeout_s)[-1]
+
+    def hello(self, pid: int = 0, start_ticks: int = 0) -> dict:
+        r = self.ask(P.Hello(pid=pid, start_ticks=start_ticks, client="reliability"))
+        assert r["op"] == "hello_ok", r
+        return r
+
+    def barrier(self, timeout_s: float = 30.0) -> list[dict]:
+        """Replies to everything sent so far (the daemon answers in order), ending with a PONG."""
+        seq = self.send_msg(P.Ping())
+        out = self.recv_until(lambda r: r.get("op") == "pong" and r.get("seq") == seq, timeout_s)
+        return out[:-1]
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def self_start_ticks() -> int:
+    with open("/proc/self/stat", "rb") as f:
+        data = f.read()
+    return int(data[data.rindex(b")") + 2:].split()[19])
+
+
+def metric_value(text: str, name: str) -> float:
+    """A sample's value from Prometheus text (``name`` includes labels, e.g. 'x_total{code="a"}')."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise KeyError(name)
+
+
+# --------------------------------------------------------------------------------------------------
+# soak worker
+
+
+def soak_worker(a: argparse.Namespace) -> dict[str, Any]:
+    """Mixed lookups (with leases), loads and stores over a key space larger than the pool.
+
+    One *operation* is one block named in one request: a LOOKUP of 64 keys is 64 operations, a LOAD
+    of h blocks h, a STORE of 64-h blocks 64-h. Every loaded block is checked byte for byte.
+    """
+    rng = np.random.default_rng(a.seed)
+    keys = keyspace(a.keys, a.salt.encode())
+    B = a.batch
+    eng = ShmEngine(2 * B, a.slot_bytes, layers=2, tag=a.engine_id)
+    client = KvoffdClient(a.address, name="soak", timeout_s=10.0, job_deadline_s=60.0)
+    st = {"ops": 0, "messages": 0, "lookups": 0, "lookup_keys": 0, "lookup_hits": 0, "loads": 0,
+          "loaded_blocks": 0, "load_failed": 0, "leased_load_failed": 0, "stores": 0, "store_keys": 0,
+          "store_failed": 0, "store_failed_codes": {}, "verified_blocks": 0, "mismatched_blocks": 0,
+          "released_leases": 0, "iterations": 0, "lost_notices": 0}
+    try:
+        if not client.connect(10):
+            raise SystemExit("daemon not reachable")
+        client.register(a.engine_id, a.namespace, 0, 1, eng.memory, eng.layout)
+        print(json.dumps({"ready": a.engine_id}), flush=True)
+        load_ids, store_ids = list(range(B)), list(range(B, 2 * B))
+        job = 0
+        t0 = time.monotonic()
+        while st["ops"] < a.ops and (a.seconds <= 0 or time.monotonic() - t0 < a.seconds):
+            start = int(rng.integers(0, a.keys - B + 1))
+            batch = keys[start:start + B]
+            lease_ms = 10_000 if rng.random() < 0.9 else 0
+            r = client.lookup(a.namespace, batch, lease_ms=lease_ms)
+            h = r.hits
+            st["lookups"] += 1
+            st["lookup_keys"] += B
+            st["lookup_hits"] += h
+            st["messages"] += 1
+            st["ops"] += B
+            waits: dict[int, str] = {}
+            if h and r.lease_id and rng.random() < 0.1:
+                client.release(r.lease_id)  # a request the scheduler dropped before loading
+                st["released_leases"] += 1
+                st["messages"] += 1
+                h_load = 0
+            else:
+                h_load = h
+            if h_load:
+                job += 1
+                eng.poison(load_ids[:h_load])
+                client.submit_load(a.engine_id, job, batch[:h_load], load_ids[:h_load], lease_id=r.lease_id)
+                waits[job] = "load"
+                st["loads"] += 1
+                st["messages"] += 1
+                st["ops"] += h_load
+            if h < B:
+                job += 1
+                eng.fill(store_ids[: B - h], batch[h:])
+                client.submit_store(a.engine_id, job, batch[h:], store_ids[: B - h])
+                waits[job] = "store"
+                st["stores"] += 1
+                st["store_keys"] += B - h
+                st["messages"] += 1
+                st["ops"] += B - h
+            notices = {n.job_id: n for n in client.wait_notices(set(waits), 60)}
+            st["lost_notices"] += len(set(waits) - set(notices))
+            for jid, kind in waits.items():
+                n = notices.get(jid)
+                if n is None:
+                    continue
+                if kind == "load":
+                    bad = set(n.failed)
+                    ok = [i for i in range(h_load) if i not in bad]
+                    st["load_failed"] += len(n.failed)
+                    if r.lease_id:
+                        st["leased_load_failed"] += len(n.failed)
+                    st["loaded_blocks"] += len(ok)
+                    good = eng.matches([load_ids[i] for i in ok], [batch[i] for i in ok])
+                    st["verified_blocks"] += int(good.sum())
+                    st["mismatched_blocks"] += int((~good).sum())
+                else:
+                    st["store_failed"] += len(n.failed)
+                    if n.failed:
+                        st["store_failed_codes"][n.code] = st["store_failed_codes"].get(n.code, 0) + len(n.failed)
+            st["iterations"] += 1
+        st["seconds"] = round(time.monotonic() - t0, 3)
+        if a.hold:  # keep the engine mapped until the coordinator has its last RSS sample
+            print(json.dumps({"done": a.engine_id}), flush=True)
+            sys.stdin.readline()
+        client.unregister(a.engine_id)
+    finally:
+        client.close()
+        eng.close()
+    return st
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("soak")
+    s.add_argument("--address", required=True)
+    s.add_argument("--engine-id", required=True)
+    s.add_argument("--namespace", default="soak")
+    s.add_argument("--salt", default="soak")
+    s.add_argument("--keys", type=int, default=6144)
+    s.add_argument("--batch", type=int, default=64)
+    s.add_argument("--slot-bytes", type=int, default=16384)
+    s.add_argument("--ops", type=int, default=250_000)
+    s.add_argument("--seconds", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--hold", action="store_true", help="wait for a line on stdin before unregistering")
+    a = ap.parse_args(argv)
+    if a.cmd == "soak":
+        print(json.dumps({"summary": soak_worker(a)}), flush=True)
+
+
+def record(drill: str, **figures: Any) -> None:
+    """Print a drill's measured figures (run pytest with -s to see them; docs/reliability.md cites them).
+
+    With KVOFFD_FIGURES=path set they are also appended to that file, one JSON object per line.
+    """
+    line = json.dumps({"drill": drill, **figures}, sort_keys=True, default=str)
+    print(f"\nFIGURES {line}", flush=True)
+    path = os.environ.get("KVOFFD_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
