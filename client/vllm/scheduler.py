@@ -364,6 +364,7 @@ class KvoffdScheduler:
                         for k in job.keys:  # stored again: loadable again
                             self._negative.pop(k, None)
         failed = out.failed_recving or set()
+        n_failed = 0
         for req_id in out.finished_recving or ():
             st = self._reqs.get(req_id)
             if st is None:
@@ -377,9 +378,11 @@ class KvoffdScheduler:
                     self._known.pop(k, None)
                 st.no_external = True
                 st.next_store = 0
-                log.warning("kvoffd: loading %d blocks for request %s failed; vLLM recomputes them",
-                            len(st.load_keys), req_id)
+                n_failed += 1
+                log.debug("kvoffd: loading %d blocks for request %s failed", len(st.load_keys), req_id)
             st.load_job, st.load_keys = 0, []
+        if n_failed:  # one line per step, not per request: a daemon death fails hundreds at once
+            log.warning("kvoffd: %d load(s) failed this step; vLLM recomputes those blocks", n_failed)
         for req_id in out.finished_sending or ():
             self._reqs.pop(req_id, None)
 
