@@ -87,6 +87,7 @@ class KvoffdClient:
         self._next_try = 0.0
         self._link_down_since: float | None = None
         self._last_send = 0.0
+        self._last_pump = 0.0
         self._replies: dict[int, P.Message] = {}
         self._wanted: set[int] = set()
         self._notices: list[P.Notice] = []
@@ -114,6 +115,8 @@ class KvoffdClient:
     @property
     def connected(self) -> bool:
         """Whether the daemon is reachable now (processes pending link events first; never waits)."""
+        if self._closed or time.monotonic() - self._last_pump < 0.01:
+            return self._ready  # the engine asks per request per step: at most one pump per 10 ms
         with self._lock:
             if not self._closed:
                 self._pump(0)
@@ -197,7 +200,7 @@ class KvoffdClient:
 
     def _pump(self, timeout_ms: int = 0) -> None:
         """Process link events, incoming messages, reconnection and deadlines. Never blocks past timeout."""
-        now = time.monotonic()
+        now = self._last_pump = time.monotonic()
         while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # no system call, unlike poll()
             ev = recv_monitor_message(self._monitor)
             if ev["event"] == zmq.EVENT_DISCONNECTED:

@@ -559,7 +559,7 @@ class Daemon:
         t0 = time.monotonic()
         slots = np.array(slot_list, dtype=np.int64)
         try:  # the copy starts first; the per-key bookkeeping below runs while the bytes move
-            fut = eng.backend.submit(Direction.STORE, eng.mapped, ids[want], slots, msg.event)
+            fut = eng.backend.submit(Direction.STORE, eng.mapped, ids[want], slots, msg.event, msg.expires_ns)
         except Exception as e:
             fut = _failed_future(e)
         entries = self.index.add_pending(eng.table, msg.keys, want, slot_list)
@@ -647,7 +647,7 @@ class Daemon:
             if msg.expires_ns and time.monotonic_ns() > msg.expires_ns:  # checksums took too long
                 raise TimeoutError("deadline passed before the copy could start")
             if len(ids):
-                await eng.backend.submit(Direction.LOAD, eng.mapped, ids, slots, msg.event)
+                await eng.backend.submit(Direction.LOAD, eng.mapped, ids, slots, msg.event, msg.expires_ns)
         except asyncio.CancelledError:
             self._release_load(conn, eng, msg.job_id, jid, entries)
             raise

@@ -76,13 +76,15 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def submit(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
-               slots: np.ndarray, event: int = -1) -> Awaitable[None]:
+               slots: np.ndarray, event: int = -1, expires_ns: int = 0) -> Awaitable[None]:
         """Start moving ``block_ids[i]`` <-> pool slot at byte offset ``slots[i]``, as one batch.
 
         The work must begin before this returns (the server does its per-key bookkeeping while the
         bytes move); the awaitable completes once they are in place (for a LOAD: visible to the
         engine's next kernel) and raises if the job failed as a whole. Called on the event loop.
         ``event`` is the index in the engine's event ring that a STORE must wait for (-1: none).
+        A job that waits (for an event) must not start after ``expires_ns`` (CLOCK_MONOTONIC; 0:
+        no deadline): its client has given up and the engine may be reusing the blocks.
         """
 
     async def copy(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,

@@ -118,7 +118,7 @@ class CpuBackend(TransferBackend):
         _unlink_if_orphan(mapped.extra["path"])
 
     def submit(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
-               slots: np.ndarray, event: int = -1) -> Awaitable[None]:
+               slots: np.ndarray, event: int = -1, expires_ns: int = 0) -> Awaitable[None]:
         eng, pool, lens = run_descriptors(mapped, block_ids, slots, self.pool.base_address)
         eng = eng + mapped.extra["base"]
         src, dst = (eng, pool) if direction is Direction.STORE else (pool, eng)

@@ -295,7 +295,7 @@ class CudaBackend(TransferBackend):
 
     # --- copies -----------------------------------------------------------------------------------
     def submit(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
-               slots: np.ndarray, event: int = -1) -> Awaitable[None]:
+               slots: np.ndarray, event: int = -1, expires_ns: int = 0) -> Awaitable[None]:
         m: _Mapping | None = mapped.handle
         if m is None:
             raise RuntimeError(f"engine {mapped.engine_id} is not mapped")
@@ -313,7 +313,10 @@ class CudaBackend(TransferBackend):
             drv.use_device(m.device.ordinal)
             if not drv.event_query(m.events[event]):
                 with self._cond:
-                    self._gates.append(_Gate(m.events[event], m, args, time.monotonic() + self.gate_timeout_s))
+                    deadline = time.monotonic() + self.gate_timeout_s
+                    if expires_ns:  # never start after the client gave up (it may reuse the blocks)
+                        deadline = min(deadline, expires_ns / 1e9)
+                    self._gates.append(_Gate(m.events[event], m, args, deadline))
                     self._cond.notify()
                 return fut
         else:
@@ -428,8 +431,8 @@ class CudaBackend(TransferBackend):
                         elif drv.event_query(g.event):
                             ready.append(g)
                         elif now > g.deadline:
-                            failed.append((g, TimeoutError(f"the engine's event did not fire within "
-                                                           f"{self.gate_timeout_s:.0f} s")))
+                            failed.append((g, TimeoutError("the engine's event did not fire before the job's "
+                                                           "deadline; not started")))
                     except cudart.CudaError as e:
                         failed.append((g, e))
                 if ready or failed:
