@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Any
 
+from kvoffd.doctor import _read
+
 PATTERN = 0x5A
 IPC_BYTES = 1 << 20
 _CUDA_IPC_LAZY_ENABLE_PEER_ACCESS = 1
@@ -149,13 +151,6 @@ def _readline(child: subprocess.Popen, timeout_s: float) -> str:
 #: 64 GT/s uses FLIT mode, 242 of 256 bytes carry data).
 _LANE_GBPS = {2.5: 0.25, 5.0: 0.5, 8.0: 0.9846, 16.0: 1.969, 32.0: 3.938, 64.0: 7.563}
 
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def pcie_link(bus_id: str) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -188,6 +187,3 @@ def test_tp2_lookup_hits_only_when_both_ranks_stored(daemon):
         r0.close()
         r1.close()
 
-
-if os.environ.get("KVOFFD_GPU_SKIP_DAEMON"):
-    pytestmark = pytest.mark.skip("KVOFFD_GPU_SKIP_DAEMON set")
