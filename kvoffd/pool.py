@@ -6,8 +6,9 @@ cut into slots of one size only (a slab per slot size). A slot is named by its b
 pool, which is all a transfer backend needs (``base + offset``).
 
 The allocation is an anonymous private mapping (huge pages where the kernel gives them): it costs
-nothing until touched, so the daemon is ready at once whatever the pool size. A backend that needs the memory pinned (CUDA) makes chunks
-usable as it pins them (``set_usable_bytes``); until then only usable chunks are handed out.
+nothing until touched, so the daemon is ready at once whatever the pool size. A backend that needs
+the memory pinned (CUDA) makes chunks usable as it pins them (``set_usable_bytes``); until then only
+usable chunks are handed out.
 """
 
 from __future__ import annotations
