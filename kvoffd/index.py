@@ -56,9 +56,9 @@ class Namespace:
 
 
 class Index:
-    """Pins are lazy with respect to the LRU: pinning is one increment (lookups with leases pin
-    thousands of blocks per step); eviction skips pinned entries it meets and unpinning puts them
-    back as most recently used."""
+    """Pins are lazy with respect to the LRU: pinning is ``entry.pins += 1`` and nothing else (callers
+    do it inline: lookups with leases pin thousands of blocks per step); eviction skips pinned entries
+    it meets and ``unpin`` puts them back as most recently used."""
 
     def __init__(self, pool: Pool):
         self.pool = pool
@@ -125,10 +125,6 @@ class Index:
         return n, hits, reason
 
     # --- pins ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def pin(e: Entry) -> None:
-        e.pins += 1
-
     def unpin(self, e: Entry) -> None:
         e.pins -= 1
         if e.pins:
@@ -180,11 +176,6 @@ class Index:
             entries[e.key] = e
             out.append(e)
         return out
-
-    def reserve(self, table: Table, keys: list[bytes]) -> tuple[list[int], list[Entry], int, list[int]]:
-        """plan + add_pending in one step (for callers that need no overlap)."""
-        want, slots, present, dropped = self.plan(table, keys)
-        return want, self.add_pending(table, keys, want, slots), present, dropped
 
     def commit(self, entries: list[Entry]) -> int:
         """The store copied these: make them visible (unless unlinked meanwhile). Returns how many."""

@@ -476,7 +476,7 @@ class Daemon:
             lease_id = next(self._lease_ids)
             by_rank: dict[int, list[Entry]] = {}
             for e in entries:
-                e.pins += 1  # Index.pin, inlined: thousands per step
+                e.pins += 1  # a pin (see Index): thousands per step
                 by_rank.setdefault(e.table.rank, []).append(e)
             self.leases[lease_id] = Lease(lease_id, conn.ident, time.monotonic() + msg.lease_ms / 1000, by_rank,
                                           msg.namespace)
@@ -608,7 +608,7 @@ class Daemon:
             if e is None:
                 failed.append(i)
             else:
-                e.pins += 1  # Index.pin, inlined
+                e.pins += 1  # a pin, released by unpin when the copy ends
                 entries.append(e)
                 ok_idx.append(i)
         if msg.lease_id:
