@@ -24,15 +24,15 @@ _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoff
 class Entry:
     __slots__ = ("key", "table", "slot", "ready", "pins", "dead", "in_lru", "stored_at", "checksum")
 
-    def __init__(self, key: bytes, table: Table, slot: int):
+    def __init__(self, key: bytes, table: Table, slot: int, pins: int = 0):
         self.key = key
         self.table = table
         self.slot = slot
         self.ready = False
-        self.pins = 0
+        self.pins = pins
         self.dead = False  # unlinked (evicted, cleared, failed) while a job may still hold it
         self.in_lru = False
-        self.stored_at = time.time()
+        self.stored_at = 0.0  # set when the copy completes
         self.checksum = -1  # set in --verify mode
 
 
@@ -149,12 +149,10 @@ class Index:
         end: the leading blocks of a prefix are the ones a later lookup can use.
         """
         entries = table.entries
-        want: list[int] = []
-        seen: set[bytes] = set()
-        for i, k in enumerate(keys):
-            if k not in entries and k not in seen:
-                seen.add(k)
-                want.append(i)
+        want = [i for i, k in enumerate(keys) if k not in entries]
+        if len(want) > 1 and len(set(keys)) < len(keys):  # a key repeated within the batch: copy it once
+            firsts = {keys[i]: i for i in reversed(want)}
+            want = sorted(firsts.values())
         present = len(keys) - len(want)
         if not want:
             return [], [], present, []
@@ -168,26 +166,27 @@ class Index:
 
     def add_pending(self, table: Table, keys: list[bytes], want: list[int], slots: list[int]) -> list[Entry]:
         """Pending (invisible) entries for a planned store, pinned by the store job."""
-        entries = table.entries
-        out = []
-        for i, s in zip(want, slots, strict=True):
-            e = Entry(keys[i], table, s)
-            e.pins = 1
-            entries[e.key] = e
-            out.append(e)
+        out = [Entry(keys[i], table, s, 1) for i, s in zip(want, slots, strict=True)]
+        table.entries.update(zip([e.key for e in out], out, strict=True))
         return out
 
     def commit(self, entries: list[Entry]) -> int:
         """The store copied these: make them visible (unless unlinked meanwhile). Returns how many."""
         done = 0
         now = time.time()
+        unpin = self.unpin
         for e in entries:
             if not e.dead:
                 e.ready = True
                 e.stored_at = now
                 e.table.visible[e.key] = e
                 done += 1
-            self.unpin(e)
+            if e.pins == 1 and not e.dead:  # the usual case, inlined: only the store held it
+                e.pins = 0
+                self._lru[e.table.slot_bytes][e] = None
+                e.in_lru = True
+            else:
+                unpin(e)
         self.resident += done
         return done
 

@@ -3,17 +3,20 @@
 Page-locking a large pool is slow when done the usual way (torch's ``pin_memory`` allocator manages
 ~1.9 GiB/s on an H200 host, so a 512 GiB pool would keep the daemon down for minutes). Measured on
 the H200 host (docs/cuda.md):
-  * the cost is almost all first-touch page faults and zeroing, and it parallelises across cores
-    (``madvise(MADV_POPULATE_WRITE)`` faults a whole range in one call, GIL released);
+  * the cost is almost all first-touch page faults and zeroing, and it parallelises across cores;
   * with transparent huge pages the faults are 2 MiB each and ``cuMemHostRegister`` of populated
     memory runs at ~40 GiB/s on one thread, but several registrations at once serialise inside the
     driver and get *slower* in total;
+  * touching with plain stores beats ``madvise(MADV_POPULATE_WRITE)`` once the CUDA driver starts
+    at the same time: populate holds the process's mmap lock, so the driver's own start-up (hundreds
+    of mmap calls) took 1.0 s instead of 0.2 s and pinning a 12 GiB pool fell to 8 GiB/s; page faults
+    take only the pool's VMA lock (Linux >= 6.4) and the same pool pinned at 16-22 GiB/s;
   * shared anonymous memory (shmem) gets no huge pages where shmem THP is off (the default), and
     faults ~8x slower than private memory.
-So: ``threads`` workers populate 1 GiB regions (MADV_HUGEPAGE first), one registrar thread
-registers them in address order (at most 64 GiB each: single huge registrations are known to fail),
-and the pool becomes allocatable up to the registered prefix through ``on_progress``. If the pool's
-mapping is shared and still untouched, it is first replaced by a private one at the same address
+So: ``threads`` workers touch 1 GiB regions (MADV_HUGEPAGE first), one registrar thread registers
+them in address order (at most 64 GiB each: single huge registrations are known to fail), and the
+pool becomes allocatable up to the registered prefix through ``on_progress``. If the pool's mapping
+is shared and still untouched, it is first replaced by a private one at the same address
 (``remap_private``), which changes nothing for the daemon (it never forks) and gets huge pages.
 
 Regions are registered PORTABLE, so every GPU's context in the daemon can DMA to and from them.
@@ -41,7 +44,7 @@ MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 MAX_REGION = 64 << 30
 MAP_FIXED = 0x10
-POPULATE_STEP = 32 << 20
+POPULATE_STEP = 8 << 20
 
 
 @dataclass
@@ -53,6 +56,7 @@ class PinStats:
     error: str = ""
     touch_s: float = 0.0  # summed over threads: first touch (populate)
     register_s: float = 0.0  # summed over threads: cuMemHostRegister
+    driver_s: float = 0.0  # the registrar's wait for the CUDA driver (cuInit, context) at the start
     regions: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) registered
 
     @property
@@ -87,18 +91,21 @@ class Pinner:
 
     def __init__(self, pool: Pool, on_progress: Callable[[int], None] | None = None, *,
                  region_bytes: int = 1 << 30, threads: int = 0, device: int = 0, populate: bool = True,
-                 hugepages: bool = True, remap_private: bool = False):
+                 hugepages: bool = True, remap_private: bool = False, populate_step: int = POPULATE_STEP,
+                 touch: str = "write"):
         step = pool.chunk_bytes
         region_bytes = min(max(region_bytes, step), MAX_REGION)
         self.region_bytes = region_bytes - region_bytes % step
         self.pool = pool
         self.on_progress = on_progress
-        # more populate threads did not help on the H200 VM (4: 9.3 GiB/s, 8: 8.0, 12: 7.2)
-        self.threads = threads or max(1, min(4, (os.cpu_count() or 2) // 2))
+        # H200 VM, 16 GiB pools touched by writes: 6 threads 22 GiB/s, 8 threads 26 GiB/s
+        self.threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
         self.device = device
         self.populate = populate
         self.hugepages = hugepages
         self.remap_private = remap_private
+        self.populate_step = populate_step
+        self.touch = touch  # "write" (one store per page) or "populate" (MADV_POPULATE_WRITE)
         self.stats = PinStats(total_bytes=pool.nbytes)
         self._regions = [(o, min(self.region_bytes, pool.nbytes - o))
                          for o in range(0, pool.nbytes, self.region_bytes)]
@@ -115,6 +122,8 @@ class Pinner:
     # --- control ----------------------------------------------------------------------------------
     def start(self) -> None:
         self.stats.started = time.monotonic()
+        if self.pool.used_bytes:  # touching by writing zeros is only for memory never handed out
+            self.touch = "populate"
         if not self._regions:
             self.stats.finished = self.stats.started
             return
@@ -194,12 +203,14 @@ class Pinner:
 
     def _register_work(self) -> None:
         self._go.wait()
+        t0 = time.monotonic()
         try:
             drv = cudart.driver()
             drv.use_device(self.device)
         except (cudart.CudaUnavailable, cudart.CudaError) as e:
             self._give_up(f"no CUDA driver: {e}")
             return
+        self.stats.driver_s = time.monotonic() - t0
         base = self.pool.base_address
         touching = any(t.name.startswith("kvoffd-touch") for t in self._workers)
         for i, (off, length) in enumerate(self._regions):
@@ -222,9 +233,10 @@ class Pinner:
             if self.on_progress is not None:
                 self.on_progress(off + length)
         self.stats.finished = time.monotonic()
-        log.info("pool pinned: %.1f GiB in %.2f s (%.1f GiB/s; %d populate threads)",
-                 self.stats.pinned_bytes / (1 << 30), self.stats.seconds, self.stats.gib_per_s,
-                 len(self._workers) - 1)
+        log.info("pool pinned: %.1f GiB in %.2f s (%.1f GiB/s; %d populate threads: touch %.2f s, register %.2f s "
+                 "thread-summed; CUDA driver ready after %.2f s)", self.stats.pinned_bytes / (1 << 30),
+                 self.stats.seconds, self.stats.gib_per_s, len(self._workers) - 1, self.stats.touch_s,
+                 self.stats.register_s, self.stats.driver_s)
 
     def _touch(self, addr: int, length: int) -> None:
         if self._libc is None:
@@ -233,10 +245,23 @@ class Pinner:
             self._libc.madvise(addr, length, MADV_HUGEPAGE)  # a hint; shmem may ignore it
         # in POPULATE_STEP pieces: each call holds the process's mmap lock, which any mmap (the event
         # loop's large allocations included) waits for
-        for a in range(addr, addr + length, POPULATE_STEP):
+        step = self.populate_step
+        if self.touch == "write":
+            # Plain page faults take only the pool's own VMA lock (Linux >= 6.4), so they do not hold
+            # up the mmap calls of the CUDA driver's initialisation running at the same time, which
+            # MADV_POPULATE_WRITE (holding the process's mmap lock) was measured to slow 3x. numpy
+            # releases the GIL for the strided store.
+            buf = self.pool.buffer
+            off0 = addr - self.pool.base_address
+            for off in range(off0, off0 + length, step):
+                if self._stop.is_set():
+                    return
+                buf[off: min(off + step, off0 + length): mmap.PAGESIZE] = 0  # a fresh pool: zeros already
+            return
+        for a in range(addr, addr + length, step):
             if not self.populate or self._stop.is_set():
                 return
-            if self._libc.madvise(a, min(POPULATE_STEP, addr + length - a), MADV_POPULATE_WRITE) != 0:
+            if self._libc.madvise(a, min(step, addr + length - a), MADV_POPULATE_WRITE) != 0:
                 self.populate = False  # old kernel: registration faults the pages itself
 
     def _give_up(self, why: str) -> None:

@@ -622,15 +622,25 @@ class Daemon:
                             code="not_resident" if failed else "")
         slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
         t0 = time.monotonic()
+        ids = ids[ok_idx] if failed else ids
+        fut: Awaitable[None] | None = None
+        if not self.cfg.verify:  # start the copy now, not one loop turn later in the job's task
+            try:
+                fut = eng.backend.submit(Direction.LOAD, eng.mapped, ids, slots, msg.event, msg.expires_ns)
+            except Exception as e:
+                fut = _failed_future(e)
         jid = self._begin_job(conn, eng, msg.job_id, "load", t0)
-        self._spawn(self._run_load(conn, eng, msg, jid, t0, ok_idx, entries, ids[ok_idx], slots, failed))
+        self._spawn(self._run_load(conn, eng, msg, jid, t0, ok_idx, entries, ids, slots, failed, fut))
         return None
 
     async def _run_load(self, conn: Conn, eng: Engine, msg: P.Load, jid: int, t0: float, idx: list[int],
-                        entries: list[Entry], ids: np.ndarray, slots: np.ndarray, failed: list[int]) -> None:
+                        entries: list[Entry], ids: np.ndarray, slots: np.ndarray, failed: list[int],
+                        fut: Awaitable[None] | None) -> None:
         code, text = ("not_resident", "") if failed else ("", "")
         try:
-            if self.cfg.verify:
+            if fut is not None:
+                await fut
+            elif self.cfg.verify:
                 sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, entries)
                 bad = [j for j, (e, c) in enumerate(zip(entries, sums, strict=True)) if e.checksum != c]
                 if bad:
@@ -644,10 +654,10 @@ class Daemon:
                     keep = np.ones(len(entries), dtype=bool)
                     keep[bad] = False
                     ids, slots = ids[keep], slots[keep]
-            if msg.expires_ns and time.monotonic_ns() > msg.expires_ns:  # checksums took too long
-                raise TimeoutError("deadline passed before the copy could start")
-            if len(ids):
-                await eng.backend.submit(Direction.LOAD, eng.mapped, ids, slots, msg.event, msg.expires_ns)
+                if msg.expires_ns and time.monotonic_ns() > msg.expires_ns:  # checksums took too long
+                    raise TimeoutError("deadline passed before the copy could start")
+                if len(ids):
+                    await eng.backend.submit(Direction.LOAD, eng.mapped, ids, slots, msg.event, msg.expires_ns)
         except asyncio.CancelledError:
             self._release_load(conn, eng, msg.job_id, jid, entries)
             raise

@@ -16,8 +16,10 @@ How one job moves (docs/cuda.md has the full story and the measurements):
      futures on the event loop. (uvloop's timers tick in milliseconds, so polling from the loop
      would add up to 1 ms per job; a thread sleeping ~50 us between sweeps adds far less.)
 
-Small jobs are submitted inline on the loop thread (tens of microseconds); large ones, where the
-driver spends milliseconds building descriptors, from a small thread pool so the loop never stalls.
+Small jobs are submitted inline on the loop thread (tens of microseconds). Of a large one, where the
+driver spends milliseconds building descriptors, only the first ``inline_runs`` runs are: the copy
+engine starts at once, and a small thread pool queues the rest behind them, so the loop never stalls
+and the DMA never waits for the pool thread to get the GIL.
 Nothing here imports torch, and nothing touches CUDA at import time.
 """
 
@@ -93,15 +95,13 @@ class _Pending:
     device: _Device
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    nbytes: int
-    t0: float
 
 
 class CudaBackend(TransferBackend):
     name = "cuda"
 
-    def __init__(self, pool: Pool, *, batch_runs: int = 512, batch_bytes: int = 256 << 20, inline_runs: int = 64,
-                 submit_threads: int = 4,
+    def __init__(self, pool: Pool, *, batch_runs: int = 512, batch_bytes: int = 256 << 20, inline_runs: int = 256,
+                 head_bytes: int = 512 << 20, submit_threads: int = 4,
                  poll_us: float = 20.0, pin: bool = True, pin_threads: int = 0, pin_region_bytes: int = 1 << 30,
                  method: str = "batch", wait: str = "host", gate_timeout_s: float = 120.0):
         super().__init__(pool)
@@ -110,7 +110,8 @@ class CudaBackend(TransferBackend):
         self._gates: list[_Gate] = []
         self.batch_runs = batch_runs  # descriptors per cuMemcpyBatchAsync call ...
         self.batch_bytes = batch_bytes  # ... and bytes: small calls let the DMA start while the rest is queued
-        self.inline_runs = inline_runs
+        self.inline_runs = inline_runs  # ~1 us of driver time each on the loop thread
+        self.head_bytes = head_bytes  # ~10 ms of DMA: ample time for the pool thread to queue the rest
         self.poll_s = poll_us * 1e-6
         self.method = method  # "batch" (cuMemcpyBatchAsync) or "loop" (cuMemcpyAsync per run; reference)
         self._pin = pin
@@ -306,7 +307,6 @@ class CudaBackend(TransferBackend):
         if len(block_ids) == 0:
             fut.set_result(None)
             return fut
-        runs = len(block_ids) * len(mapped.segments)
         if event >= 0 and self.wait == "host":
             args = (direction, mapped, m, block_ids, slots, -1, fut, loop)
             drv = cudart.driver()
@@ -321,11 +321,31 @@ class CudaBackend(TransferBackend):
                 return fut
         else:
             args = (direction, mapped, m, block_ids, slots, event, fut, loop)
-        if runs <= self.inline_runs:
-            self._submit_job(*args)
-        else:
-            self._submit.submit(self._submit_job, *args)
+        self._start(*args)
         return fut
+
+    def _start(self, direction: Direction, mapped: MappedMemory, m: _Mapping, block_ids: np.ndarray,
+               slots: np.ndarray, event: int, fut: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        """Put a job on its stream. Small jobs go all at once from this thread; a large one has its
+        first ``inline_runs`` runs enqueued here, so the copy engine starts at once, and the rest
+        from the submit pool (building thousands of descriptors takes the driver milliseconds). The
+        head start covers the time the pool thread may wait for the GIL while the loop does the
+        job's bookkeeping."""
+        # the head: up to ``inline_runs`` descriptors, and no more than ``head_bytes`` of payload
+        head = max(1, min(self.inline_runs // len(mapped.segments), self.head_bytes // mapped.slot_bytes))
+        if len(block_ids) <= head:
+            self._submit_job(direction, mapped, m, block_ids, slots, event, fut, loop)
+            return
+        try:
+            self._enqueue(direction, mapped, m, block_ids[:head], slots[:head], event)
+        except Exception as e:  # noqa: BLE001 - the job fails, never the daemon
+            _resolve(loop, fut, e)
+            return
+        try:
+            self._submit.submit(self._submit_job, direction, mapped, m, block_ids[head:], slots[head:], -1, fut,
+                                loop)
+        except RuntimeError as e:  # the pool is shut down: the daemon is stopping
+            _resolve(loop, fut, e)
 
     def abort(self, mapped: MappedMemory) -> int:
         """The engine is gone: fail its jobs still waiting for an event (they never reached a stream).
@@ -344,38 +364,43 @@ class CudaBackend(TransferBackend):
             _resolve(g.args[-1], g.args[-2], RuntimeError(f"engine {mapped.engine_id} left before its event fired"))
         return len(dead)
 
+    def _enqueue(self, direction: Direction, mapped: MappedMemory, m: _Mapping, block_ids: np.ndarray,
+                 slots: np.ndarray, event: int) -> None:
+        """Queue the copies of these blocks on the job's stream (after ``event`` if >= 0)."""
+        drv = cudart.driver()
+        eng, pool, lens = run_descriptors(mapped, block_ids, slots, self.pool.base_address)
+        eng += m.region
+        store = direction is Direction.STORE
+        src, dst = (eng, pool) if store else (pool, eng)
+        src, dst, lens = coalesce(src, dst, lens)
+        stream = m.store_stream if store else m.load_stream
+        drv.use_device(m.device.ordinal)
+        if event >= 0:
+            drv.stream_wait_event(stream, m.events[event])
+        if self.method == "batch" and drv.has_batch:
+            self._batch(drv, stream, m.attrs_store if store else m.attrs_load, src, dst, lens)
+        else:
+            for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist(), strict=True):
+                drv.memcpy_async(d, s, n, stream)
+        self.bytes_moved[direction] += int(lens.sum())
+
     def _submit_job(self, direction: Direction, mapped: MappedMemory, m: _Mapping, block_ids: np.ndarray,
                     slots: np.ndarray, event: int, fut: asyncio.Future,
                     loop: asyncio.AbstractEventLoop) -> None:
-        """Enqueue one job on its stream and hand its completion event to the poller."""
+        """Enqueue (the rest of) a job, record its completion event and hand that to the poller."""
         dev = m.device
         try:
+            self._enqueue(direction, mapped, m, block_ids, slots, event)
             drv = cudart.driver()
-            eng, pool, lens = run_descriptors(mapped, block_ids, slots, self.pool.base_address)
-            eng += m.region
-            store = direction is Direction.STORE
-            src, dst = (eng, pool) if store else (pool, eng)
-            src, dst, lens = coalesce(src, dst, lens)
-            stream = m.store_stream if store else m.load_stream
-            drv.use_device(dev.ordinal)
-            if event >= 0:
-                drv.stream_wait_event(stream, m.events[event])
-            if self.method == "batch" and drv.has_batch:
-                self._batch(drv, stream, m.attrs_store if store else m.attrs_load, src, dst, lens)
-            else:
-                for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist(), strict=True):
-                    drv.memcpy_async(d, s, n, stream)
             with dev.lock:
                 done = dev.free_events.pop() if dev.free_events else drv.event_create(cudart.CU_EVENT_DISABLE_TIMING)
-            drv.event_record(done, stream)
+            drv.event_record(done, m.store_stream if direction is Direction.STORE else m.load_stream)
         except Exception as e:  # noqa: BLE001 - any failure fails the job, never the daemon
             _resolve(loop, fut, e)
             return
-        p = _Pending(done, dev, fut, loop, int(lens.sum()), time.monotonic())
         with self._cond:
-            self._pending.append(p)
+            self._pending.append(_Pending(done, dev, fut, loop))
             self._cond.notify()
-        self.bytes_moved[direction] += p.nbytes
 
     def _batch(self, drv: cudart.Driver, stream: int, attrs: cudart.MemcpyAttributes, src: np.ndarray,
                dst: np.ndarray, lens: np.ndarray) -> None:
@@ -441,10 +466,7 @@ class CudaBackend(TransferBackend):
                     with self._cond:
                         self._gates = [g for g in self._gates if id(g) not in gone]
                     for g in ready:
-                        try:
-                            self._submit.submit(self._submit_job, *g.args)
-                        except RuntimeError as e:  # the executor is shut down: the daemon is stopping
-                            _resolve(g.args[-1], g.args[-2], e)
+                        self._start(*g.args)
                     for g, err in failed:
                         _resolve(g.args[-1], g.args[-2], err)
             finished: list[tuple[_Pending, BaseException | None]] = []
