@@ -44,6 +44,9 @@ from kvoffd_client.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger(__name__)
 
+# plain ints: pyzmq's flag enums cost microseconds per ``&``, several times per message
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+
 HEARTBEAT_S = 2.0
 IDLE_CONN_S = 600.0
 MAX_CONNS = 4096
@@ -226,10 +229,10 @@ class Daemon:
         flooding client cannot hold the loop."""
         sock = self.sock
         for _ in range(DRAIN_BATCH):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not sock.getsockopt(_EVENTS) & _POLLIN:
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = sock.recv_multipart(_NOBLOCK, copy=True)
             except zmq.Again:
                 return
             self._on_message(frames)
@@ -237,13 +240,13 @@ class Daemon:
 
     def _send(self, ident: bytes, msg: P.Message) -> None:
         try:
-            self.sock.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
+            self.sock.send_multipart([ident, P.encode(msg)], _NOBLOCK)
         except zmq.Again:
             log.warning("client %s is not reading; dropped a %s", ident.hex(), msg.op.value)
         except zmq.ZMQError as e:
             log.warning("send to %s failed: %s", ident.hex(), e)
         # a send can consume the fd's edge; make sure pending input is not left unread
-        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if self.sock.getsockopt(_EVENTS) & _POLLIN:
             asyncio.get_running_loop().call_soon(self._drain)
 
     def _on_message(self, frames: list[bytes]) -> None:
