@@ -54,7 +54,7 @@ class PinStats:
     started: float = 0.0
     finished: float = 0.0  # 0 while running
     error: str = ""
-    touch_s: float = 0.0  # summed over threads: first touch (populate)
+    touch_s: float = 0.0  # summed over threads: first touch
     register_s: float = 0.0  # summed over threads: cuMemHostRegister
     driver_s: float = 0.0  # the registrar's wait for the CUDA driver (cuInit, context) at the start
     regions: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) registered
@@ -243,8 +243,6 @@ class Pinner:
             return
         if self.hugepages:
             self._libc.madvise(addr, length, MADV_HUGEPAGE)  # a hint; shmem may ignore it
-        # in POPULATE_STEP pieces: each call holds the process's mmap lock, which any mmap (the event
-        # loop's large allocations included) waits for
         step = self.populate_step
         if self.touch == "write":
             # Plain page faults take only the pool's own VMA lock (Linux >= 6.4), so they do not hold
@@ -258,6 +256,8 @@ class Pinner:
                     return
                 buf[off: min(off + step, off0 + length): mmap.PAGESIZE] = 0  # a fresh pool: zeros already
             return
+        # in steps: each call holds the process's mmap lock, which any mmap (the event loop's large
+        # allocations, the CUDA driver's) waits for
         for a in range(addr, addr + length, step):
             if not self.populate or self._stop.is_set():
                 return
