@@ -34,6 +34,7 @@ _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 #: overshoot the request's deadline, and how often a quiet wait looks at the link
 RECV_SLICE_MS = 2
 _UNSOLICITED = (P.Notice, P.HelloOk)  # never the answer a request() waits for
+_UNAVAILABLE = "unavailable"  # the code of replies this client makes up for requests a lost daemon took
 
 
 EXPIRY_GRACE_S = 2.0
@@ -48,7 +49,7 @@ class KvoffdError(Exception):
 
 class DaemonUnavailable(KvoffdError):
     def __init__(self, message: str = "the kvoffd daemon is not reachable"):
-        super().__init__("unavailable", message)
+        super().__init__(_UNAVAILABLE, message)
 
 
 def _start_ticks() -> int:
@@ -187,10 +188,15 @@ class KvoffdClient:
         self._fail_jobs(code, why)
 
     def _fail_jobs(self, code: str, why: str) -> None:
+        """Everything in flight is over: jobs get failed notices, requests an ``unavailable`` reply
+        (a lookup sent to a daemon that died is a miss now, not after the engine's lookup timeout)."""
         for job_id, job in self._jobs.items():
             self._notices.append(P.Notice(job_id=job_id, ok=False, failed=list(range(job.n)), code=code,
                                           message=why))
         self._jobs.clear()
+        for seq in self._wanted:
+            self._replies[seq] = P.Error(seq=seq, code=_UNAVAILABLE, message=why)
+        self._wanted.clear()
 
     # ------------------------------------------------------------------------------------------------
     # I/O
@@ -217,7 +223,8 @@ class KvoffdClient:
                 self._hello_seq = 0
             elif ev["event"] == zmq.EVENT_CONNECTED:
                 self._next_try = 0.0
-        if self._link_down_since is not None and self._jobs and now - self._link_down_since > self.link_grace_s:
+        if (self._link_down_since is not None and (self._jobs or self._wanted)
+                and now - self._link_down_since > self.link_grace_s):
             self._fail_jobs("daemon_lost", "the connection to the daemon broke")
         self._read_all()  # first: a HELLO_OK already here must be seen before another HELLO goes out
         if not self._ready:
@@ -301,7 +308,8 @@ class KvoffdClient:
             return msg.seq
 
     def take_reply(self, seq: int) -> P.Message | None:
-        """The reply to ``seq`` if it has arrived (never waits)."""
+        """The reply to ``seq`` if it has arrived (never waits). Once the link has been down for
+        ``link_grace_s`` every request still in flight gets an ERROR reply with code ``unavailable``."""
         with self._lock:
             self._pump(0)
             return self._replies.pop(seq, None)
@@ -329,6 +337,8 @@ class KvoffdClient:
                 reply = self._replies.pop(seq, None)
                 if reply is not None:
                     if isinstance(reply, P.Error):
+                        if reply.code == _UNAVAILABLE:
+                            raise DaemonUnavailable(reply.message)
                         raise KvoffdError(reply.code, reply.message)
                     return reply
                 left = deadline - time.monotonic()

@@ -18,6 +18,7 @@ import pytest
 from kvtest import chain_keys, wait_until
 from reliability_util import ShmEngine, record
 
+from kvoffd_client import protocol as P
 from kvoffd_client.client import KvoffdClient
 
 NB, SLOT = 64, 1 << 20  # 64 blocks of 1 MiB: one load of all of them moves 64 MiB
@@ -80,3 +81,27 @@ def test_daemon_sigkilled_with_loads_in_flight_then_restarted(make_daemon, outag
     finally:
         c.close()
         eng.close()
+
+
+def test_requests_in_flight_are_answered_when_the_daemon_dies(make_daemon):
+    """A lookup the daemon took with it is answered ``unavailable`` within the link grace, so the
+    engine treats it as a miss now instead of waiting out its lookup timeout (seconds, in CI)."""
+    d = make_daemon(name="dl")
+    c = KvoffdClient(d.address, timeout_s=5.0, link_grace_s=0.5)
+    try:
+        assert c.connect(10)
+        d.proc.send_signal(signal.SIGSTOP)  # the daemon cannot answer what is sent now
+        seq = c.send_lookup("ns", chain_keys(4, b"dl"))
+        assert seq is not None
+        time.sleep(0.2)
+        assert c.take_reply(seq) is None
+        t_kill = time.monotonic()
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(10)
+        replies = []
+        assert wait_until(lambda: replies.append(c.take_reply(seq)) or replies[-1] is not None, 5, 0.005)
+        reply_s = time.monotonic() - t_kill
+        assert isinstance(replies[-1], P.Error) and replies[-1].code == "unavailable", replies[-1]
+        assert reply_s < 0.5 + 1.0, f"the lookup was answered only {reply_s:.2f} s after the daemon died"
+    finally:
+        c.close()

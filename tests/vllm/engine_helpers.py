@@ -130,10 +130,12 @@ def make_llm(model: str, address: str | None = None, *, dtype: str = "float32", 
     if address is not None:
         ktc = KVTransferConfig(kv_connector="KvoffdConnector", kv_connector_module_path="kvoffd_client.vllm",
                                kv_role="kv_both", kv_load_failure_policy="recompute",
-                               # a loaded 2-core CI box can answer a lookup in more than the 500 ms
-                               # default; these tests check what is served, not how fast
+                               # a loaded 2-core CI box can take longer than the defaults (500 ms)
+                               # to answer a lookup or a fresh process's handshake; these tests check
+                               # what is served, not how fast
                                kv_connector_extra_config={"kvoffd_address": address,
-                                                          "kvoffd_lookup_timeout_ms": 10_000, **(extra or {})})
+                                                          "kvoffd_lookup_timeout_ms": 10_000,
+                                                          "kvoffd_connect_timeout_s": 10.0, **(extra or {})})
     return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, max_model_len=max_model_len,
                block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, kv_cache_memory_bytes=kv_bytes,
                seed=0, disable_log_stats=False, **{"kv_transfer_config": ktc, **kw})

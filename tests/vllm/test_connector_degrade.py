@@ -59,7 +59,7 @@ def _offload_works(llm: Any, d: Daemon, reference: list[list[int]]) -> None:
 def test_no_daemon_at_start_serves_then_connects(tiny_model: str, reference: list[list[int]],
                                                  tmp_path: Path) -> None:
     d = Daemon(tmp_path)  # not started
-    llm = make_llm(tiny_model, d.address)
+    llm = make_llm(tiny_model, d.address, extra={"kvoffd_connect_timeout_s": 0.5})  # the default
     try:
         assert generate(llm, PROMPTS) == reference
         drain(llm)
