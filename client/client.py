@@ -332,7 +332,6 @@ class KvoffdClient:
                 raise DaemonUnavailable(f"cannot send to kvoffd at {self.address}")
             self._wanted.add(seq)
             sock = self._sock
-            self._read_all()
             while True:
                 reply = self._replies.pop(seq, None)
                 if reply is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import operator
 import struct
 import sys
 from array import array
@@ -150,8 +151,10 @@ def _tail_struct(n: int) -> struct.Struct:
 
 
 def split_keys(blob: bytes) -> list[bytes]:
-    out: list[bytes] = []
     n = len(blob) // KEY_SIZE
+    if n <= 1:
+        return [blob] if n else []
+    out: list[bytes] = []
     full = n - n % _CHUNK
     for off in range(0, full * KEY_SIZE, _CHUNK * KEY_SIZE):
         out += _CHUNK_STRUCT.unpack_from(blob, off)
@@ -209,7 +212,15 @@ def _any(v: Any, name: str) -> Any:
 # newer peer can add optional fields within v1.
 
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_WIRE: dict[type, tuple[tuple[str, ...], Any, bool, bool, str]] = {}
+
+
+def _wire_shape(cls: type) -> tuple[tuple[str, ...], Any, bool, bool, str]:
+    """Per class, once: field names and their getter, and the op tag (``Enum.value`` is slow)."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    shape = _WIRE[cls] = (names, operator.attrgetter(*names), "keys" in names, "block_ids" in names,
+                          cls.op.value)
+    return shape
 
 
 @dataclass(slots=True)
@@ -219,15 +230,13 @@ class Message:
     seq: int = 0
 
     def to_wire(self) -> dict[str, Any]:
-        names = _FIELD_NAMES.get(type(self))
-        if names is None:  # dataclasses.fields() is slow; this runs for every message
-            names = _FIELD_NAMES[type(self)] = tuple(f.name for f in dataclasses.fields(self))
-        d = {n: getattr(self, n) for n in names}
-        if "keys" in d:
+        names, values, keys, ids, op = _WIRE.get(type(self)) or _wire_shape(type(self))
+        d = dict(zip(names, values(self), strict=True)) if len(names) > 1 else {"seq": self.seq}
+        if keys:
             d["keys"] = pack_keys(d["keys"])
-        if "block_ids" in d:
+        if ids:
             d["block_ids"] = pack_ids(d["block_ids"])
-        d["op"] = self.op.value
+        d["op"] = op
         return d
 
 
@@ -489,7 +498,7 @@ REQUESTS = frozenset({Op.HELLO, Op.REGISTER, Op.UNREGISTER, Op.LOOKUP, Op.RELEAS
 
 
 def encode(msg: Message) -> bytes:
-    return msgpack.packb(msg.to_wire(), use_bin_type=True)
+    return msgpack.packb(msg.to_wire())  # (a shared Packer would be faster, and unsafe across threads)
 
 
 def decode(frame: bytes, *, requests_only: bool = False) -> Message:

@@ -96,7 +96,9 @@ def test_malformed_frames_get_error_replies(raw, frame, code):
 def test_extra_frames_and_oversized_frames(raw):
     hello(raw)
     r = raw([b"a", b"b"])
-    assert r["code"] == "bad_frame"
+    assert r["code"] == "bad_frame" and "got 2" in r["message"]
+    r = raw([P.encode(P.Ping(seq=3)), b"b", b"c"])  # a valid body does not make the rest acceptable
+    assert r["code"] == "bad_frame" and "got 3" in r["message"]
     big = msgpack.packb({"op": "ping", "seq": 1, "pad": b"x" * (P.MAX_FRAME_BYTES + 1)})
     r = raw(big)
     assert r["code"] == "frame_too_large"

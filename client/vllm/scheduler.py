@@ -173,10 +173,11 @@ class KvoffdScheduler:
     def _send_lookup(self, st: _Req, start: int, limit: int, now: float, prefetch: bool = False) -> bool:
         assert self.client is not None and self.identity is not None
         keys = self._keys(st)[start:limit]
-        for i, k in enumerate(keys):
-            if self._is_negative(k, now):
-                keys = keys[:i]
-                break
+        if self._negative:  # usually empty: then no per-key work here at all
+            for i, k in enumerate(keys):
+                if self._is_negative(k, now):
+                    keys = keys[:i]
+                    break
         if not keys:
             return False
         seq = self.client.send_lookup(self.identity.namespace, keys, self.s.lease_ms)
