@@ -385,12 +385,13 @@ class KvoffdClient:
 
     # --- lookups -------------------------------------------------------------------------------------
 
+    # (``keys`` is encoded before these return, so it is not copied)
     def send_lookup(self, namespace: str, keys: Sequence[bytes], lease_ms: int = 0) -> int | None:
-        return self.send_request(P.Lookup(namespace=namespace, keys=list(keys), lease_ms=lease_ms))
+        return self.send_request(P.Lookup(namespace=namespace, keys=keys, lease_ms=lease_ms))
 
     def lookup(self, namespace: str, keys: Sequence[bytes], lease_ms: int = 0,
                timeout_s: float | None = None) -> P.LookupResult:
-        reply = self.request(P.Lookup(namespace=namespace, keys=list(keys), lease_ms=lease_ms), timeout_s)
+        reply = self.request(P.Lookup(namespace=namespace, keys=keys, lease_ms=lease_ms), timeout_s)
         assert isinstance(reply, P.LookupResult)
         return reply
 

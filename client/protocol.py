@@ -111,7 +111,7 @@ def _str(v: Any, name: str, *, empty: bool = False) -> str:
     return v
 
 
-def _keys(v: Any, name: str = "keys") -> list[bytes]:
+def _keyblob(v: Any, name: str = "keys") -> bytes:
     """Keys travel as one binary, KEY_SIZE bytes each, back to back: checking that is O(1), and
     splitting it (struct, in C) costs a fraction of unpacking thousands of separate msgpack items."""
     if type(v) is not bytes or len(v) % KEY_SIZE:
@@ -119,7 +119,11 @@ def _keys(v: Any, name: str = "keys") -> list[bytes]:
     n = len(v) // KEY_SIZE
     if n > MAX_KEYS:
         raise ProtocolError(ErrorCode.TOO_MANY, f"{name} holds {n} keys; at most {MAX_KEYS}")
-    return split_keys(v)
+    return v
+
+
+def _keys(v: Any, name: str = "keys") -> list[bytes]:
+    return split_keys(_keyblob(v, name))
 
 
 def _ids(v: Any, name: str = "block_ids") -> array:
@@ -163,7 +167,11 @@ def split_keys(blob: bytes) -> list[bytes]:
     return out
 
 
-def pack_keys(keys: Sequence[bytes]) -> bytes:
+def pack_keys(keys: Sequence[bytes] | bytes) -> bytes:
+    if type(keys) is bytes:  # already one binary (a decoded LOOKUP, sent on)
+        if len(keys) % KEY_SIZE:
+            raise ValueError(f"every key must be exactly {KEY_SIZE} bytes")
+        return keys
     blob = b"".join(keys)
     if len(blob) != KEY_SIZE * len(keys):
         raise ValueError(f"every key must be exactly {KEY_SIZE} bytes")
@@ -313,11 +321,14 @@ class Lookup(Message):
 
     With ``lease_ms`` > 0 the hits are pinned against eviction for that long, or until a LOAD
     naming the lease consumes them, or a RELEASE drops them.
+
+    Decoded, ``keys`` stays the one binary it travels as: the daemon checks it mostly without
+    splitting it (kvoffd/index.py, ``Run``).
     """
 
     op: ClassVar[Op] = Op.LOOKUP
     namespace: str = ""
-    keys: list[bytes] = field(default_factory=list)
+    keys: Sequence[bytes] | bytes = field(default_factory=list)
     lease_ms: int = 0
 
 
@@ -462,7 +473,7 @@ Register.checks = {
     "layout": _map,
 }
 Unregister.checks = {"engine_id": _str}
-Lookup.checks = {"namespace": _str, "keys": _keys, "lease_ms": lambda v, n: _int(v, n, 0, 600_000)}
+Lookup.checks = {"namespace": _str, "keys": _keyblob, "lease_ms": lambda v, n: _int(v, n, 0, 600_000)}
 Release.checks = {"lease_id": _int}
 Store.checks = {
     "engine_id": _str,

@@ -17,12 +17,33 @@ from dataclasses import dataclass, field
 from itertools import takewhile
 
 from kvoffd.pool import Pool
+from kvoffd_client.protocol import KEY_SIZE, split_keys
 
 _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoffctl explain`
 
 
+class Run:
+    """The keys one commit made visible in one table, in the order the STORE listed them.
+
+    A LOOKUP that finds one of them compares the keys that follow it in the request with the keys
+    that follow it here as two binaries (one memcmp) instead of one dict probe per key: a prompt
+    stored in a few chunks is checked in a few steps. When any member stops being visible the run
+    forgets its keys (``broken``): the shortcut never reports a key that is not there, and a run
+    costs memory only while all its blocks are resident.
+    """
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: bytes):
+        self.keys = keys
+
+    def broken(self) -> None:
+        self.keys = b""
+
+
 class Entry:
-    __slots__ = ("key", "table", "slot", "ready", "pins", "dead", "in_lru", "stored_at", "checksum")
+    __slots__ = ("key", "table", "slot", "ready", "pins", "dead", "in_lru", "stored_at", "checksum", "run",
+                 "run_at")
 
     def __init__(self, key: bytes, table: Table, slot: int, pins: int = 0):
         self.key = key
@@ -34,9 +55,11 @@ class Entry:
         self.in_lru = False
         self.stored_at = 0.0  # set when the copy completes
         self.checksum = -1  # set in --verify mode
+        self.run: Run | None = None  # set when it becomes visible
+        self.run_at = 0  # its index in the run
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity (commit groups entries by table)
 class Table:
     """One (namespace, rank): its entries (``visible`` holds the ready ones) and its slot size."""
 
@@ -98,30 +121,30 @@ class Index:
         return t
 
     # --- lookups ----------------------------------------------------------------------------------------
-    def leading_hits(self, namespace: str, keys: list[bytes], want_entries: bool = False
-                     ) -> tuple[int, list[Entry], str]:
-        """Leading keys ready on every rank; their entries (all ranks, if wanted); the first miss's reason.
+    def leading_hits(self, namespace: str, keys: bytes, want_entries: bool = False
+                     ) -> tuple[int, dict[int, list[Entry]], str]:
+        """Leading keys ready on every rank; their entries by rank (if wanted); the first miss's reason.
 
-        The scan runs in C (takewhile over dict membership): this is the hot path of every step.
+        ``keys`` is the message's binary of keys: this is the hot path of every step, and
+        ``_leading`` mostly checks it without splitting it into keys.
         """
         ns = self.namespaces.get(namespace)
         if ns is None or len(ns.tables) < ns.world_size:
-            return 0, [], "namespace_mismatch"
-        n = len(keys)
+            return 0, {}, "namespace_mismatch"
+        total = n = len(keys) // KEY_SIZE
         for r in range(ns.world_size):
-            vis = ns.tables[r].visible
-            n = len(list(takewhile(vis.__contains__, keys[:n] if n < len(keys) else keys)))
+            n = _leading(ns.tables[r].visible, keys, n)
             if not n:
                 break
         reason = ""
-        if n < len(keys):
-            miss = (namespace, keys[n])
+        if n < total:
+            miss = (namespace, keys[n * KEY_SIZE:(n + 1) * KEY_SIZE])
             reason = "evicted" if miss in self.evicted else "failed" if miss in self.failed else "absent"
-        hits: list[Entry] = []
+        hits: dict[int, list[Entry]] = {}
         if want_entries and n:
-            head = keys[:n]
+            head = split_keys(keys[:n * KEY_SIZE])
             for r in range(ns.world_size):
-                hits += map(ns.tables[r].visible.__getitem__, head)
+                hits[r] = list(map(ns.tables[r].visible.__getitem__, head))
         return n, hits, reason
 
     # --- pins ---------------------------------------------------------------------------------------------
@@ -175,6 +198,14 @@ class Index:
         done = 0
         now = time.time()
         unpin = self.unpin
+        shown = [e for e in entries if not e.dead]
+        if shown:
+            tables = {e.table for e in shown}
+            for t in tables:
+                mine = shown if len(tables) == 1 else [e for e in shown if e.table is t]
+                run = Run(b"".join([e.key for e in mine]))
+                for i, e in enumerate(mine):
+                    e.run, e.run_at = run, i
         for e in entries:
             if not e.dead:
                 e.ready = True
@@ -206,7 +237,8 @@ class Index:
             return
         t = e.table
         del t.entries[e.key]
-        t.visible.pop(e.key, None)
+        if t.visible.pop(e.key, None) is not None:
+            e.run.broken()
         if e.in_lru:
             del self._lru[t.slot_bytes][e]
             e.in_lru = False
@@ -233,6 +265,7 @@ class Index:
             t = e.table
             del t.entries[e.key]
             del t.visible[e.key]
+            e.run.broken()
             e.dead = True
             freed.append(e.slot)
             self._remember(self.evicted, (t.namespace, e.key), now)
@@ -261,6 +294,8 @@ class Index:
                     e.dead = True
                     if e.pins == 0:
                         free.append(e.slot)
+                for e in t.visible.values():
+                    e.run.broken()
                 t.entries.clear()
                 t.visible.clear()
                 self.pool.free(t.slot_bytes, free)
@@ -312,3 +347,48 @@ class Index:
         history.move_to_end(key)
         if len(history) > _HISTORY:
             history.popitem(last=False)
+
+
+_K = KEY_SIZE
+_RUN_MISSES = 2  # runs in a row that match no further key: the keys are scattered, probe them all
+
+
+def _leading(visible: dict[bytes, Entry], keys: bytes, n: int) -> int:
+    """How many of the first ``n`` keys of the binary ``keys`` are in ``visible``.
+
+    Keys a STORE wrote together usually come back together (a prompt's blocks): after a key is
+    found, the keys that follow it are compared with those that followed it in its run, as binaries.
+    Scattered keys (blocks stored one per step while decoding) fall back to one dict probe per key,
+    run in C by ``takewhile``.
+    """
+    i = 0
+    misses = 0
+    while i < n:
+        e = visible.get(keys[i * _K:(i + 1) * _K])
+        if e is None:
+            return i
+        i += 1
+        run = e.run.keys  # empty once broken
+        j = e.run_at + 1
+        m = min(n - i, len(run) // _K - j)
+        if m <= 0 or keys[i * _K:(i + 1) * _K] != run[j * _K:(j + 1) * _K]:
+            misses += 1
+            if misses >= _RUN_MISSES:
+                return i + len(list(takewhile(visible.__contains__, split_keys(keys[i * _K:n * _K]))))
+            continue
+        misses = 0
+        mine, theirs = keys[i * _K:(i + m) * _K], run[j * _K:(j + m) * _K]
+        i += m if mine == theirs else _common_keys(mine, theirs)
+    return i
+
+
+def _common_keys(a: bytes, b: bytes) -> int:
+    """Leading keys two key binaries of the same length share (binary search; memcmp per step)."""
+    lo, hi = 0, len(a) // _K - 1  # the last key differs, or a == b would have been taken
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid * _K] == b[:mid * _K]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

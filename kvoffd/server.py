@@ -475,11 +475,11 @@ class Daemon:
     # lookups and leases
 
     def _lookup(self, conn: Conn, msg: P.Lookup) -> P.Message:
-        n, entries, reason = self.index.leading_hits(msg.namespace, msg.keys, want_entries=msg.lease_ms > 0)
+        n, by_rank, reason = self.index.leading_hits(msg.namespace, msg.keys, want_entries=msg.lease_ms > 0)
         counts = self.metrics.lookup
         counts.lookups += 1
         counts.hit_blocks += n
-        missed = len(msg.keys) - n
+        missed = len(msg.keys) // P.KEY_SIZE - n  # (a binary: see P.Lookup)
         if missed:
             counts.miss_blocks += missed
             self.metrics.misses.labels(reason).inc(missed)
@@ -490,10 +490,9 @@ class Daemon:
                 raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_LEASES_PER_CONN} leases per connection",
                                     seq=msg.seq)
             lease_id = next(self._lease_ids)
-            by_rank: dict[int, list[Entry]] = {}
-            for e in entries:
-                e.pins += 1  # a pin (see Index): thousands per step
-                by_rank.setdefault(e.table.rank, []).append(e)
+            for entries in by_rank.values():
+                for e in entries:
+                    e.pins += 1  # a pin (see Index): thousands per step
             self.leases[lease_id] = Lease(lease_id, conn.ident, time.monotonic() + msg.lease_ms / 1000, by_rank,
                                           msg.namespace)
             conn.leases.add(lease_id)
