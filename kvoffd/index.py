@@ -27,18 +27,21 @@ class Run:
 
     A LOOKUP that finds one of them compares the keys that follow it in the request with the keys
     that follow it here as two binaries (one memcmp) instead of one dict probe per key: a prompt
-    stored in a few chunks is checked in a few steps. When any member stops being visible the run
-    forgets its keys (``broken``): the shortcut never reports a key that is not there, and a run
-    costs memory only while all its blocks are resident.
+    stored in a few chunks is checked in a few steps, and a lease takes the matching entries as one
+    list slice. When any member stops being visible the run forgets its keys and entries
+    (``broken``): the shortcut never reports a key that is not there, and a run costs memory only
+    while all its blocks are resident.
     """
 
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "entries")
 
-    def __init__(self, keys: bytes):
+    def __init__(self, keys: bytes, entries: list[Entry]):
         self.keys = keys
+        self.entries = entries
 
     def broken(self) -> None:
         self.keys = b""
+        self.entries = []
 
 
 class Entry:
@@ -132,20 +135,18 @@ class Index:
         if ns is None or len(ns.tables) < ns.world_size:
             return 0, {}, "namespace_mismatch"
         total = n = len(keys) // KEY_SIZE
+        hits: dict[int, list[Entry]] = {}
         for r in range(ns.world_size):
-            n = _leading(ns.tables[r].visible, keys, n)
+            n, hits[r] = _leading(ns.tables[r].visible, keys, n, want_entries)
             if not n:
                 break
         reason = ""
         if n < total:
             miss = (namespace, keys[n * KEY_SIZE:(n + 1) * KEY_SIZE])
             reason = "evicted" if miss in self.evicted else "failed" if miss in self.failed else "absent"
-        hits: dict[int, list[Entry]] = {}
-        if want_entries and n:
-            head = split_keys(keys[:n * KEY_SIZE])
-            for r in range(ns.world_size):
-                hits[r] = list(map(ns.tables[r].visible.__getitem__, head))
-        return n, hits, reason
+        if not (want_entries and n):
+            return n, {}, reason
+        return n, {r: got if len(got) == n else got[:n] for r, got in hits.items()}, reason
 
     # --- pins ---------------------------------------------------------------------------------------------
     def unpin(self, e: Entry) -> None:
@@ -203,7 +204,7 @@ class Index:
             tables = {e.table for e in shown}
             for t in tables:
                 mine = shown if len(tables) == 1 else [e for e in shown if e.table is t]
-                run = Run(b"".join([e.key for e in mine]))
+                run = Run(b"".join([e.key for e in mine]), mine)
                 for i, e in enumerate(mine):
                     e.run, e.run_at = run, i
         for e in entries:
@@ -353,8 +354,9 @@ _K = KEY_SIZE
 _RUN_MISSES = 2  # runs in a row that match no further key: the keys are scattered, probe them all
 
 
-def _leading(visible: dict[bytes, Entry], keys: bytes, n: int) -> int:
-    """How many of the first ``n`` keys of the binary ``keys`` are in ``visible``.
+def _leading(visible: dict[bytes, Entry], keys: bytes, n: int, want: bool) -> tuple[int, list[Entry]]:
+    """How many of the first ``n`` keys of the binary ``keys`` are in ``visible`` (and, if
+    ``want``, their entries in order).
 
     Keys a STORE wrote together usually come back together (a prompt's blocks): after a key is
     found, the keys that follow it are compared with those that followed it in its run, as binaries.
@@ -363,23 +365,34 @@ def _leading(visible: dict[bytes, Entry], keys: bytes, n: int) -> int:
     """
     i = 0
     misses = 0
+    got: list[Entry] = []
     while i < n:
         e = visible.get(keys[i * _K:(i + 1) * _K])
         if e is None:
-            return i
+            break
+        if want:
+            got.append(e)
         i += 1
-        run = e.run.keys  # empty once broken
+        run = e.run
+        rk = run.keys  # empty once broken
         j = e.run_at + 1
-        m = min(n - i, len(run) // _K - j)
-        if m <= 0 or keys[i * _K:(i + 1) * _K] != run[j * _K:(j + 1) * _K]:
+        m = min(n - i, len(rk) // _K - j)
+        if m <= 0 or keys[i * _K:(i + 1) * _K] != rk[j * _K:(j + 1) * _K]:
             misses += 1
             if misses >= _RUN_MISSES:
-                return i + len(list(takewhile(visible.__contains__, split_keys(keys[i * _K:n * _K]))))
+                rest = list(takewhile(visible.__contains__, split_keys(keys[i * _K:n * _K])))
+                if want:
+                    got += map(visible.__getitem__, rest)
+                i += len(rest)
+                break
             continue
         misses = 0
-        mine, theirs = keys[i * _K:(i + m) * _K], run[j * _K:(j + m) * _K]
-        i += m if mine == theirs else _common_keys(mine, theirs)
-    return i
+        mine, theirs = keys[i * _K:(i + m) * _K], rk[j * _K:(j + m) * _K]
+        c = m if mine == theirs else _common_keys(mine, theirs)
+        if want:
+            got += run.entries[j:j + c]
+        i += c
+    return i, got
 
 
 def _common_keys(a: bytes, b: bytes) -> int:

@@ -70,8 +70,11 @@ def test_scan_agrees_with_a_probe_per_key(steps) -> None:
             index.clear(NS)
         probe = keys or KEYS
         for ks in (probe, KEYS, list(reversed(KEYS)), keys[1:]):
-            n, _, _ = index.leading_hits(NS, b"".join(ks))
+            n, by_rank, _ = index.leading_hits(NS, b"".join(ks), want_entries=True)
             assert n == _reference(index, ks)
+            assert {r: [e.key for e in got] for r, got in by_rank.items()} == ({0: ks[:n], 1: ks[:n]} if n else {})
+            assert all(e.table.rank == r and e.ready and not e.dead for r, got in by_rank.items() for e in got)
+            assert index.leading_hits(NS, b"".join(ks))[0] == n
 
 
 def test_a_prompt_stored_in_chunks_is_found_whole_and_broken_runs_are_not_trusted() -> None:
