@@ -385,11 +385,12 @@ class KvoffdClient:
 
     # --- lookups -------------------------------------------------------------------------------------
 
-    # (``keys`` is encoded before these return, so it is not copied)
-    def send_lookup(self, namespace: str, keys: Sequence[bytes], lease_ms: int = 0) -> int | None:
+    # ``keys``: a sequence of keys, or one binary of them back to back (the cheapest: nothing to
+    # join). It is encoded before these return, so it is not copied.
+    def send_lookup(self, namespace: str, keys: Sequence[bytes] | bytes, lease_ms: int = 0) -> int | None:
         return self.send_request(P.Lookup(namespace=namespace, keys=keys, lease_ms=lease_ms))
 
-    def lookup(self, namespace: str, keys: Sequence[bytes], lease_ms: int = 0,
+    def lookup(self, namespace: str, keys: Sequence[bytes] | bytes, lease_ms: int = 0,
                timeout_s: float | None = None) -> P.LookupResult:
         reply = self.request(P.Lookup(namespace=namespace, keys=keys, lease_ms=lease_ms), timeout_s)
         assert isinstance(reply, P.LookupResult)

@@ -168,7 +168,7 @@ def split_keys(blob: bytes) -> list[bytes]:
 
 
 def pack_keys(keys: Sequence[bytes] | bytes) -> bytes:
-    if type(keys) is bytes:  # already one binary (a decoded LOOKUP, sent on)
+    if type(keys) is bytes:  # already one binary
         if len(keys) % KEY_SIZE:
             raise ValueError(f"every key must be exactly {KEY_SIZE} bytes")
         return keys
@@ -322,8 +322,8 @@ class Lookup(Message):
     With ``lease_ms`` > 0 the hits are pinned against eviction for that long, or until a LOAD
     naming the lease consumes them, or a RELEASE drops them.
 
-    Decoded, ``keys`` stays the one binary it travels as: the daemon checks it mostly without
-    splitting it (kvoffd/index.py, ``Run``).
+    ``keys`` may be given as one binary of keys back to back; decoded, it always is that binary: the
+    daemon checks it mostly without splitting it (kvoffd/index.py, ``Run``).
     """
 
     op: ClassVar[Op] = Op.LOOKUP

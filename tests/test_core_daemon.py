@@ -39,6 +39,9 @@ def test_lookup_counts_only_leading_resident_keys(daemon, engines):
     assert eng.lookup([])["hits"] == 0
     c = daemon.client()
     assert c.lookup("no-such-namespace", keys).hits == 0
+    assert c.lookup("lk", b"".join(keys)).hits == 4  # keys packed back to back, as the connector sends them
+    with pytest.raises(ValueError):
+        c.lookup("lk", b"".join(keys)[:-1])
 
 
 def test_in_flight_store_is_invisible_until_complete(daemon):

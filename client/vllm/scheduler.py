@@ -47,6 +47,7 @@ class _Lookup:
 class _Req:
     request: Request
     keys: list[bytes] = field(default_factory=list)  # folded keys of the full blocks, computed lazily
+    packed: bytearray = field(default_factory=bytearray)  # the same keys back to back (what LOOKUP sends)
     lookup: _Lookup | None = None
     offer_start: int = 0  # block where the last offered hit starts
     load_job: int = 0  # load in flight (0: none)
@@ -116,7 +117,9 @@ class KvoffdScheduler:
         per = self.identity.hashes_per_block if self.identity else 1
         n = len(hashes) // per
         while len(st.keys) < n:
-            st.keys.append(fold_key(bytes(hashes[(len(st.keys) + 1) * per - 1])))
+            key = fold_key(bytes(hashes[(len(st.keys) + 1) * per - 1]))
+            st.keys.append(key)
+            st.packed += key
         return st.keys
 
     def _is_negative(self, key: bytes, now: float) -> bool:
@@ -180,7 +183,9 @@ class KvoffdScheduler:
                     break
         if not keys:
             return False
-        seq = self.client.send_lookup(self.identity.namespace, keys, self.s.lease_ms)
+        # one slice of the packed keys: no join of a long prompt's keys on the scheduler's step
+        packed = bytes(memoryview(st.packed)[start * P.KEY_SIZE:(start + len(keys)) * P.KEY_SIZE])
+        seq = self.client.send_lookup(self.identity.namespace, packed, self.s.lease_ms)
         if seq is None:
             return False
         st.lookup = _Lookup(seq=seq, start=start, sent_at=now, prefetch=prefetch)
