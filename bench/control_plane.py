@@ -1,12 +1,13 @@
 """Control-plane latency: LOOKUP round trips and completion notices per second, next to the floor.
 
 The floor is a bare pyzmq ROUTER in its own process that decodes each msgpack request and answers a
-reply of the same shape kvoffd would send. Floor and kvoffd requests alternate, one each per
-iteration, with the same message bytes, so both see the same machine load. kvoffd's figures are for
-keys that all hit (the longest lookup path), through the full client library, given the keys packed
-back to back as the vLLM connector gives them (the slice is timed); "leased" is the same
-lookup pinning its hits under a lease, as the vLLM connector sends it (the lease is released after,
-untimed).
+reply of the same shape kvoffd would send. Floor and kvoffd requests alternate (floor, lookup, floor,
+leased lookup), with the same message bytes, so both see the same machine load and every kvoffd
+request follows a floor request. kvoffd's figures are for keys that all hit (the longest lookup
+path), through the full client library, given the keys packed back to back as the vLLM connector
+gives them (the slice is timed); "leased" is the same lookup pinning its hits under a lease, as the
+connector sends it. The lease is released after, untimed, and a PING waits for the release to be
+processed, so the daemon is idle when the floor is timed.
 
     .venv/bin/python bench/control_plane.py [--iters 2000]
 """
@@ -99,12 +100,16 @@ def main() -> None:
                 r = c.lookup("bench", packed[:n * P.KEY_SIZE])
                 t2 = time.perf_counter()
                 assert r.hits == n
-                # the vLLM connector's lookup also pins its hits under a lease (released untimed)
+                # the vLLM connector's lookup also pins its hits under a lease (released untimed);
+                # a floor request first, so it too follows the floor as the plain lookup does
+                floor_sock.send(msg)
+                floor_sock.recv()
                 t3 = time.perf_counter()
                 r = c.lookup("bench", packed[:n * P.KEY_SIZE], lease_ms=30_000)
                 t4 = time.perf_counter()
                 assert r.hits == n and r.lease_id
                 c.release(r.lease_id)
+                c.ping()  # the release's unpins are done before the next floor request is timed
                 if i >= 200:
                     floor.append(t1 - t0)
                     lat.append(t2 - t1)
