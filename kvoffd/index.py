@@ -196,29 +196,29 @@ class Index:
 
     def commit(self, entries: list[Entry]) -> int:
         """The store copied these: make them visible (unless unlinked meanwhile). Returns how many."""
-        done = 0
         now = time.time()
         unpin = self.unpin
-        shown = [e for e in entries if not e.dead]
-        if shown:
-            tables = {e.table for e in shown}
-            for t in tables:
-                mine = shown if len(tables) == 1 else [e for e in shown if e.table is t]
-                run = Run(b"".join([e.key for e in mine]), mine)
-                for i, e in enumerate(mine):
-                    e.run, e.run_at = run, i
+        shown: list[Entry] = []
         for e in entries:
             if not e.dead:
                 e.ready = True
                 e.stored_at = now
                 e.table.visible[e.key] = e
-                done += 1
+                shown.append(e)
             if e.pins == 1 and not e.dead:  # the usual case, inlined: only the store held it
                 e.pins = 0
                 self._lru[e.table.slot_bytes][e] = None
                 e.in_lru = True
             else:
                 unpin(e)
+        if shown:  # the runs, one per table (a STORE writes one table; this runs before any lookup)
+            tables = {e.table for e in shown}
+            for t in tables:
+                mine = shown if len(tables) == 1 else [e for e in shown if e.table is t]
+                run = Run(b"".join([e.key for e in mine]), mine)
+                for i, e in enumerate(mine):
+                    e.run, e.run_at = run, i
+        done = len(shown)
         self.resident += done
         return done
 
@@ -289,14 +289,13 @@ class Index:
                 for e in t.entries.values():
                     if e.ready:
                         removed += 1
+                        e.run.broken()
                     if e.in_lru:
                         del lru[e]
                         e.in_lru = False
                     e.dead = True
                     if e.pins == 0:
                         free.append(e.slot)
-                for e in t.visible.values():
-                    e.run.broken()
                 t.entries.clear()
                 t.visible.clear()
                 self.pool.free(t.slot_bytes, free)

@@ -175,16 +175,17 @@ class KvoffdScheduler:
 
     def _send_lookup(self, st: _Req, start: int, limit: int, now: float, prefetch: bool = False) -> bool:
         assert self.client is not None and self.identity is not None
-        keys = self._keys(st)[start:limit]
+        keys = self._keys(st)
+        end = min(limit, len(keys))
         if self._negative:  # usually empty: then no per-key work here at all
-            for i, k in enumerate(keys):
-                if self._is_negative(k, now):
-                    keys = keys[:i]
+            for i in range(start, end):
+                if self._is_negative(keys[i], now):
+                    end = i
                     break
-        if not keys:
+        if end <= start:
             return False
         # one slice of the packed keys: no join of a long prompt's keys on the scheduler's step
-        packed = bytes(memoryview(st.packed)[start * P.KEY_SIZE:(start + len(keys)) * P.KEY_SIZE])
+        packed = bytes(memoryview(st.packed)[start * P.KEY_SIZE:end * P.KEY_SIZE])
         seq = self.client.send_lookup(self.identity.namespace, packed, self.s.lease_ms)
         if seq is None:
             return False

@@ -68,3 +68,45 @@ def test_module_imports_nothing_heavy() -> None:
     """vLLM imports the connector module in its API-server process: it must not pull vllm or torch."""
     code = "import sys, kvoffd_client.vllm; assert 'vllm' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_lookup_sends_a_slice_of_the_packed_keys_up_to_the_first_negative(daemon) -> None:
+    """The scheduler sends LOOKUP its packed keys [start, limit), cut at the first key whose load
+    failed recently (a negative entry), through a real client to a real daemon."""
+    import time
+
+    from kvoffd_client.client import KvoffdClient
+    from kvoffd_client.vllm.common import Settings
+    from kvoffd_client.vllm.scheduler import KvoffdScheduler, _Req
+
+    sent: list[bytes] = []
+
+    class RecordingClient(KvoffdClient):
+        def send_lookup(self, namespace, keys, lease_ms=0):
+            sent.append(keys)
+            return super().send_lookup(namespace, keys, lease_ms)
+
+    sched = KvoffdScheduler(Settings(address=daemon.address), None, 1, "units")
+    sched.identity = SimpleNamespace(namespace="units", hashes_per_block=1)
+    sched.client = RecordingClient(daemon.address, heartbeat=False)
+    try:
+        assert sched.client.connect(10)
+        hashes = [bytes([i]) * 32 for i in range(8)]
+        st = _Req(SimpleNamespace(request_id="r", block_hashes=hashes))
+        now = time.monotonic()
+        assert sched._send_lookup(st, 2, 6, now)
+        assert sent[-1] == b"".join(hashes[2:6])
+        sched._negative[hashes[4]] = now + 60
+        assert sched._send_lookup(st, 2, 6, now)
+        assert sent[-1] == b"".join(hashes[2:4])
+        sched._negative[hashes[2]] = now + 60
+        assert not sched._send_lookup(st, 2, 6, now) and len(sent) == 2
+        reply = None
+        for _ in range(500):
+            reply = sched.client.take_reply(st.lookup.seq)
+            if reply is not None:
+                break
+            time.sleep(0.01)
+        assert reply is not None and reply.hits == 0  # the daemon took the packed keys
+    finally:
+        sched.client.close()
