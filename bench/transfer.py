@@ -480,7 +480,7 @@ def main() -> None:
 
         uvloop.install()
     except ImportError:
-        pass
+        pass  # uvloop is optional for the bench: asyncio's own loop measures the same copies
     if not args.daemon_only:
         asyncio.run(main_backend(args))
     if args.daemon or args.daemon_only:

@@ -70,7 +70,7 @@ def _meminfo() -> dict[str, int]:
                 if parts and parts[0].isdigit():
                     out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
     except OSError:
-        pass
+        pass  # no /proc/meminfo (not Linux, or a locked-down container): the checks say "unknown"
     return out
 
 

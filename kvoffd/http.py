@@ -42,7 +42,7 @@ async def start_http(daemon: Daemon, host: str, port: int) -> asyncio.AbstractSe
                          "Connection: close\r\n\r\n".encode() + (body if method != "HEAD" else b""))
             await writer.drain()
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-            pass
+            pass  # a scraper that hung up or sent garbage: nothing to answer, nothing to log per request
         except Exception:
             log.exception("HTTP request failed")
         finally:

@@ -221,7 +221,7 @@ class Daemon:
                 try:
                     os.unlink(self.bound_address[6:])
                 except OSError:
-                    pass
+                    pass  # already gone (removed by an operator, or a new daemon took the path)
         log.info("kvoffd stopped")
 
     def _drain(self) -> None:

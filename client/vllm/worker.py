@@ -243,7 +243,7 @@ class KvoffdWorker:
                 try:
                     client.unregister(self.engine_id, timeout_s=1.0)
                 except (DaemonUnavailable, KvoffdError):
-                    pass
+                    pass  # the daemon drops the engine anyway when this connection closes
             self._shutdown_client()
         if self.memory is not None and self.memory.get("kind") == "cpu_shm":
             from kvoffd_client.handles import release_cpu_kv_caches

@@ -191,7 +191,7 @@ def _unlink_if_orphan(path: str) -> None:
             os.unlink(path)
             log.info("removed %s left by exited engine pid %d", path, pid)
     except OSError:
-        pass
+        pass  # gone already, or not ours to remove: cleanup is best effort
 
 
 def reap_orphan_files() -> None:

@@ -311,7 +311,7 @@ class Engine:
             try:
                 self("exit", timeout=10)
             except (TimeoutError, OSError, EOFError, RuntimeError):
-                pass
+                pass  # the stand-in died or hangs: the join and kill below end it
             self.proc.join(10)
             if self.proc.is_alive():
                 self.proc.kill()
