@@ -404,15 +404,14 @@ class KvoffdClient:
 
     # --- jobs ----------------------------------------------------------------------------------------
 
-    def submit_store(self, engine_id: str, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int],
-                     event: int = -1) -> None:
-        self._submit(P.Store(engine_id=engine_id, job_id=job_id, keys=list(keys), block_ids=list(block_ids),
-                             event=event))
+    def submit_store(self, engine_id: str, job_id: int, keys: Sequence[bytes] | bytes,
+                     block_ids: Sequence[int] | bytes, event: int = -1) -> None:
+        self._submit(P.Store(engine_id=engine_id, job_id=job_id, keys=keys, block_ids=block_ids, event=event))
 
-    def submit_load(self, engine_id: str, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int],
-                    lease_id: int = 0, event: int = -1) -> None:
-        self._submit(P.Load(engine_id=engine_id, job_id=job_id, keys=list(keys), block_ids=list(block_ids),
-                            lease_id=lease_id, event=event))
+    def submit_load(self, engine_id: str, job_id: int, keys: Sequence[bytes] | bytes,
+                    block_ids: Sequence[int] | bytes, lease_id: int = 0, event: int = -1) -> None:
+        self._submit(P.Load(engine_id=engine_id, job_id=job_id, keys=keys, block_ids=block_ids, lease_id=lease_id,
+                            event=event))
 
     def _submit(self, msg: P.Store | P.Load) -> None:
         with self._lock:
@@ -428,7 +427,7 @@ class KvoffdClient:
             msg.expires_ns = int((now + self.job_deadline_s) * 1e9)
             if not self._send(msg):
                 raise DaemonUnavailable("cannot send to kvoffd")
-            self._jobs[msg.job_id] = _Job(len(msg.keys), now + self.job_deadline_s + EXPIRY_GRACE_S)
+            self._jobs[msg.job_id] = _Job(P.count_keys(msg.keys), now + self.job_deadline_s + EXPIRY_GRACE_S)
 
     def take_notices(self) -> list[P.Notice]:
         """Completion notices that arrived (real or synthesized for lost jobs). Never waits."""
@@ -476,7 +475,7 @@ class KvoffdClient:
         return reply
 
     def explain(self, namespace: str, keys: Sequence[bytes], timeout_s: float | None = None) -> list[dict]:
-        reply = self.request(P.Explain(namespace=namespace, keys=list(keys)), timeout_s)
+        reply = self.request(P.Explain(namespace=namespace, keys=keys), timeout_s)
         assert isinstance(reply, P.Explained)
         return reply.entries
 

@@ -122,7 +122,8 @@ class Daemon:
             P.Op.STATS: self._stats,
             P.Op.CLEAR: self._clear,
             P.Op.PING: lambda c, m: P.Pong(seq=m.seq, daemon_id=self.daemon_id),
-            P.Op.EXPLAIN: lambda c, m: P.Explained(seq=m.seq, entries=self.index.explain(m.namespace, m.keys)),
+            P.Op.EXPLAIN: lambda c, m: P.Explained(seq=m.seq, entries=self.index.explain(m.namespace,
+                                                                                      P.split_keys(m.keys))),
         }
 
     # ------------------------------------------------------------------------------------------------
@@ -533,16 +534,16 @@ class Daemon:
                                 seq=seq, job_id=job_id)
         return eng
 
-    def _check_job(self, conn: Conn, msg: P.Store | P.Load) -> tuple[Engine, np.ndarray]:
+    def _check_job(self, conn: Conn, msg: P.Store | P.Load) -> tuple[Engine, list[bytes], np.ndarray]:
         eng = self._engine_of(conn, msg.engine_id, msg.seq, msg.job_id)
         if msg.expires_ns and time.monotonic_ns() > msg.expires_ns:
             self.metrics.expired_jobs.inc()
             raise ProtocolError(ErrorCode.EXPIRED, f"job {msg.job_id} arrived after its deadline; not started",
                                 seq=msg.seq, job_id=msg.job_id)
-        if len(msg.keys) != len(msg.block_ids):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{len(msg.keys)} keys but {len(msg.block_ids)} block ids",
+        ids = np.frombuffer(msg.block_ids, dtype="<i4").astype(np.int64)
+        if P.count_keys(msg.keys) != len(ids):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{P.count_keys(msg.keys)} keys but {len(ids)} block ids",
                                 seq=msg.seq, job_id=msg.job_id)
-        ids = np.frombuffer(msg.block_ids, dtype=np.int32).astype(np.int64)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= eng.mapped.num_blocks):
             raise ProtocolError(ErrorCode.BAD_BLOCK_ID, f"block ids must lie in [0, {eng.mapped.num_blocks}); got "
                                 f"[{int(ids.min())}, {int(ids.max())}]", seq=msg.seq, job_id=msg.job_id)
@@ -555,12 +556,12 @@ class Daemon:
         if len(conn.jobs) >= MAX_JOBS_PER_CONN:
             raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_JOBS_PER_CONN} jobs in flight per connection",
                                 seq=msg.seq, job_id=msg.job_id)
-        return eng, ids
+        return eng, P.split_keys(msg.keys), ids
 
     def _store(self, conn: Conn, msg: P.Store) -> P.Message | None:
-        eng, ids = self._check_job(conn, msg)
+        eng, keys, ids = self._check_job(conn, msg)
         evicted = self.index.evictions
-        want, slot_list, present, dropped = self.index.plan(eng.table, msg.keys)
+        want, slot_list, present, dropped = self.index.plan(eng.table, keys)
         m = self.metrics
         if self.index.evictions != evicted:
             m.evicted_blocks.inc(self.index.evictions - evicted)
@@ -577,7 +578,7 @@ class Daemon:
             fut = eng.backend.submit(Direction.STORE, eng.mapped, ids[want], slots, msg.event, msg.expires_ns)
         except Exception as e:
             fut = _failed_future(e)
-        entries = self.index.add_pending(eng.table, msg.keys, want, slot_list)
+        entries = self.index.add_pending(eng.table, keys, want, slot_list)
         jid = self._begin_job(conn, eng, msg.job_id, "store", t0)
         self._spawn(self._finish_store(conn, eng, msg, jid, want, entries, fut, dropped, t0))
         return None
@@ -613,12 +614,12 @@ class Daemon:
             self.metrics.dropped_stores.labels("clear").inc(len(entries) - done)
 
     def _load(self, conn: Conn, msg: P.Load) -> P.Message | None:
-        eng, ids = self._check_job(conn, msg)
+        eng, keys, ids = self._check_job(conn, msg)
         failed: list[int] = []
         entries: list[Entry] = []
         ok_idx: list[int] = []
         get = eng.table.visible.get
-        for i, k in enumerate(msg.keys):
+        for i, k in enumerate(keys):
             e = get(k)
             if e is None:
                 failed.append(i)

@@ -40,8 +40,9 @@ def test_lookup_counts_only_leading_resident_keys(daemon, engines):
     c = daemon.client()
     assert c.lookup("no-such-namespace", keys).hits == 0
     assert c.lookup("lk", b"".join(keys)).hits == 4  # keys packed back to back, as the connector sends them
-    with pytest.raises(ValueError):
+    with pytest.raises(P.ProtocolError) as bad:  # refused before it is sent
         c.lookup("lk", b"".join(keys)[:-1])
+    assert bad.value.code is P.ErrorCode.BAD_KEY
 
 
 def test_in_flight_store_is_invisible_until_complete(daemon):

@@ -143,3 +143,22 @@ def test_errors_are_counted_by_code(daemon, raw):
         return float(line.split()[-1])
 
     assert val(after) == val(before) + 1
+
+
+def test_a_senders_keys_are_packed_or_refused_before_sending():
+    """Keys may be given as a list or any bytes-like blob; each key must be exactly KEY_SIZE bytes
+    (a list of a short and a long key adds up to whole keys, and is still refused)."""
+    keys = chain_keys(3, b"pack")
+    blob = b"".join(keys)
+    for given in (keys, blob, bytearray(blob), memoryview(blob)):
+        msg = P.Lookup(namespace="n", keys=given)
+        assert type(msg.keys) is bytes and msg.keys == blob
+        assert P.decode(P.encode(msg), requests_only=True) == msg
+    for bad in ([keys[0][:31], keys[1] + b"x"], blob[:-1], [1, 2], ["x" * 32]):
+        with pytest.raises(P.ProtocolError) as e:
+            P.Store(engine_id="e", job_id=1, keys=bad, block_ids=[0, 1])
+        assert e.value.code is P.ErrorCode.BAD_KEY, bad
+    assert P.Store(engine_id="e", keys=keys, block_ids=range(3)).block_ids == P.pack_ids([0, 1, 2])
+    with pytest.raises(P.ProtocolError) as e:
+        P.Store(engine_id="e", keys=keys, block_ids=[0, 1, 2 ** 31])
+    assert e.value.code is P.ErrorCode.BAD_FIELD
