@@ -475,15 +475,10 @@ class Daemon:
     # ------------------------------------------------------------------------------------------------
     # lookups and leases
 
-    def _lookup(self, conn: Conn, msg: P.Lookup) -> P.Message:
+    def _lookup(self, conn: Conn, msg: P.Lookup) -> P.Message | None:
+        """Answer first, then count and pin: the client waits on the answer, and nothing else runs on
+        the loop in between, so no eviction can take a block the answer promised."""
         n, by_rank, reason = self.index.leading_hits(msg.namespace, msg.keys, want_entries=msg.lease_ms > 0)
-        counts = self.metrics.lookup
-        counts.lookups += 1
-        counts.hit_blocks += n
-        missed = len(msg.keys) // P.KEY_SIZE - n  # (a binary: see P.Lookup)
-        if missed:
-            counts.miss_blocks += missed
-            self.metrics.misses.labels(reason).inc(missed)
         ns = self.index.namespaces.get(msg.namespace)
         lease_id = 0
         if n and msg.lease_ms:
@@ -491,13 +486,23 @@ class Daemon:
                 raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_LEASES_PER_CONN} leases per connection",
                                     seq=msg.seq)
             lease_id = next(self._lease_ids)
+        self._send(conn.ident, P.LookupResult(seq=msg.seq, hits=n, lease_id=lease_id,
+                                              world_size=ns.world_size if ns else 0))
+        if lease_id:
             for entries in by_rank.values():
                 for e in entries:
                     e.pins += 1  # a pin (see Index): thousands per step
             self.leases[lease_id] = Lease(lease_id, conn.ident, time.monotonic() + msg.lease_ms / 1000, by_rank,
                                           msg.namespace)
             conn.leases.add(lease_id)
-        return P.LookupResult(seq=msg.seq, hits=n, lease_id=lease_id, world_size=ns.world_size if ns else 0)
+        counts = self.metrics.lookup
+        counts.lookups += 1
+        counts.hit_blocks += n
+        missed = len(msg.keys) // P.KEY_SIZE - n  # (a binary: see P.Lookup)
+        if missed:
+            counts.miss_blocks += missed
+            self.metrics.misses.labels(reason).inc(missed)
+        return None
 
     def _release(self, conn: Conn, msg: P.Release) -> P.Message | None:
         lease = self.leases.get(msg.lease_id)
