@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvoffd import procfs
 from kvoffd.index import Entry, Table
 from kvoffd.transfer.base import MappedMemory, TransferBackend
 
@@ -69,16 +70,6 @@ class Lease:
     namespace: str
 
 
-def process_start_ticks(pid: int) -> int:
-    """Field 22 of /proc/PID/stat (start time in clock ticks since boot); 0 when unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def open_pidfd(pid: int, start_ticks: int) -> int:
     """A pidfd for the client's process, only when it is provably that process (pid reuse, other pid
     namespaces). -1 otherwise: heartbeats alone then tell liveness."""
@@ -88,7 +79,7 @@ def open_pidfd(pid: int, start_ticks: int) -> int:
         fd = os.pidfd_open(pid)
     except OSError:
         return -1
-    if process_start_ticks(pid) != start_ticks:
+    if procfs.start_ticks(pid) != start_ticks:
         os.close(fd)
         return -1
     return fd

@@ -138,9 +138,11 @@ class Engine:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
-    def kill(self) -> None:
+    def kill(self, reap: bool = True) -> None:
+        """SIGKILL. ``reap=False`` leaves the process a zombie (as a busy or dead parent does)."""
         self.proc.kill()
-        self.proc.wait(10)
+        if reap:
+            self.proc.wait(10)
 
 
 def wait_until(pred, timeout: float = 5.0, interval: float = 0.02) -> bool:

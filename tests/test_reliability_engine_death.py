@@ -64,7 +64,7 @@ def test_engine_sigkilled_mid_job(make_daemon, engines, phase):
     assert wait_until(lambda: (_engine(watcher.stats(), "victim") or {}).get("in_flight", 0) > 0, 5, 0.001)
     in_flight = _engine(watcher.stats(), "victim")["in_flight"]
     t0 = time.monotonic()
-    victim.kill()
+    victim.kill(reap=False)  # a zombie until the end: its parent need not reap it for the cleanup to run
     assert wait_until(lambda: _engine(watcher.stats(), "victim") is None, 5, 0.005)
     noticed_s = time.monotonic() - t0
     assert noticed_s < 1.0, f"the daemon took {noticed_s:.3f} s to notice the engine's death"
@@ -78,6 +78,7 @@ def test_engine_sigkilled_mid_job(make_daemon, engines, phase):
     assert wait_until(lambda: not maps_mention(dpid, shm[0]), 5), "the dead engine's memory is still mapped"
     unmapped_s = time.monotonic() - t0
     assert wait_until(lambda: not os.path.exists(shm[0]), 5), "the dead engine's /dev/shm file was left behind"
+    victim.proc.wait(10)  # reaped only now
     _round_trip(bystander, chain_keys(16, b"bystander-2"), 3)
 
     # no pin survives; what the dead engine stored is exact for its successor

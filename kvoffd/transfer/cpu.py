@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kvoffd import procfs
 from kvoffd.pool import Pool
 from kvoffd.transfer.base import (
     AttachError,
@@ -181,7 +182,8 @@ def _unlink_if_orphan(path: str) -> None:
         return
     try:
         os.kill(pid, 0)
-        return  # still alive (or another pid namespace: leave it to its owner)
+        if not procfs.is_zombie(pid):  # (a zombie is dead: its parent has not reaped it yet)
+            return  # still alive (or another pid namespace: leave it to its owner)
     except ProcessLookupError:
         pass
     except PermissionError:
