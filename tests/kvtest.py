@@ -78,6 +78,11 @@ class DaemonProc:
         return self.proc.returncode
 
 
+def _pool_usable(c: KvoffdClient) -> bool:
+    pool = c.stats()["pool"]
+    return pool["capacity_bytes"] == pool["total_bytes"]
+
+
 def start_daemon(address: str, pool_size: str = "256MiB", *extra: str, env: dict | None = None) -> DaemonProc:
     fd, log_path = tempfile.mkstemp(prefix="kvoffd-test-", suffix=".log")
     with os.fdopen(fd, "w") as log:
@@ -91,6 +96,9 @@ def start_daemon(address: str, pool_size: str = "256MiB", *extra: str, env: dict
             proc.kill()
             raise RuntimeError(f"daemon did not come up:\n{d.log()}")
         d.metrics_address = c.stats()["daemon"]["metrics_address"]
+        # On a GPU host the pool becomes usable as it is pinned (about a second); until then stores are
+        # dropped by design. Tests of everything else start from a whole pool, as on a CPU host.
+        assert wait_until(lambda: _pool_usable(c), 30), f"pool never became usable:\n{d.log()}"
     finally:
         c.close()
     return d

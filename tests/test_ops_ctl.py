@@ -7,6 +7,7 @@ with a stand-in engine that stores real blocks.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -112,6 +113,8 @@ def test_bad_key_is_a_usage_error(tmp_path):
 def test_default_address_comes_from_env(loaded, monkeypatch):
     d, _eng, _keys = loaded
     env = {"KVOFFD_ADDRESS": d.address, "PATH": "/usr/bin:/bin"}
+    if "PYTHONPATH" in os.environ:  # (where kvoffd runs from a checkout, not an install)
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     r = subprocess.run([sys.executable, "-m", "kvoffd.ctl", "status"], capture_output=True, text=True, env=env,
                        timeout=30)
     assert r.returncode == 0, r.stderr
