@@ -449,8 +449,8 @@ def _refusal(text: str) -> ProtocolError:
     if name in _HINTS:
         return ProtocolError(ErrorCode.BAD_KEY if name == "keys" else ErrorCode.BAD_FIELD,
                              f"{name} {_HINTS[name]} ({reason})")
-    return ProtocolError(ErrorCode.BAD_FIELD, f"{name}: {reason}" + (f" (at {where})" if "[" in where or
-                                                                       " in " in where else ""))
+    inside = "" if where == f"`$.{name}`" else f" (at {where})"  # e.g. "`key` in `$.memory`"
+    return ProtocolError(ErrorCode.BAD_FIELD, f"{name}: {reason}{inside}")
 
 
 def _echo(frame: bytes) -> tuple[int, int | None]:
