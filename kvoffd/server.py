@@ -122,8 +122,7 @@ class Daemon:
             P.Op.STATS: self._stats,
             P.Op.CLEAR: self._clear,
             P.Op.PING: lambda c, m: P.Pong(seq=m.seq, daemon_id=self.daemon_id),
-            P.Op.EXPLAIN: lambda c, m: P.Explained(seq=m.seq, entries=self.index.explain(m.namespace,
-                                                                                      P.split_keys(m.keys))),
+            P.Op.EXPLAIN: self._explain,
         }
 
     # ------------------------------------------------------------------------------------------------
@@ -498,7 +497,7 @@ class Daemon:
         counts = self.metrics.lookup
         counts.lookups += 1
         counts.hit_blocks += n
-        missed = len(msg.keys) // P.KEY_SIZE - n  # (a binary: see P.Lookup)
+        missed = P.count_keys(msg.keys) - n
         if missed:
             counts.miss_blocks += missed
             self.metrics.misses.labels(reason).inc(missed)
@@ -546,9 +545,10 @@ class Daemon:
             raise ProtocolError(ErrorCode.EXPIRED, f"job {msg.job_id} arrived after its deadline; not started",
                                 seq=msg.seq, job_id=msg.job_id)
         ids = np.frombuffer(msg.block_ids, dtype="<i4").astype(np.int64)
-        if P.count_keys(msg.keys) != len(ids):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{P.count_keys(msg.keys)} keys but {len(ids)} block ids",
-                                seq=msg.seq, job_id=msg.job_id)
+        n = P.count_keys(msg.keys)
+        if n != len(ids):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{n} keys but {len(ids)} block ids", seq=msg.seq,
+                                job_id=msg.job_id)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= eng.mapped.num_blocks):
             raise ProtocolError(ErrorCode.BAD_BLOCK_ID, f"block ids must lie in [0, {eng.mapped.num_blocks}); got "
                                 f"[{int(ids.min())}, {int(ids.max())}]", seq=msg.seq, job_id=msg.job_id)
@@ -745,6 +745,9 @@ class Daemon:
         log.info("cleared %s: %d blocks removed, %d jobs in flight", msg.namespace or "all namespaces", removed,
                  in_flight)
         return P.Cleared(seq=msg.seq, removed_blocks=removed, in_flight_jobs=in_flight)
+
+    def _explain(self, conn: Conn, msg: P.Explain) -> P.Message:
+        return P.Explained(seq=msg.seq, entries=self.index.explain(msg.namespace, P.split_keys(msg.keys)))
 
     def _stats(self, conn: Conn, msg: P.Stats) -> P.Message:
         return P.StatsResult(seq=msg.seq, stats=self.stats())
