@@ -282,12 +282,15 @@ class Release(Message, tag="release"):
     lease_id: U63 = 0
 
 
-class Store(Message, tag="store"):
-    """Copy engine blocks ``block_ids[i]`` into the pool under ``keys[i]`` (one step's batch).
+class _Job(Message):
+    """What STORE and LOAD share: one step's batch, ``keys[i]`` with engine block ``block_ids[i]``.
 
     ``event`` (CUDA) is the index of the interprocess event in the ring shared at REGISTER that the
     copy must wait for; -1 means the engine's writes are already complete (CPU: after the step).
-    ``expires_ns`` (CLOCK_MONOTONIC): the daemon refuses to start the copy after it (0: never).
+
+    ``expires_ns`` (CLOCK_MONOTONIC; 0: never): the daemon refuses to start the copy after it. This
+    protects against a daemon that hangs and then wakes up: a client that has given up on a job (and
+    let vLLM reuse the blocks) must not see it run late. Every process on the host shares the clock.
     """
 
     engine_id: Name = ""
@@ -302,25 +305,15 @@ class Store(Message, tag="store"):
         self.block_ids = _idblob(self.block_ids)
 
 
-class Load(Message, tag="load"):
-    """Copy the pool's blocks for ``keys[i]`` into engine block ``block_ids[i]``.
+class Store(_Job, tag="store"):
+    """Copy engine blocks ``block_ids[i]`` into the pool under ``keys[i]``."""
 
-    ``expires_ns`` protects against a daemon that hangs and then wakes up: a client that has given
-    up on a job (and let vLLM reuse the blocks) must not see it run late. The clock is the host's
-    CLOCK_MONOTONIC, which every process on the host shares.
-    """
 
-    engine_id: Name = ""
-    job_id: U63 = 0
-    keys: bytes = b""
-    block_ids: bytes = b""
+class Load(_Job, tag="load"):
+    """Copy the pool's blocks for ``keys[i]`` into engine block ``block_ids[i]``. ``lease_id`` names the
+    LOOKUP's lease: the load consumes this rank's share of it (the copy pins what it reads itself)."""
+
     lease_id: U63 = 0
-    event: EventIndex = -1
-    expires_ns: U63 = 0
-
-    def __post_init__(self) -> None:
-        self.keys = _keyblob(self.keys)
-        self.block_ids = _idblob(self.block_ids)
 
 
 class Notice(Message, tag="notice"):
