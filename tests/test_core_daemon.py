@@ -103,6 +103,27 @@ def test_lru_eviction_counters_and_pinned_blocks(make_daemon, engines):
     assert f"kvoffd_stored_blocks_total {float(3 * n)}" in metrics
 
 
+def test_a_block_stored_again_is_most_recently_used(make_daemon, engines):
+    """An engine that stores a resident block computed it itself: the block is in use, so the no-op
+    store refreshes it and eviction takes the next oldest instead."""
+    d = make_daemon("1MiB")  # 64 slots of 16 KiB
+    eng = engines(d.address, "touch-0", namespace="touch", blocks=128, layers=2, heads=1, block_size=16,
+                  head_dim=64)
+    keys = chain_keys(66, b"touch")
+    eng("fill", ids=list(range(128)), seed=6)
+    assert eng.store(1, keys[:64], list(range(64)))["ok"]  # the pool is full; keys[0] is the oldest
+    r = eng.store(2, [keys[0], keys[64], keys[64]], [0, 64, 64])  # a no-op, and a new key given twice
+    assert r["ok"], r
+    assert eng.store(3, keys[65:66], [65])["ok"]
+    c = d.client()
+    assert c.stats()["counters"]["evicted_blocks"] == 2
+    assert c.lookup("touch", keys[:1]).hits == 1, "the block stored again was evicted"
+    assert c.lookup("touch", keys[1:2]).hits == 0 and c.lookup("touch", keys[2:3]).hits == 0
+    assert c.lookup("touch", keys[3:64]).hits == 61
+    assert eng.load(4, keys[:1], [100])["ok"]
+    assert eng("digest", ids=[100]) == eng("digest", ids=[0])
+
+
 def test_full_pool_of_pinned_blocks_drops_stores_without_blocking(make_daemon, engines):
     d = make_daemon("1MiB")  # 64 slots of 16 KiB
     eng = engines(d.address, "full-0", namespace="full", blocks=128, layers=2, heads=1, block_size=16, head_dim=64)
