@@ -287,14 +287,19 @@ class KvoffdScheduler:
                               preempted=sorted(so.preempted_req_ids or ()))
         self._pending_loads, self._await_stores = [], []
         self._reap_orphans()
-        if self.client is not None and not self.client.connected:
+        linked = self.client is not None and self.client.connected
+        if self.client is not None and not linked:
             self.client.take_notices()  # drives reconnection while the engine steps
         if not self.enabled:
             return meta
         bs = self.block_size
         now = time.monotonic()
-        if self.client is not None and self.client.daemon_id != self._known_daemon:
-            self._known.clear()  # a restarted daemon holds nothing
+        if self.client is not None and (not linked or self.client.daemon_id != self._known_daemon):
+            # A restarted daemon holds nothing, and one out of reach may come back restarted: what it
+            # confirmed is not to be trusted. (This client may learn of a restart after the worker's
+            # client has already registered with the new daemon.)
+            if self._known:
+                self._known.clear()
             self._known_daemon = self.client.daemon_id
         fresh = {r.req_id for r in so.scheduled_new_reqs}
         fresh.update(getattr(so.scheduled_cached_reqs, "resumed_req_ids", None) or ())

@@ -110,3 +110,40 @@ def test_lookup_sends_a_slice_of_the_packed_keys_up_to_the_first_negative(daemon
         assert reply is not None and reply.hits == 0  # the daemon took the packed keys
     finally:
         sched.client.close()
+
+
+def test_known_keys_are_forgotten_while_the_daemon_is_out_of_reach(tmp_path) -> None:
+    """The scheduler does not store again keys the daemon recently confirmed. A daemon out of reach
+    may come back restarted and empty, and the scheduler's client may learn of the restart only after
+    the worker's client registered with the new daemon (so a new daemon id alone is seen too late): a
+    step taken while the link is down forgets what the daemon confirmed."""
+    import time
+
+    from engine_helpers import Daemon
+    from kvtest import wait_until
+
+    from kvoffd_client.client import KvoffdClient
+    from kvoffd_client.vllm.common import Settings
+    from kvoffd_client.vllm.scheduler import KvoffdScheduler
+
+    d = Daemon(tmp_path).start()
+    sched = KvoffdScheduler(Settings(address=d.address), None, 1, "units")
+    sched.identity = SimpleNamespace(namespace="units", hashes_per_block=1, block_size=16)
+    sched.enabled = True
+    sched.client = KvoffdClient(d.address, heartbeat=False)
+    step = SimpleNamespace(preempted_req_ids=(), scheduled_new_reqs=[], kv_connector_block_state=None,
+                           scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=()), num_scheduled_tokens={})
+    key = bytes(range(32))
+    try:
+        assert sched.client.connect(10)
+        sched.build_connector_meta(step)
+        sched._confirm([key], time.monotonic())
+        sched.build_connector_meta(step)
+        assert sched._is_known(key, time.monotonic()), "forgotten while the daemon is up"
+        d.kill()
+        assert wait_until(lambda: not sched.client.connected, 10)
+        sched.build_connector_meta(step)
+        assert not sched._is_known(key, time.monotonic()), "still trusted with the daemon out of reach"
+    finally:
+        sched.client.close()
+        d.stop()
