@@ -6,7 +6,8 @@ of a request and echoed in the reply, so a client can keep several requests in f
 answers. Completion notices for STORE/LOAD jobs arrive unsolicited (op NOTICE) and carry the job id.
 
 This module imports only the standard library and msgspec (which vLLM itself depends on): vLLM
-imports the connector (and so this file) in its API-server process, where nothing heavy may load. See docs/protocol.md for the prose.
+imports the connector (and so this file) in its API-server process, where nothing heavy may load.
+See docs/protocol.md for the prose.
 """
 
 from __future__ import annotations
