@@ -179,7 +179,7 @@ class Index:
             want = sorted(firsts.values())
         present = len(keys) - len(want)
         if present:
-            self._touch(table, keys, want)
+            self._touch(table, keys)
         if not want:
             return [], [], present, []
         size = table.slot_bytes
@@ -190,15 +190,14 @@ class Index:
             slots += self.pool.alloc(size, short)
         return want[: len(slots)], slots, present, want[len(slots):]
 
-    def _touch(self, table: Table, keys: list[bytes], want: list[int]) -> None:
-        """Keys an engine stores again are in use (it computed them itself): most recently used."""
+    def _touch(self, table: Table, keys: list[bytes]) -> None:
+        """Keys an engine stores again are in use (it computed them itself): most recently used.
+        (Called before the new keys get entries, so only the present ones are found.)"""
         lru, get = self._lru[table.slot_bytes], table.entries.get
-        skip = set(want)
-        for i, k in enumerate(keys):
-            if i not in skip:
-                e = get(k)  # (None: a key repeated within this batch, new)
-                if e is not None and e.in_lru:
-                    lru.move_to_end(e)
+        for k in keys:
+            e = get(k)
+            if e is not None and e.in_lru:
+                lru.move_to_end(e)
 
     def add_pending(self, table: Table, keys: list[bytes], want: list[int], slots: list[int]) -> list[Entry]:
         """Pending (invisible) entries for a planned store, pinned by the store job."""
