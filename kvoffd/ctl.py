@@ -4,9 +4,10 @@ It speaks the daemon's own protocol over its socket (STATS, CLEAR, EXPLAIN, PING
 client library the engines use, so what it shows is what an engine would see, not a second view
 scraped from /metrics. Output is a readable table by default and JSON with ``--json`` (for scripts).
 
-Exit codes: 0 done; 1 the daemon answered with an error; 2 the daemon could not be reached or the
-command line was wrong. The "cannot reach" case is one line naming the address and what to try,
-never a traceback: it is the first thing an operator sees when the daemon is down.
+Exit codes: 0 done; 1 the daemon answered with an error; 2 the command line was wrong (argparse's
+own code); 3 the daemon could not be reached. Scripts can tell "fix your call" from "the daemon is
+down" without parsing text. The "cannot reach" case is one line naming the address and what to
+try, never a traceback: it is the first thing an operator sees when the daemon is down.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from kvoffd_client.protocol import KEY_SIZE
 
 EXIT_OK = 0
 EXIT_DAEMON_ERROR = 1
-EXIT_UNREACHABLE = 2
 EXIT_USAGE = 2  # argparse's code for a bad command line
+EXIT_UNREACHABLE = 3
+MAX_TIMEOUT_S = 3600.0
 
 
 class Unreachable(Exception):
@@ -124,6 +126,25 @@ def _dur(s: Any) -> str:
     return f"{s / 86400:.1f}d"
 
 
+def _backend(b: Any) -> str:
+    """``cpu (threads 2, process_vm_readv)`` from the daemon's description of one backend."""
+    if not isinstance(b, dict):
+        return str(b)
+    rest = [f"{k} {v}" if k != "method" else str(v) for k, v in b.items() if k != "name"]
+    return f"{b.get('name', '?')} ({', '.join(rest)})" if rest else str(b.get("name", "?"))
+
+
+def _timeout(text: str) -> float:
+    """--timeout: a finite number of seconds in (0, MAX_TIMEOUT_S]; nan and inf are usage errors."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < v <= MAX_TIMEOUT_S:  # (false for nan too)
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds, got {text}")
+    return v
+
+
 def _pct(part: Any, whole: Any) -> str:
     try:
         return f"{100.0 * float(part) / float(whole):.1f}%" if float(whole) > 0 else "-"
@@ -194,7 +215,7 @@ def cmd_status(args: argparse.Namespace, client: Any) -> int:
         ("address", d.get("address") or args.address),
         ("metrics", d.get("metrics_address") or "-"),
         ("uptime", _dur(d.get("uptime_s"))),
-        ("backends", ", ".join(map(str, d.get("backends", []))) or "-"),
+        ("backends", ", ".join(_backend(b) for b in d.get("backends", [])) or "-"),
         ("ping", f"{rtt * 1000:.2f} ms"),
         ("pool", f"{_size(pool.get('used_bytes'))} used of {_size(pool.get('capacity_bytes'))} "
                  f"({_pct(pool.get('used_bytes'), pool.get('capacity_bytes'))}); "
@@ -218,11 +239,11 @@ def cmd_stats(args: argparse.Namespace, client: Any) -> int:
     prow = []
     for key in ("capacity_bytes", "total_bytes", "used_bytes", "pinned_bytes", "free_chunk_bytes"):
         if key in pool:
-            prow.append((key.removesuffix("_bytes"), _size(pool[key]), pool[key]))
+            prow.append((key, _size(pool[key]), pool[key]))
     for key, v in pool.items():
-        if not key.endswith("_bytes") or key in {r[0] + "_bytes" for r in prow}:
+        if not key.endswith("_bytes") or key in {r[0] for r in prow}:
             continue
-        prow.append((key.removesuffix("_bytes"), _size(v), v))
+        prow.append((key, _size(v), v))
     print(table([("  " + a, b, f"{c_:,}" if isinstance(c_, int) else c_) for a, b, c_ in prow],
                 header=("  state", "size", "bytes")))
     print()
@@ -370,11 +391,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvoffctl",
         description="Inspect and control a running kvoffd over its socket.",
-        epilog="Exit codes: 0 ok, 1 the daemon refused the request, 2 the daemon could not be reached.")
+        epilog="Exit codes: 0 ok, 1 the daemon refused the request, 2 a wrong command line, "
+               "3 the daemon could not be reached.")
     p.add_argument("--address", default=None,
                    help="daemon address (default: $KVOFFD_ADDRESS, else the daemon's default, "
                         f"currently {default_address()})")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer (default 3)")
+    p.add_argument("--timeout", type=_timeout, default=3.0,
+                   help=f"seconds to wait for an answer (default 3, at most {MAX_TIMEOUT_S:g})")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("status", help="is it up; pool use, engines, hit rate, in-flight work")

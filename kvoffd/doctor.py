@@ -20,6 +20,7 @@ import os
 import platform
 import pwd
 import resource
+import signal
 import stat
 import subprocess
 import sys
@@ -88,6 +89,11 @@ def _read(path: str) -> str:
 
 def check_memlock(ctx: Context) -> Result:
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if not _gpu_nodes():
+        # Only the CUDA backend page-locks the pool; a warning here would send a CPU-only operator
+        # after a limit that changes nothing for them.
+        return Result("memlock", SKIP, "no GPU on this host: the pool is not page-locked, so RLIMIT_MEMLOCK "
+                      "does not apply")
     if soft == resource.RLIM_INFINITY:
         return Result("memlock", PASS, "RLIMIT_MEMLOCK is unlimited")
     shown = f"RLIMIT_MEMLOCK is {format_size(soft)} (hard {'unlimited' if hard == resource.RLIM_INFINITY else format_size(hard)})"
@@ -276,7 +282,23 @@ def _run_gpu_probe(ctx: Context) -> dict[str, Any]:
             except ValueError:
                 break
     err = p.stderr.strip().splitlines()
-    return {"probe_error": f"the GPU probe exited with {p.returncode}: {err[-1] if err else 'no output'}"}
+    return {"probe_error": f"the GPU probe {_exit_words(p.returncode)}: {err[-1] if err else 'no output'}"}
+
+
+def _exit_words(returncode: int) -> str:
+    """'was killed by SIGBUS (signal 7)' rather than 'exited with -7'."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "an unknown signal"
+    return f"was killed by {name} (signal {-returncode})"
+
+
+def _gpu_nodes() -> list[str]:
+    """The GPU device nodes (/dev/nvidia0, ...), not the control nodes (nvidiactl, nvidia-uvm)."""
+    return [n for n in _device_nodes() if n[6:].isdigit()]
 
 
 def _device_nodes() -> list[str]:
@@ -288,7 +310,7 @@ def _device_nodes() -> list[str]:
 
 def check_gpus(ctx: Context) -> Result:
     nodes = _device_nodes()
-    gpu_nodes = [n for n in nodes if n[6:].isdigit()]
+    gpu_nodes = _gpu_nodes()
     g = ctx.gpu()
     vis = [f"{k.upper()}={g[k]}" for k in ("cuda_visible_devices", "nvidia_visible_devices") if g.get(k) is not None]
     vis_s = f" ({', '.join(vis)})" if vis else ""

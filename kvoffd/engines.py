@@ -131,7 +131,7 @@ class PidWatcher:
     def _fired(self, key: tuple[int, int]) -> None:
         idents = list(self._by_pid[key][1])
         self._close(key)
-        log.info("client pid %d exited (%d connections)", key[0], len(idents))
+        log.debug("client pid %d exited (%d connections)", key[0], len(idents))  # engines leaving log at INFO
         for ident in idents:
             self._on_exit(ident)
 

@@ -85,10 +85,10 @@ def test_clear_namespace_then_lookup_misses(loaded):
     assert eng.lookup(keys)["hits"] == 0
 
 
-def test_unreachable_daemon_is_one_line_and_exit_2(tmp_path):
+def test_unreachable_daemon_is_one_line_and_exit_3(tmp_path):
     for address in (f"ipc://{tmp_path}/nobody.sock", "tcp://127.0.0.1:9"):
         r = ctl(address, "--timeout", "0.5", "status")
-        assert r.returncode == 2
+        assert r.returncode == 3
         assert "Traceback" not in r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and "cannot reach kvoffd" in lines[0] and address in lines[0]
@@ -102,12 +102,26 @@ def test_stale_socket_is_named(tmp_path):
     s.bind(str(path))  # a socket file nobody listens on, as a crashed daemon leaves
     s.close()
     r = ctl(f"ipc://{path}", "--timeout", "0.5", "status")
-    assert r.returncode == 2 and "stale socket" in r.stderr
+    assert r.returncode == 3 and "stale socket" in r.stderr
 
 
 def test_bad_key_is_a_usage_error(tmp_path):
     r = ctl(f"ipc://{tmp_path}/x.sock", "explain", "--namespace", "n", "abcd")
     assert r.returncode == 2 and "64 hex digits" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0", "1e9", "soon"])
+def test_timeout_must_be_finite_and_positive(tmp_path, value):
+    r = ctl(f"ipc://{tmp_path}/x.sock", "--timeout", value, "status")
+    assert r.returncode == 2 and "--timeout" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_status_names_backends_readably(loaded):
+    d, _eng, _keys = loaded
+    r = ctl(d.address, "status")
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("backends"))
+    assert "cpu (threads" in line and "{" not in line
 
 
 def test_default_address_comes_from_env(loaded, monkeypatch):

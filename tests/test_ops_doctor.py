@@ -117,13 +117,21 @@ def test_socket_dir_missing_and_tcp(tmp_path):
     assert doctor.check_socket_dir(ctx(address="tcp://10.1.2.3:5555")).status == WARN
 
 
-def test_memlock_and_memory_verdicts():
+def test_memlock_and_memory_verdicts(monkeypatch):
     assert doctor.check_memory(ctx(pool_size=1 << 20)).status == PASS
     assert doctor.check_memory(ctx(pool_size=1 << 60)).status == FAIL
+    monkeypatch.setattr(doctor, "_device_nodes", lambda: ["nvidiactl", "nvidia-uvm"])  # no GPU: nothing pinned
+    assert doctor.check_memlock(ctx(pool_size=1 << 50)).status == SKIP
+    monkeypatch.setattr(doctor, "_device_nodes", lambda: ["nvidia0", "nvidiactl"])
     m = doctor.check_memlock(ctx(pool_size=1 << 50))
     assert m.status in (PASS, WARN)
     if m.status == WARN:
         assert "LimitMEMLOCK=infinity" in m.fix and "memlock=-1" in m.fix
+
+
+def test_a_crashed_probe_names_its_signal():
+    assert doctor._exit_words(-7) == "was killed by SIGBUS (signal 7)"
+    assert doctor._exit_words(3) == "exited with status 3"
 
 
 def test_a_broken_check_is_reported_not_raised():
