@@ -424,6 +424,8 @@ def decode(frame: bytes, *, requests_only: bool = False) -> Message:
         err = ProtocolError(ErrorCode.BAD_FRAME, f"not a msgpack message: {e}")
     except ProtocolError as e:  # raised by a __post_init__ check
         err = e
+    except RecursionError:  # msgspec's answer to maps nested thousands deep: no message is that deep
+        err = ProtocolError(ErrorCode.BAD_FRAME, "msgpack nested too deeply")
     if err.code is not ErrorCode.BAD_FRAME:
         err.seq, err.job_id = _echo(frame)
     raise err

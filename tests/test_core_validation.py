@@ -79,6 +79,8 @@ def test_version_mismatch_is_a_clear_error(raw):
                     "layout": {"num_blocks": 4, "segments": [[0, 16, 16]]}}), "memory_unreachable"),
     (msgpack.packb({"op": "register", "seq": 4, "engine_id": "e", "namespace": "n", "rank": 3, "world_size": 2,
                     "memory": {}, "layout": {}}), "bad_field"),
+    # maps nested 100k deep: msgspec raises RecursionError, which must be an ordinary refusal
+    (b"\x81\xa1a" * 100_000 + b"\xc0", "bad_frame"),
 ])
 def test_malformed_frames_get_error_replies(raw, frame, code):
     hello(raw)
