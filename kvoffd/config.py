@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
 LOOPBACK = "127.0.0.1"
+#: sun_path holds 108 bytes with the terminating NUL; libzmq refuses a longer ipc path at bind
+MAX_IPC_PATH = 107
 
 
 class ConfigError(ValueError):
@@ -78,6 +80,10 @@ def check_address(address: str, allow_remote: bool) -> str:
     if address.startswith("ipc://"):
         if len(address) <= 6:
             raise ConfigError("ipc:// address needs a path")
+        n = len(os.fsencode(address[6:]))
+        if n > MAX_IPC_PATH:
+            raise ConfigError(f"--address {address}: the socket path is {n} bytes; UNIX sockets take at most "
+                              f"{MAX_IPC_PATH} (choose a shorter directory)")
         return address
     if address.startswith("tcp://"):
         host, port = _host_port(address[6:], "--address tcp://")
@@ -87,9 +93,10 @@ def check_address(address: str, allow_remote: bool) -> str:
         elif not _is_loopback(host) and not allow_remote:
             raise ConfigError(f"--address {address} would accept connections from other hosts; "
                               "pass --allow-remote if that is intended")
-        return f"tcp://{host}:{port}"
+        return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
     if address.startswith("inproc://"):
-        return address
+        raise ConfigError(f"--address {address}: inproc:// is reachable only inside the daemon's own process; "
+                          "engines need ipc:// or tcp://")
     raise ConfigError(f"--address must be an ipc:// or tcp:// ZeroMQ endpoint, got {address!r}")
 
 

@@ -48,9 +48,18 @@ def test_tcp_binds_loopback_unless_told():
         load_config(["--address", "http://x"], environ={})
 
 
+def test_address_forms_kept_or_refused():
+    assert load_config(["--address", "tcp://[::1]:5555"], environ={}).address == "tcp://[::1]:5555"
+    assert load_config(["--address", "tcp://::1:5555"], environ={}).address == "tcp://[::1]:5555"
+    for bad in ("inproc://kvoffd", "ipc:///tmp/" + "x" * 120 + "/kvoffd.sock"):
+        with pytest.raises(ConfigError):
+            load_config(["--address", bad], environ={})
+
+
 @pytest.mark.parametrize("args", [["--pool-size", "lots"], ["--log-level", "loud"], ["--backend", "tpu"],
                                   ["--metrics-address", "nowhere"], ["--address", "tcp://8.8.8.8:1"],
-                                  ["--engine-timeout", "abc"]])
+                                  ["--engine-timeout", "abc"], ["--address", "inproc://x"],
+                                  ["--address", "ipc:///tmp/" + "y" * 200]])
 def test_bad_values_fail_at_start_with_one_line(args):
     r = subprocess.run([sys.executable, "-m", "kvoffd", *args], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2
