@@ -499,11 +499,12 @@ def table(res: Result) -> str:
 
 def plot(res: Result, path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     styles = {"daemon": ("o-", "kvoffd daemon"), "lru": ("x--", "LRU (simulated)"),
               "optimum": ("s-", "optimum (Belady MIN)")}
     for name, ratios in res.policies.items():
@@ -513,11 +514,13 @@ def plot(res: Result, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xticks(res.capacities)
     ax.set_xticklabels([f"{c:,}" for c in res.capacities])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel(f"capacity (blocks of {res.block_tokens} tokens)")
     ax.set_ylabel("block hit ratio (%)")
     ax.set_title(f"prefix hit ratio: {res.trace}")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # outside: any trace
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
