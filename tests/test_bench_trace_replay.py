@@ -113,6 +113,17 @@ def test_optimum_keeps_prefixes_whole(tmp_path):
         assert opt.noop == 0 and opt.evicted > 0
 
 
+def test_realtime_honours_timestamps(tmp_path):
+    """--realtime: request i is not sent before its timestamp (relative to the first request)."""
+    lines = [json.dumps({"timestamp": 50 * i, "input_length": 1024, "hash_ids": [0, i + 1]}) for i in range(21)]
+    path = tmp_path / "timed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    trace = T.load_trace(path)
+    res = T.run(trace, [8], 4096, realtime=True, log=lambda s: None)
+    assert res.daemon_counters["8"]["seconds"] >= 1.0  # the last request is due 1,000 ms after the first
+    assert res.daemon_counters["8"]["lookup_hit_blocks"] == 20  # block 0 hits from the second request on
+
+
 def _brute_force_optimum(trace: T.Trace, capacity: int) -> int:
     """Most leading hits over every admit/evict choice (exponential: tiny traces only)."""
     best = 0
