@@ -50,6 +50,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -194,13 +195,16 @@ class Decoder:
                                       / s.head_dim))
         ang = torch.arange(max_pos, device=self.device, dtype=torch.float32)[:, None] * inv[None, :]
         self.cos, self.sin = ang.cos(), ang.sin()
+        self.sdpa_probe_ms = {}
         self.fast_backends, self.gqa_native = self._sdpa_setup()
 
     # --- attention backends ------------------------------------------------------------------------
     def _sdpa_setup(self) -> tuple[Any, bool]:
         """On CUDA the long prefill must not fall back to the math kernel (it would materialize
-        heads x T x T scores: 128 GB at 32k). Probe whether a fused kernel takes GQA natively; if not,
-        expand the KV heads (costs a copy per layer, still fused)."""
+        heads x T x T scores: 128 GB at 32k), so it runs under flash/cudnn/efficient only. GQA either
+        natively (``enable_gqa``; a fused kernel may or may not take it) or with the KV heads expanded
+        (a copy per layer, but flash surely runs): whichever is faster on an 8k causal attention here,
+        so that recompute is as fast as it honestly gets. The probe's times go to the JSON."""
         torch = self.torch
         if self.device.type != "cuda":
             return None, True
@@ -208,22 +212,36 @@ class Decoder:
 
         fast = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
         s = self.s
-        q = torch.randn(1, s.heads, 256, s.head_dim, device=self.device, dtype=torch.bfloat16)
-        k = torch.randn(1, s.kv_heads, 256, s.head_dim, device=self.device, dtype=torch.bfloat16)
-        try:
-            with self._kernels(fast):
-                torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
-            return fast, True
-        except RuntimeError:
-            pass
-        k = k.repeat_interleave(s.heads // s.kv_heads, dim=1)
-        try:
-            with self._kernels(fast):
-                torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
-        except RuntimeError as e:
-            raise BenchError(f"no fused SDPA kernel (flash/cudnn/efficient) runs a causal bf16 prefill here: {e}") \
-                from None
-        return fast, False
+        F = torch.nn.functional
+        q = torch.randn(1, s.heads, 8192, s.head_dim, device=self.device, dtype=torch.bfloat16)
+        k = torch.randn(1, s.kv_heads, 8192, s.head_dim, device=self.device, dtype=torch.bfloat16)
+        rep = s.heads // s.kv_heads
+
+        def native() -> Any:
+            return F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+
+        def expanded() -> Any:
+            ke = k.repeat_interleave(rep, dim=1)
+            return F.scaled_dot_product_attention(q, ke, ke, is_causal=True)
+
+        self.sdpa_probe_ms: dict[str, float | str] = {}
+        for name, fn in (("native_gqa", native), ("expanded_heads", expanded)):
+            try:
+                with self._kernels(fast):
+                    fn()
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    for _ in range(5):
+                        fn()
+                    torch.cuda.synchronize()
+                self.sdpa_probe_ms[name] = (time.perf_counter() - t) / 5 * 1e3
+            except RuntimeError as e:
+                self.sdpa_probe_ms[name] = f"unavailable: {str(e)[:200]}"
+        times = {k: v for k, v in self.sdpa_probe_ms.items() if isinstance(v, float)}
+        if not times:
+            raise BenchError(f"no fused SDPA kernel (flash/cudnn/efficient) runs a causal bf16 prefill here: "
+                             f"{self.sdpa_probe_ms}")
+        return fast, min(times, key=lambda k: times[k]) == "native_gqa"
 
     @staticmethod
     def _kernels(backends: Any) -> Any:
@@ -578,7 +596,10 @@ class InProcessCopy:
         """Copy the cache's blocks table[:n] into this prompt's slots (untimed: the offload itself)."""
         self.stage2d[self.torch.from_numpy(self.slots[:n])] = self.w.cache.blocks[table[:n]].cpu()
 
-    def load(self, table_np: np.ndarray, n: int) -> None:
+    def load(self, table_np: np.ndarray, n: int, overlap: bool) -> None:
+        """Queue the copy; ``overlap``: the compute stream waits for it on the GPU, else the host waits
+        for its completion (as an engine does for any load it is told about: vLLM's native offloading
+        polls its transfers' events each step, the kvoffd connector waits for the NOTICE)."""
         if self.w.cfg.device != "cuda":
             t = self.torch
             self.w.cache.blocks[t.from_numpy(table_np[:n])] = self.stage2d[t.from_numpy(self.slots[:n])]
@@ -602,14 +623,20 @@ class InProcessCopy:
         if not self.use_batch:
             for s_, d_, n_ in zip(src.tolist(), dst.tolist(), lens.tolist(), strict=True):
                 self.drv.memcpy_async(d_, s_, n_, stream)
-        self.torch.cuda.current_stream().wait_stream(self.stream)
+        if overlap:
+            self.torch.cuda.current_stream().wait_stream(self.stream)
+        else:
+            done = self.torch.cuda.Event()
+            done.record(self.stream)
+            done.synchronize()
 
-    def ttft(self, tokens: Any, p: Prompt, table: Any, table_np: np.ndarray) -> tuple[float, int, Any]:
+    def ttft(self, tokens: Any, p: Prompt, table: Any, table_np: np.ndarray, overlap: bool = False
+             ) -> tuple[float, int, Any]:
         w = self.w
         n = p.hit_blocks(w.s.block)
         w.sync()
         t = time.perf_counter()
-        self.load(table_np, n)
+        self.load(table_np, n, overlap)
         logits = w.model.forward(tokens[n * w.s.block:], n * w.s.block, table, w.cache)
         tok = int(logits.argmax())
         return time.perf_counter() - t, tok, logits
@@ -687,13 +714,18 @@ def measure_prompt(w: Worker, inproc: InProcessCopy | None, p: Prompt) -> dict[s
         res["inproc_s"] = [r[0] for r in runs]
         res["prefix_kv_inproc_equals_computed"] = bool(torch.equal(w.cache.snapshot(prefix), ref))
         res["tokens_inproc"] = w.model.greedy(tok_in, p.length, table, w.cache, cfg.decode_tokens)
+        # the same with the compute queued behind the copy on the GPU (no host wait): a lower bound
+        runs, (_, tok_ov, _) = _timed(lambda: inproc.ttft(tokens, p, table, table_np, overlap=True), cfg.warmup,
+                                      cfg.repeats, clear)
+        res["inproc_overlap_s"] = [r[0] for r in runs]
+        res["first_token_inproc_overlap_equal"] = tok_ov == tok_in
     del ref
     res["tokens_hit_equal_split"] = res["tokens_hit"] == res["tokens_split"]
     res["tokens_hit_equal_full"] = res["tokens_hit"] == res["tokens_full"]
     if not res["tokens_hit_equal_full"]:
         res["first_divergence_vs_full"] = next(i for i, (a, b) in enumerate(zip(res["tokens_hit"], res["tokens_full"],
                                                                               strict=True)) if a != b)
-    for k in ("recompute", "hit", "inproc", "hit_lookup", "hit_load", "hit_suffix"):
+    for k in ("recompute", "hit", "inproc", "inproc_overlap", "hit_lookup", "hit_load", "hit_suffix"):
         if f"{k}_s" in res:
             res[f"{k}_median_s"] = _median(res[f"{k}_s"])
     res["hit_load_GBps"] = res["hit_bytes"] / res["hit_load_median_s"] / 1e9
@@ -704,7 +736,7 @@ def measure_prompt(w: Worker, inproc: InProcessCopy | None, p: Prompt) -> dict[s
 # the roles (each runs in its own process)
 
 
-def role_store(cfg: RunConfig, index: int, barrier: Any) -> dict[str, Any]:
+def role_store(cfg: RunConfig, index: int, barrier: Any, part: Any) -> dict[str, Any]:
     prompts = cfg.prompts + cfg.contenders
     w = Worker(cfg, "store", max(p.length for p in prompts))
     try:
@@ -715,19 +747,20 @@ def role_store(cfg: RunConfig, index: int, barrier: Any) -> dict[str, Any]:
     return out
 
 
-def role_engine(cfg: RunConfig, index: int, barrier: Any) -> dict[str, Any]:
+def role_engine(cfg: RunConfig, index: int, barrier: Any, part: Any) -> dict[str, Any]:
     max_len = max(p.length for p in cfg.prompts)
     w = Worker(cfg, "engine", max_len)
     try:
         inproc = None if cfg.skip_inproc else InProcessCopy(w, w.max_blocks)
         out: dict[str, Any] = {"fingerprint": w.model.fingerprint(), "init_s": w.init_s,
-                               "attention": w.model.describe(),
+                               "attention": w.model.describe(), "sdpa_probe_ms": w.model.sdpa_probe_ms,
                                "inproc_method": inproc.method if inproc else None, "lengths": {}}
         if cfg.device == "cuda":
             out["device"] = w.torch.cuda.get_device_name(0)
         for p in cfg.prompts:
             r = measure_prompt(w, inproc, p)
             out["lengths"][str(p.length)] = r
+            part({**out, "lengths": dict(out["lengths"])})  # what is done survives a later timeout
             print(f"  [engine] {p.length:>6} tokens: recompute {r['recompute_median_s'] * 1e3:8.1f} ms, "
                   f"kvoffd hit {r['hit_median_s'] * 1e3:7.1f} ms, in-process "
                   f"{r.get('inproc_median_s', float('nan')) * 1e3:7.1f} ms, tokens ok "
@@ -738,7 +771,7 @@ def role_engine(cfg: RunConfig, index: int, barrier: Any) -> dict[str, Any]:
     return out
 
 
-def role_contend(cfg: RunConfig, index: int, barrier: Any) -> dict[str, Any]:
+def role_contend(cfg: RunConfig, index: int, barrier: Any, part: Any) -> dict[str, Any]:
     """One of N engines: kvoffd hits of its own prompt, every run started with the others at a barrier."""
     p = cfg.contenders[index]
     w = Worker(cfg, f"contend{index}", p.length)
@@ -776,7 +809,7 @@ ROLES = {"store": role_store, "engine": role_engine, "contend": role_contend}
 def worker_main(role: str, cfg: RunConfig, index: int, conn: Any, barrier: Any) -> None:
     """Process entry: run the role, send ('ok', result) or ('err', traceback) to the parent."""
     try:
-        result = ROLES[role](cfg, index, barrier)
+        result = ROLES[role](cfg, index, barrier, lambda data: conn.send(("part", data)))
         conn.send(("ok", result))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent, which reports it
         with contextlib.suppress(Exception):
@@ -811,31 +844,49 @@ class Procs:
             self.items.append((proc, parent))
 
     def results(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Every worker's result. ``partial`` keeps the last ("part", ...) each one sent, for the JSON
+        when a worker fails or runs out of time."""
         deadline = time.monotonic() + timeout_s
-        out, errors = [], []
+        out: list[dict[str, Any]] = []
+        errors: list[str] = []
+        self.partial: dict[int, Any] = {}
         try:
             for i, (proc, conn) in enumerate(self.items):
-                left = max(0.0, deadline - time.monotonic())
-                if not conn.poll(left):
-                    raise BenchError(f"{self.role} #{i} gave no result within {timeout_s:.0f} s")
-                try:
-                    status, value = conn.recv()
-                except EOFError:
-                    proc.join(10)
-                    raise BenchError(f"{self.role} #{i} died (exit code {proc.exitcode}) without a result") from None
-                if status == "ok":
-                    out.append(value)
-                else:
-                    errors.append(f"{self.role} #{i} failed:\n{value}")
-        finally:
-            for proc, _ in self.items:
-                proc.join(30)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(10)
+                while True:
+                    left = max(0.0, deadline - time.monotonic())
+                    if not conn.poll(left):
+                        raise BenchError(f"{self.role} #{i} gave no result within {timeout_s:.0f} s")
+                    try:
+                        status, value = conn.recv()
+                    except EOFError:
+                        proc.join(10)
+                        raise BenchError(f"{self.role} #{i} died (exit code {proc.exitcode}) without a result") \
+                            from None
+                    if status == "part":
+                        self.partial[i] = value
+                        continue
+                    if status == "ok":
+                        out.append(value)
+                    else:
+                        errors.append(f"{self.role} #{i} failed:\n{value}")
+                    break
+        except BaseException:
+            self._end(kill=True)
+            raise
+        self._end(kill=bool(errors))
         if errors:
             raise BenchError("\n".join(errors))
         return out
+
+    def _end(self, kill: bool) -> None:
+        """Reap the workers; after a failure kill them at once (a hung one must not eat device time)."""
+        for proc, _ in self.items:
+            if kill and proc.is_alive():
+                proc.kill()
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
 
 
 def start_daemon(args: argparse.Namespace, address: str) -> Any:
@@ -931,7 +982,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backend", help="daemon backend (default cuda; cpu with --cpu-smoke)")
     ap.add_argument("--seed", type=int, default=17, help="weight seed (every process draws the same weights)")
     ap.add_argument("--skip-inproc", action="store_true", help="no in-process copy baseline")
-    ap.add_argument("--timeout", type=float, default=420.0, help="most seconds each phase may take")
+    ap.add_argument("--timeout", type=float, default=420.0, help="most seconds one phase may take")
+    ap.add_argument("--deadline", type=float, default=450.0,
+                    help="most seconds for the whole run; a phase past it is killed and what finished is kept")
     ap.add_argument("--quick", action="store_true", help="1k and 4k, 1 repeat, 4 decode tokens, 2 engines at 1k")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny 2-layer model on CPU with a CPU daemon: checks the logic without a GPU")
@@ -953,15 +1006,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _phase(role: str, cfg: RunConfig, n: int, budget_s: float, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run one phase's workers; whatever a worker reported before failing goes to result[role + "_partial"]."""
+    procs = Procs(role, cfg, n)
+    try:
+        return procs.results(budget_s)
+    finally:
+        if getattr(procs, "partial", None):
+            result[f"{role}_partial"] = procs.partial[0] if n == 1 else procs.partial
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
+    deadline = t_start + args.deadline
+
+    def budget() -> float:
+        return max(5.0, min(args.timeout, deadline - time.perf_counter()))
+
     sock = tempfile.mktemp(prefix="kvoffd-ttft-", suffix=".sock")
     address = f"ipc://{sock}"
     cfg = build_config(args, address)
     print(f"kvoffd TTFT benchmark: {'tiny model, CPU' if args.cpu_smoke else 'Llama-3-8B shape, CUDA'}; "
           f"lengths {args.lengths}; {args.engines} contending engines at {args.contention_length}", flush=True)
-    result: dict[str, Any] = {"config": {**{k: v for k, v in vars(args).items()}, "shape": asdict(cfg.shape),
+    result: dict[str, Any] = {"config": {**vars(args), "shape": asdict(cfg.shape),
                                          "block_bytes": cfg.shape.block_bytes}}
     phases: dict[str, float] = {}
     t = time.perf_counter()
@@ -969,29 +1037,36 @@ def main(argv: list[str] | None = None) -> int:
     phases["daemon_ready_s"] = time.perf_counter() - t
     print(f"  daemon ready, pool usable after {phases['daemon_ready_s']:.1f} s", flush=True)
     failure = None
+    engine: dict[str, Any] = {}
     try:
         t = time.perf_counter()
-        store = Procs("store", cfg).results(args.timeout)[0]
+        store = _phase("store", cfg, 1, budget(), result)[0]
         phases["store_s"] = time.perf_counter() - t
         result["store"] = store
         print(f"  storer: {len(store['prompts'])} prompts stored in {phases['store_s']:.1f} s", flush=True)
         t = time.perf_counter()
-        engine = Procs("engine", cfg).results(args.timeout)[0]
+        engine = _phase("engine", cfg, 1, budget(), result)[0]
         phases["engine_s"] = time.perf_counter() - t
         result["engine"] = engine
+        result["device"] = engine.get("device", "cpu")
         if engine["fingerprint"] != store["fingerprint"]:
             raise BenchError("the engine drew other weights than the storer (same seed): KV cannot match")
         contend: list[dict[str, Any]] = []
         if args.engines:
             t = time.perf_counter()
-            contend = Procs("contend", cfg, args.engines).results(args.timeout)
+            contend = _phase("contend", cfg, args.engines, budget(), result)
             phases["contention_s"] = time.perf_counter() - t
             result["contention"] = contend
         result["summary"] = summarize(cfg, engine, contend)
-        result["device"] = engine.get("device", "cpu")
     except BaseException as e:
         failure = e
         result["error"] = f"{type(e).__name__}: {e}"
+        partial = engine or result.get("engine_partial")
+        if partial and partial.get("lengths"):  # the lengths that finished still say something
+            result.setdefault("engine", partial)
+            result["device"] = partial.get("device", "cpu")
+            with contextlib.suppress(Exception):
+                result["summary"] = summarize(cfg, partial, [])
     finally:
         daemon.stop()
         phases["total_s"] = time.perf_counter() - t_start
@@ -1000,11 +1075,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1, default=str)
+            with contextlib.suppress(OSError):
+                shutil.copyfile(daemon.log_path, args.out + ".daemon.log")
+    if result.get("engine"):
+        print_table(result)
+    print(f"\ntotal {phases['total_s']:.0f} s ({', '.join(f'{k} {v:.1f}' for k, v in phases.items())})")
     if failure is not None:
         print(f"\nFAILED: {result['error']}\n--- daemon log (tail) ---\n{result['daemon_log_tail']}", file=sys.stderr)
         return 1
-    print_table(result)
-    print(f"\ntotal {phases['total_s']:.0f} s ({', '.join(f'{k} {v:.1f}' for k, v in phases.items())})")
     return 0
 
 
