@@ -272,24 +272,32 @@ class Decoder:
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
-    def _attend(self, q: Any, k: Any, v: Any, start: int) -> Any:
-        """q [T, H, D]; k, v [S, Hk, D] with S = start + T. Returns [T, H*D]."""
-        torch = self.torch
-        F = torch.nn.functional
-        T, S = q.shape[0], k.shape[0]
+    def _attend_prefill(self, q: Any, k: Any, v: Any) -> Any:
+        """Causal attention of T tokens over themselves (q [T, H, D], k/v [T, Hk, D]) -> [T, H*D]."""
+        F = self.torch.nn.functional
+        T = q.shape[0]
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        if start == 0:
-            if not self.gqa_native:
-                rep = self.s.heads // self.s.kv_heads
-                kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
-            with self._kernels(self.fast_backends):
-                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=self.gqa_native)
-        else:
-            mask = None
-            if T > 1:  # lower-right causal: query i sees keys 0..start+i
-                mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        if not self.gqa_native:
+            rep = self.s.heads // self.s.kv_heads
+            kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+        with self._kernels(self.fast_backends):
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=self.gqa_native)
         return o[0].transpose(0, 1).reshape(T, -1)
+
+    def _attend_cached(self, q: Any, k: Any, v: Any, mask: Any) -> Any:
+        """T new tokens over S = start + T cached ones (q [T, H, D], k/v [S, Hk, D]) -> [T, H*D].
+
+        The query heads sharing a KV head are stacked along the query axis (row r*T + i is head
+        kv*rep + r, token i: the same head -> KV head map as ``enable_gqa``), so this is plain
+        attention over Hk heads: no K/V expansion and no math-kernel fallback for a masked GQA call.
+        ``mask`` [rep*T, S] (None for one token: it sees everything)."""
+        F = self.torch.nn.functional
+        s = self.s
+        T, rep = q.shape[0], s.heads // s.kv_heads
+        qg = q.view(T, s.kv_heads, rep, s.head_dim).permute(1, 2, 0, 3).reshape(1, s.kv_heads, rep * T, s.head_dim)
+        kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask)
+        return o.view(s.kv_heads, rep, T, s.head_dim).permute(2, 0, 1, 3).reshape(T, -1)
 
     def forward(self, tokens: Any, start: int, table: Any, cache: PagedKV, logits: bool = True) -> Any:
         """Tokens at positions start..start+T-1; returns the last position's logits (float32 [vocab])."""
@@ -300,18 +308,23 @@ class Decoder:
         pos = torch.arange(start, start + T, device=self.device)
         x = self.embed[tokens]
         qd, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        where = cache.where(pos, table)
+        mask = None
+        if start and T > 1:  # lower-right causal: new token i sees cached tokens 0..start+i
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=self.device).tril(diagonal=start)
+            mask = mask.repeat(s.heads // s.kv_heads, 1)
         for li, ly in enumerate(self.layers):
             h = F.rms_norm(x, (s.hidden,), ly.n1, s.eps)
             q, k, v = (h @ ly.wqkv.T).split([qd, kvd, kvd], dim=-1)
             q = self._rope(q.view(T, s.heads, s.head_dim), pos)
             k = self._rope(k.view(T, s.kv_heads, s.head_dim), pos)
             v = v.view(T, s.kv_heads, s.head_dim)
-            cache.write(li, k, v, pos, table)
+            cache.write(li, k, v, where)
             if start == 0:
-                a = self._attend(q, k, v, 0)
+                a = self._attend_prefill(q, k, v)
             else:
                 kk, vv = cache.gather(li, table, start + T)
-                a = self._attend(q, kk, vv, start)
+                a = self._attend_cached(q, kk, vv, mask)
             x = x + a @ ly.wo.T
             h = F.rms_norm(x, (s.hidden,), ly.n2, s.eps)
             g, u = (h @ ly.wgu.T).chunk(2, dim=-1)
@@ -382,10 +395,13 @@ class PagedKV:
 
             release_cpu_kv_caches(self.memory)
 
-    def write(self, layer: int, k: Any, v: Any, pos: Any, table: Any) -> None:
-        blk, slot = table[pos // self.s.block], pos % self.s.block
-        self.kv[:, layer, 0][blk, slot] = k
-        self.kv[:, layer, 1][blk, slot] = v
+    def where(self, pos: Any, table: Any) -> tuple[Any, Any]:
+        """(block id, slot in the block) of each position, through the block table."""
+        return table[pos // self.s.block], pos % self.s.block
+
+    def write(self, layer: int, k: Any, v: Any, where: tuple[Any, Any]) -> None:
+        self.kv[:, layer, 0][where] = k
+        self.kv[:, layer, 1][where] = v
 
     def gather(self, layer: int, table: Any, n_tokens: int) -> tuple[Any, Any]:
         s = self.s
