@@ -26,7 +26,7 @@ RECLAIM_BUDGET = 4096  # entries one store may evict from a chunk taken for anot
 _PICK_CHUNKS = 4  # candidate chunks compared (the least recently allocated from)
 _PICK_CHECK = 2  # candidates scanned for pins (a scan costs one dict probe per slot of the chunk)
 _DRAIN_SCAN = 8 * RECLAIM_BUDGET  # slots of the draining chunk looked at per store
-DRAIN_PATIENCE_S = 5.0  # a drain stuck on pinned entries this long is given up
+DRAIN_PATIENCE_S = 30.0  # a drain stuck on pinned entries this long is given up (the connector leases 30 s)
 
 
 class Run:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 
-from kvtest import chain_keys
+from kvtest import chain_keys, wait_until
 from reliability_util import RawPeer, ShmEngine, proc_status, record
 
 from kvoffd.pool import MIN_SLOT_BYTES
@@ -167,6 +167,42 @@ def test_a_second_model_stores_and_hits_while_the_first_keeps_the_pool_full(make
         assert b_stored >= 0.9 * b_tried and a_stored >= 0.9 * a_tried, (a_stored, b_stored)
         assert min(b_hits) == 256 and min(a_hits) == 512, (a_hits, b_hits)  # each step's blocks load back
         assert by_ns["A"] >= 0.4 * cap and by_ns["B"] >= 0.4 * cap, by_ns
+    finally:
+        a_eng.close()
+        b_eng.close()
+
+
+def test_a_few_leased_blocks_hold_off_another_model_only_while_leased(make_daemon):
+    """Model A (1 MiB blocks) fills a 256 MiB pool and leases one block in each of its 4 chunks: B's
+    stores are dropped (a pinned block is never evicted) and the leased blocks still load byte for
+    byte. Once the leases go, B stores at once. The old daemon kept B out for good: A's chunks never
+    became entirely free."""
+    d = make_daemon("256MiB", name="lease4")
+    a_eng, b_eng = ShmEngine(64, MiB, tag="leaseA"), ShmEngine(16, 32768, tag="leaseB")
+    try:
+        ca, cb = d.client(job_deadline_s=30.0), d.client(job_deadline_s=30.0)
+        ca.register("LA-0", "LA", 0, 1, a_eng.memory, a_eng.layout)
+        cb.register("LB-0", "LB", 0, 1, b_eng.memory, b_eng.layout)
+        ka, kb = chain_keys(256, b"LA"), chain_keys(32, b"LB")
+        for i in range(4):
+            assert not _store(ca, "LA-0", a_eng, i + 1, ka[64 * i:64 * (i + 1)])
+        leased = [ka[64 * i] for i in range(4)]  # one block of each chunk
+        leases = [ca.lookup("LA", [k], lease_ms=600_000) for k in leased]
+        assert all(r.hits == 1 and r.lease_id for r in leases)
+        for j in range(3):
+            failed = _store(cb, "LB-0", b_eng, 10 + j, kb[8 * j:8 * (j + 1)])
+            assert failed == list(range(8)), failed  # pool_full: every chunk holds a pinned block
+        assert _loads_back(ca, "LA-0", "LA", a_eng, 20, leased[:1]) == 1
+        for k in leased:
+            assert ca.lookup("LA", [k]).hits == 1
+        for r in leases:
+            ca.release(r.lease_id)
+        assert wait_until(lambda: ca.stats()["leases"] == 0, 5)  # releases are fire and forget
+        assert not _store(cb, "LB-0", b_eng, 30, kb[24:32])
+        assert _loads_back(cb, "LB-0", "LB", b_eng, 31, kb[24:32]) == 8
+        st = cb.stats()
+        record("pool_leased_chunks", a_chunks_leased=4, b_dropped_while_leased=24,
+               b_stored_after_release=8, reclaimed_chunks=st["pool"]["reclaimed_chunks"])
     finally:
         a_eng.close()
         b_eng.close()
