@@ -4,7 +4,9 @@ Rules it keeps (docs/architecture.md):
   * an entry is visible to LOOKUP/LOAD only once its copy completed (``ready``);
   * a pinned entry (read by a LOAD, or held by a lease) is never evicted nor overwritten;
   * ready entries sit in their slot size's LRU list; eviction is O(1) per block and skips pinned ones;
-  * CLEAR unlinks entries at once; a slot still being copied is freed when its job ends.
+  * CLEAR unlinks entries at once; a slot still being copied is freed when its job ends;
+  * a slot size below its fair share of the pool takes a chunk from the one furthest above it,
+    evicting that chunk's unpinned entries a bounded number per store (``_reclaim``).
 
 Everything here runs on the event loop thread; nothing blocks.
 """
@@ -20,6 +22,11 @@ from kvoffd.pool import Pool
 from kvoffd_client.protocol import KEY_SIZE, split_keys
 
 _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoffctl explain`
+RECLAIM_BUDGET = 4096  # entries one store may evict from a chunk taken for another slot size
+_PICK_CHUNKS = 4  # candidate chunks compared (the least recently allocated from)
+_PICK_CHECK = 2  # candidates scanned for pins (a scan costs one dict probe per slot of the chunk)
+_DRAIN_SCAN = 8 * RECLAIM_BUDGET  # slots of the draining chunk looked at per store
+DRAIN_PATIENCE_S = 30.0  # a drain stuck on pinned entries this long is given up (the connector leases 30 s)
 
 
 class Run:
@@ -74,6 +81,17 @@ class Table:
 
 
 @dataclass
+class _Drain:
+    """A chunk being emptied for another slot size: ``cursor`` is the next of its carved slots to
+    look at; ``progress_at`` when it last evicted something."""
+
+    chunk: int
+    slot_bytes: int  # the size whose entries live there now
+    cursor: int = 0
+    progress_at: float = 0.0
+
+
+@dataclass
 class Namespace:
     name: str
     world_size: int
@@ -92,8 +110,11 @@ class Index:
         self._lru: dict[int, OrderedDict[Entry, None]] = {}  # slot_bytes -> ready entries, oldest first
         self.evicted: OrderedDict[tuple[str, bytes], float] = OrderedDict()
         self.failed: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        self._slot_entry: dict[int, Entry] = {}  # slot -> the entry holding it (until the slot is freed)
+        self._drain: _Drain | None = None
         self.resident = 0  # ready entries
-        self.evictions = 0
+        self.evictions = 0  # all evicted entries, including reclaim_evictions
+        self.reclaim_evictions = 0  # evicted to hand their chunk to another slot size
 
     # --- namespaces -------------------------------------------------------------------------------------
     def check_table(self, namespace: str, rank: int, world_size: int, layout: tuple[int, ...]) -> None:
@@ -154,7 +175,7 @@ class Index:
         if e.pins:
             return
         if e.dead:
-            self.pool.free(e.table.slot_bytes, [e.slot])
+            self._free(e.table.slot_bytes, [e.slot])
         elif e.ready:
             lru = self._lru[e.table.slot_bytes]
             if e.in_lru:
@@ -184,6 +205,9 @@ class Index:
             return [], [], present, []
         size = table.slot_bytes
         slots = self.pool.alloc(size, len(want))
+        if len(slots) < len(want):
+            self._reclaim(size)  # below its fair share: a chunk of another slot size comes this way
+            slots += self.pool.alloc(size, len(want) - len(slots))
         short = len(want) - len(slots)
         if short:
             self.evict(size, short)
@@ -203,7 +227,15 @@ class Index:
         """Pending (invisible) entries for a planned store, pinned by the store job."""
         out = [Entry(keys[i], table, s, 1) for i, s in zip(want, slots, strict=True)]
         table.entries.update(zip([e.key for e in out], out, strict=True))
+        self._slot_entry.update(zip(slots, out, strict=True))
         return out
+
+    def _free(self, slot_bytes: int, slots: list[int]) -> None:
+        """Give slots back to the pool (their entries are gone for good)."""
+        owner = self._slot_entry
+        for s in slots:
+            del owner[s]
+        self.pool.free(slot_bytes, slots)
 
     def commit(self, entries: list[Entry]) -> int:
         """The store copied these: make them visible (unless unlinked meanwhile). Returns how many."""
@@ -259,7 +291,7 @@ class Index:
             self.resident -= 1
         self._remember(self.failed, (t.namespace, e.key), time.time())
         if e.pins == 0:
-            self.pool.free(t.slot_bytes, [e.slot])
+            self._free(t.slot_bytes, [e.slot])
 
     # --- eviction / clearing ----------------------------------------------------------------------------
     def evict(self, slot_bytes: int, n: int) -> int:
@@ -282,9 +314,86 @@ class Index:
             freed.append(e.slot)
             self._remember(self.evicted, (t.namespace, e.key), now)
         self.resident -= len(freed)
-        self.pool.free(slot_bytes, freed)
+        self._free(slot_bytes, freed)
         self.evictions += len(freed)
         return len(freed)
+
+    def _reclaim(self, slot_bytes: int) -> None:
+        """Move memory towards ``slot_bytes`` if it holds less than its fair share of the pool.
+
+        One chunk at a time is drained: the pool hands nothing more out of it, and each call evicts
+        at most ``RECLAIM_BUDGET`` of its unpinned entries (a 64 MiB chunk of 4 KiB blocks holds
+        16k), so no store stalls the loop whatever the block size. Pinned and pending entries are
+        never touched; a chunk that holds some is drained around them and freed when their pins
+        drop, or given up after ``DRAIN_PATIENCE_S``. When the chunk's last slot is given back the
+        pool gives the chunk to the slot size that asked.
+        """
+        d = self._drain
+        if d is not None and not self.pool.draining(d.chunk):
+            d = self._drain = None  # emptied meanwhile (evictions, CLEAR, finished stores)
+        if d is None:
+            victim = self.pool.reclaim_victim(slot_bytes)
+            chunk = self._pick_chunk(victim) if victim else None
+            if chunk is None:
+                return
+            self.pool.begin_drain(chunk, slot_bytes)
+            d = self._drain = _Drain(chunk, victim, progress_at=time.monotonic())
+        self._drain_step(d)
+
+    def _pick_chunk(self, slot_bytes: int) -> int | None:
+        """The chunk of this slot size to empty: of the few least recently allocated from (the oldest
+        blocks), the emptiest (fewest evictions) that holds no pinned entry; if each holds one, the
+        emptiest anyway, drained around its pins. Bounded work: two chunk scans at most."""
+        pool = self.pool
+        order = sorted(pool.oldest_chunks(slot_bytes, _PICK_CHUNKS), key=pool.chunk_live)  # stable: age
+        for c in order[:_PICK_CHECK]:
+            if not self._chunk_pinned(c):
+                return c
+        return order[0] if order else None
+
+    def _chunk_pinned(self, chunk: int) -> bool:
+        get = self._slot_entry.get
+        return any(e.pins for e in map(get, self.pool.carved_slots(chunk)) if e is not None)
+
+    def _drain_step(self, d: _Drain) -> None:
+        """Evict up to ``RECLAIM_BUDGET`` unpinned entries of the draining chunk."""
+        slots = self.pool.carved_slots(d.chunk)
+        get = self._slot_entry.get
+        lru = self._lru[d.slot_bytes]
+        now = time.time()
+        freed: list[int] = []
+        i = d.cursor
+        end = min(len(slots), i + _DRAIN_SCAN)
+        while i < end and len(freed) < RECLAIM_BUDGET:
+            e = get(slots[i])
+            i += 1
+            if e is None or e.pins:
+                continue
+            t = e.table
+            del t.entries[e.key]
+            if t.visible.pop(e.key, None) is not None:
+                e.run.broken()
+                self.resident -= 1
+            if e.in_lru:
+                del lru[e]
+                e.in_lru = False
+            e.dead = True
+            freed.append(e.slot)
+            self._remember(self.evicted, (t.namespace, e.key), now)
+        d.cursor = i
+        if freed:
+            d.progress_at = time.monotonic()
+            self.evictions += len(freed)
+            self.reclaim_evictions += len(freed)
+            self._free(d.slot_bytes, freed)  # the chunk changes hands here if that was its last slot
+        if not self.pool.draining(d.chunk):
+            self._drain = None
+        elif i >= len(slots):  # what is left was pinned when passed
+            if time.monotonic() - d.progress_at > DRAIN_PATIENCE_S:
+                self.pool.end_drain(d.chunk)  # pinned for good, it seems: let its slab use it again
+                self._drain = None
+            else:
+                d.cursor = 0  # look again on a later store
 
     def clear(self, namespace: str = "") -> int:
         """Unlink every entry of one namespace (or all). Returns the blocks that were resident."""
@@ -309,7 +418,7 @@ class Index:
                         free.append(e.slot)
                 t.entries.clear()
                 t.visible.clear()
-                self.pool.free(t.slot_bytes, free)
+                self._free(t.slot_bytes, free)
             self.evicted = OrderedDict((k, v) for k, v in self.evicted.items() if k[0] != name)
             self.failed = OrderedDict((k, v) for k, v in self.failed.items() if k[0] != name)
         self.resident -= removed

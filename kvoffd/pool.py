@@ -5,6 +5,17 @@ different block sizes, so the pool hands out memory in chunks (64 MiB by default
 cut into slots of one size only (a slab per slot size). A slot is named by its byte offset in the
 pool, which is all a transfer backend needs (``base + offset``).
 
+Cost is proportional to the blocks held, never to the pool or chunk size: a chunk is carved lazily
+(a bump pointer, plus a free list of the slots given back), so handing out one slot of a fresh chunk
+costs the same whatever the slot size. A chunk that holds nothing any more goes back to the free
+chunks at once, for any slot size to take.
+
+Sharing between slot sizes (several models on one node): a slot size that needs memory when no chunk
+is free may take a whole chunk from another slot size that holds more than its fair share
+(``reclaim_victim``). The index empties the chunk (it knows which entries live there and which are
+pinned) while the pool keeps it closed to new slots (``begin_drain``); when its last slot is given
+back it goes straight to the slot size that asked for it.
+
 The allocation is an anonymous private mapping (huge pages where the kernel gives them): it costs
 nothing until touched, so the daemon is ready at once whatever the pool size. A backend that needs
 the memory pinned (CUDA) makes chunks usable as it pins them (``set_usable_bytes``); until then only
@@ -13,8 +24,10 @@ usable chunks are handed out.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import mmap
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,14 +35,45 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK = 64 << 20
+# Smallest block (slot) the daemon accepts at REGISTER. The index spends about half a KiB of Python
+# objects per resident block (entry, key, dict and LRU slots); below 256 bytes a block would cost
+# more to remember than to hold. Real vLLM blocks are KiBs to MiBs; tests and trace replays that
+# want many small blocks use 256-byte ones (8 keys' worth of bytes).
+MIN_SLOT_BYTES = 256
+# A slot size that allocated within this many seconds counts as a user of the pool when fair shares
+# are computed; an idle one (its model gone) has no share and is the first to give chunks back.
+ACTIVE_S = 60.0
+
+
+@dataclass
+class _Chunk:
+    """One chunk's state. ``carved`` slots have been cut from its start (the bump pointer); of those,
+    ``free`` were given back and ``live`` are held. ``drain_for`` > 0: the chunk is being emptied for
+    that slot size and hands out nothing meanwhile."""
+
+    index: int
+    slot_bytes: int = 0  # 0: free
+    carved: int = 0
+    live: int = 0
+    free: list[int] = field(default_factory=list)  # slot offsets given back, LIFO (warm memory first)
+    drain_for: int = 0
 
 
 @dataclass
 class _Slab:
     slot_bytes: int
-    free: list[int] = field(default_factory=list)  # slot offsets, LIFO (warm memory first)
-    chunks: list[int] = field(default_factory=list)  # chunk indices owned
+    chunks: set[int] = field(default_factory=set)  # chunk indices owned
+    room: dict[int, None] = field(default_factory=dict)  # owned chunks that can hand out a slot (ordered set)
+    by_age: dict[int, None] = field(default_factory=dict)  # owned chunks, least recently allocated from first
     used: int = 0  # slots handed out
+    demand_at: float = 0.0  # monotonic time of the last allocation asked for
+
+
+@dataclass(frozen=True)
+class SlabStats:
+    slot_bytes: int
+    chunks: int
+    used_slots: int
 
 
 class Pool:
@@ -42,10 +86,12 @@ class Pool:
         self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.buffer = np.frombuffer(self._map, dtype=np.uint8)
         self.base_address = self.buffer.ctypes.data
-        self._free_chunks: list[int] = list(range(self.num_chunks - 1, -1, -1))
+        self._chunks = [_Chunk(i) for i in range(self.num_chunks)]
+        self._free_chunks: list[int] = list(range(self.num_chunks))  # a min-heap: low chunks first
         self._usable_chunks = self.num_chunks
         self._slabs: dict[int, _Slab] = {}
         self.pinned_bytes = 0
+        self.reclaimed_chunks = 0  # chunks handed from one slot size to another by a drain
 
     # --- capacity ---------------------------------------------------------------------------------
     def set_usable_bytes(self, nbytes: int) -> None:
@@ -72,73 +118,192 @@ class Pool:
 
     # --- allocation ---------------------------------------------------------------------------------
     def alloc(self, slot_bytes: int, n: int) -> list[int]:
-        """Up to ``n`` free slot offsets of ``slot_bytes``; fewer when the pool is full (caller evicts)."""
-        if slot_bytes > self.chunk_bytes:
+        """Up to ``n`` free slot offsets of ``slot_bytes``; fewer when the pool is full (caller evicts).
+
+        Costs O(n): slots given back are reused first, then fresh ones are cut from the bump pointer
+        (consecutive offsets, so neighbours coalesce into one copy run), then a free chunk is taken.
+        """
+        if slot_bytes > self.chunk_bytes or slot_bytes <= 0:
             return []
         slab = self._slabs.get(slot_bytes)
         if slab is None:
             slab = self._slabs[slot_bytes] = _Slab(slot_bytes)
-        while len(slab.free) < n and self._grow(slab):
-            pass
-        take = min(n, len(slab.free))
-        if take == 0:
-            return []
-        out = slab.free[-take:]
-        del slab.free[-take:]
-        out.reverse()  # ascending offsets when freshly carved: neighbours coalesce into one copy run
-        slab.used += take
+        slab.demand_at = time.monotonic()
+        out: list[int] = []
+        per = self.chunk_bytes // slot_bytes
+        while len(out) < n:
+            if slab.room:
+                ch = self._chunks[next(reversed(slab.room))]
+            else:
+                ch = self._take_free_chunk(slab)
+                if ch is None:
+                    break
+            self._carve(ch, per, n - len(out), out)
+            del slab.by_age[ch.index]
+            slab.by_age[ch.index] = None
+            if not ch.free and ch.carved == per:
+                del slab.room[ch.index]
+        slab.used += len(out)
         return out
 
+    def _carve(self, ch: _Chunk, per: int, k: int, out: list[int]) -> None:
+        size = ch.slot_bytes
+        take = min(k, len(ch.free))
+        if take:
+            out += ch.free[-take:]
+            del ch.free[-take:]
+        fresh = min(k - take, per - ch.carved)
+        if fresh:
+            start = ch.index * self.chunk_bytes + ch.carved * size
+            out += range(start, start + fresh * size, size)
+            ch.carved += fresh
+        ch.live += take + fresh
+
+    def _take_free_chunk(self, slab: _Slab) -> _Chunk | None:
+        heap = self._free_chunks
+        if not heap or heap[0] >= self._usable_chunks:
+            return None
+        ch = self._chunks[heapq.heappop(heap)]
+        self._adopt(ch, slab)
+        return ch
+
+    def _adopt(self, ch: _Chunk, slab: _Slab) -> None:
+        ch.slot_bytes, ch.carved, ch.live, ch.free, ch.drain_for = slab.slot_bytes, 0, 0, [], 0
+        slab.chunks.add(ch.index)
+        slab.room[ch.index] = None
+        slab.by_age[ch.index] = None
+
     def free(self, slot_bytes: int, offsets: list[int]) -> None:
+        """Give slots back. A chunk left holding nothing is released at once (to the slot size it is
+        being drained for, or to the free chunks)."""
         if not offsets:
             return
+        chunks, cb = self._chunks, self.chunk_bytes
         slab = self._slabs[slot_bytes]
-        slab.free.extend(offsets)
         slab.used -= len(offsets)
+        for off in offsets:
+            ch = chunks[off // cb]
+            ch.free.append(off)
+            ch.live -= 1
+            if ch.live == 0:
+                self._release(ch, slab)
+            elif not ch.drain_for and ch.index not in slab.room:
+                slab.room[ch.index] = None
 
-    def _grow(self, slab: _Slab) -> bool:
-        for i in range(len(self._free_chunks) - 1, -1, -1):
-            c = self._free_chunks[i]
-            if c < self._usable_chunks:
-                del self._free_chunks[i]
-                break
-        else:
-            return self._steal_empty_chunk(slab)
-        slab.chunks.append(c)
-        start = c * self.chunk_bytes
-        per = self.chunk_bytes // slab.slot_bytes
-        # pushed in reverse so pops come out ascending
-        slab.free.extend(range(start + (per - 1) * slab.slot_bytes, start - 1, -slab.slot_bytes))
-        return True
+    def _release(self, ch: _Chunk, slab: _Slab) -> None:
+        slab.chunks.discard(ch.index)
+        slab.room.pop(ch.index, None)
+        slab.by_age.pop(ch.index, None)
+        target = self._slabs.get(ch.drain_for) if ch.drain_for else None
+        if target is not None and target is not slab:
+            self._adopt(ch, target)
+            self.reclaimed_chunks += 1
+            return
+        ch.slot_bytes, ch.carved, ch.free, ch.drain_for = 0, 0, [], 0
+        heapq.heappush(self._free_chunks, ch.index)
 
-    def _steal_empty_chunk(self, slab: _Slab) -> bool:
-        """Reclaim a chunk that another slot size no longer uses at all."""
-        for other in self._slabs.values():
-            if other is slab or not other.chunks:
+    # --- sharing between slot sizes -------------------------------------------------------------------
+    def reclaim_victim(self, slot_bytes: int) -> int:
+        """The slot size that should give a chunk to ``slot_bytes``, or 0 if none should.
+
+        Fair share: the usable chunks split evenly among the slot sizes in use (those that asked for
+        slots within ``ACTIVE_S``, and the asker). The asker, below its share, may take a chunk from
+        a size above its share that holds at least two chunks more than the asker; after the move
+        the giver still holds at least as many as the asker, so a chunk never moves back and forth.
+        An idle size (its model gone) has no share and gives its chunks to anyone who asks. The giver
+        is the size furthest above its share. With fewer chunks than sizes some sizes get none.
+        """
+        me = self._slabs.get(slot_bytes)
+        if me is None:
+            return 0
+        now = time.monotonic()
+        active = [s for s in self._slabs.values() if s is me or now - s.demand_at <= ACTIVE_S]
+        fair = self._usable_chunks / len(active)
+        mine = len(me.chunks)
+        if mine >= fair:
+            return 0
+        best, excess = 0, 0.0
+        for s in self._slabs.values():
+            have = len(s.chunks)
+            if s is me or not have:
                 continue
-            per = self.chunk_bytes // other.slot_bytes
-            free_set = set(other.free)
-            for c in other.chunks:
-                start = c * self.chunk_bytes
-                members = range(start, start + per * other.slot_bytes, other.slot_bytes)
-                if all(m in free_set for m in members):
-                    other.chunks.remove(c)
-                    member_set = set(members)
-                    other.free = [f for f in other.free if f not in member_set]
-                    self._free_chunks.append(c)
-                    return self._grow(slab)
-        return False
+            if s in active:
+                over = have - fair
+                if over <= 0 or have - mine < 2:
+                    continue
+            else:
+                over = float(have)
+            if over > excess:
+                best, excess = s.slot_bytes, over
+        return best
+
+    def oldest_chunks(self, slot_bytes: int, k: int) -> list[int]:
+        """Up to ``k`` chunks of this slot size that are not draining, least recently allocated
+        from first: their blocks are the oldest, and none of them holds the blocks just stored (a
+        chunk refilled from slots LRU eviction gave back holds the newest and the oldest at once)."""
+        slab = self._slabs.get(slot_bytes)
+        out: list[int] = []
+        if slab is None:
+            return out
+        for c in slab.by_age:
+            if not self._chunks[c].drain_for:
+                out.append(c)
+                if len(out) == k:
+                    break
+        return out
+
+    def chunks_of(self, slot_bytes: int) -> list[int]:
+        slab = self._slabs.get(slot_bytes)
+        return sorted(slab.chunks) if slab else []
+
+    def chunk_of(self, offset: int) -> int:
+        return offset // self.chunk_bytes
+
+    def chunk_live(self, chunk: int) -> int:
+        return self._chunks[chunk].live
+
+    def carved_slots(self, chunk: int) -> range:
+        """Every slot offset ever cut from this chunk since it was last taken (held or given back)."""
+        ch = self._chunks[chunk]
+        start = chunk * self.chunk_bytes
+        return range(start, start + ch.carved * ch.slot_bytes, ch.slot_bytes or 1)
+
+    def begin_drain(self, chunk: int, for_slot_bytes: int) -> None:
+        """Hand out nothing more from this chunk; once empty it goes to ``for_slot_bytes``."""
+        ch = self._chunks[chunk]
+        ch.drain_for = for_slot_bytes
+        self._slabs[ch.slot_bytes].room.pop(chunk, None)
+
+    def end_drain(self, chunk: int) -> None:
+        """Give up emptying this chunk (its remaining blocks stay pinned): it serves its slab again."""
+        ch = self._chunks[chunk]
+        if not ch.drain_for or not ch.slot_bytes:
+            return
+        ch.drain_for = 0
+        if ch.free or ch.carved < self.chunk_bytes // ch.slot_bytes:
+            self._slabs[ch.slot_bytes].room[chunk] = None
+
+    def draining(self, chunk: int) -> bool:
+        return self._chunks[chunk].drain_for != 0
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self.buffer[offset: offset + nbytes]
 
-    def stats(self) -> dict[str, int]:
+    def slab_stats(self) -> list[SlabStats]:
+        return [SlabStats(s.slot_bytes, len(s.chunks), s.used) for s in sorted(self._slabs.values(),
+                                                                             key=lambda s: s.slot_bytes)
+                if s.chunks or s.used]
+
+    def stats(self) -> dict:
         return {
             "capacity_bytes": self.capacity_bytes,
             "total_bytes": self.nbytes,
             "used_bytes": self.used_bytes,
             "pinned_bytes": self.pinned_bytes,
             "free_chunk_bytes": self.free_chunk_bytes,
+            "reclaimed_chunks": self.reclaimed_chunks,
+            "slabs": [{"slot_bytes": s.slot_bytes, "chunks": s.chunks, "used_slots": s.used_slots}
+                      for s in self.slab_stats()],
         }
 
     def close(self) -> None:

@@ -36,7 +36,7 @@ from kvoffd.engines import (
 )
 from kvoffd.index import Entry, Index
 from kvoffd.metrics import Metrics
-from kvoffd.pool import Pool
+from kvoffd.pool import MIN_SLOT_BYTES, Pool
 from kvoffd.transfer.base import AttachError, Direction, TransferBackend
 from kvoffd.transfer.cpu import CpuBackend
 from kvoffd_client import protocol as P
@@ -352,6 +352,9 @@ class Daemon:
         if slot_bytes > self.pool.chunk_bytes:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"a block of {slot_bytes} bytes exceeds the pool's "
                                 f"{self.pool.chunk_bytes}-byte chunks")
+        if slot_bytes < MIN_SLOT_BYTES:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"a block of {slot_bytes} bytes is below the "
+                                f"{MIN_SLOT_BYTES}-byte minimum (the index's bookkeeping would outweigh it)")
         layout_fp = tuple(s.length for s in segments)
         try:  # checked now, created only once the memory is mapped: a refused REGISTER leaves nothing
             self.index.check_table(msg.namespace, msg.rank, msg.world_size, layout_fp)

@@ -73,10 +73,10 @@ def test_version_mismatch_is_a_clear_error(raw):
                     "layout": {"num_blocks": 4, "segments": [[0, 16, 16]]}}), "memory_unreachable"),
     (msgpack.packb({"op": "register", "seq": 4, "engine_id": "e", "namespace": "n",
                     "memory": {"kind": "cpu_shm", "path": "/etc/passwd", "size": 10},
-                    "layout": {"num_blocks": 4, "segments": [[0, 16, 16]]}}), "memory_unreachable"),
+                    "layout": {"num_blocks": 4, "segments": [[0, 4096, 4096]]}}), "memory_unreachable"),
     (msgpack.packb({"op": "register", "seq": 4, "engine_id": "e", "namespace": "n",
                     "memory": {"kind": "cpu_shm", "path": "/dev/shm/../etc/passwd", "size": 10},
-                    "layout": {"num_blocks": 4, "segments": [[0, 16, 16]]}}), "memory_unreachable"),
+                    "layout": {"num_blocks": 4, "segments": [[0, 4096, 4096]]}}), "memory_unreachable"),
     (msgpack.packb({"op": "register", "seq": 4, "engine_id": "e", "namespace": "n", "rank": 3, "world_size": 2,
                     "memory": {}, "layout": {}}), "bad_field"),
     # maps nested 100k deep: msgspec raises RecursionError, which must be an ordinary refusal

@@ -126,8 +126,8 @@ def test_register_refuses_segments_past_the_region(daemon, peer_of, shm):
     lay = dict(eng.layout)
     for layout in ({**lay, "num_blocks": 9},  # one block too many
                    {"num_blocks": 8, "segments": [[4096, 4096, 4096]]},  # shifted by one block
-                   {"num_blocks": 1, "segments": [[eng.size - 10, 0, 11]]},  # one byte past the end
-                   {"num_blocks": 2, "segments": [[0, 1 << 62, 1]]}):  # the stride flies off
+                   {"num_blocks": 1, "segments": [[eng.size - 4095, 0, 4096]]},  # one byte past the end
+                   {"num_blocks": 2, "segments": [[0, 1 << 62, 4096]]}):  # the stride flies off
         r = p.ask(P.Register(engine_id="sec-bounds", namespace="sec-bounds", memory=eng.memory, layout=layout))
         assert r["op"] == "error" and r["code"] in ("memory_unreachable", "layout_mismatch"), (layout, r)
     r = p.ask(P.Register(engine_id="sec-bounds", namespace="sec-bounds", layout=lay,
