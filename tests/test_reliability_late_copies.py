@@ -94,10 +94,13 @@ def _ranges(j: int) -> list[int]:
     return list(range(j * B, (j + 1) * B))
 
 
-def test_frozen_daemon_writes_nothing_after_the_deadline(make_daemon):
+@pytest.mark.parametrize("hold_s", [EXPIRY_GRACE_S + 1.0, pytest.param(30.0, marks=pytest.mark.slow)])
+def test_frozen_daemon_writes_nothing_after_the_deadline(make_daemon, hold_s):
     """LOADs accepted in time, daemon frozen past their deadline and the old client's give-up: the
     client reports nothing while the daemon exists and is frozen; after the thaw, the jobs not yet
-    started are answered ``expired`` and wrote not a byte; no byte changes after the last notice."""
+    started are answered ``expired`` and wrote not a byte; no byte changes after the last notice. The
+    slow variant freezes for 30 s, past the daemon's --engine-timeout (10 s): thawed, it may drop the
+    silent connection first, and the notices must still come."""
     d = make_daemon("128MiB", "--copy-threads", str(COPY_THREADS), name="late")
     eng = ShmEngine(JOBS * B, SLOT, layers=2, tag="late")
     c = KvoffdClient(d.address, timeout_s=5.0, job_deadline_s=1.0, link_grace_s=0.5)
@@ -116,7 +119,7 @@ def test_frozen_daemon_writes_nothing_after_the_deadline(make_daemon):
             return {100 + j for j in range(JOBS)}
 
         before, during, after, frozen_s, wall = _frozen_past_deadline(
-            d, c, eng, submit, 1.0, EXPIRY_GRACE_S + 1.0)
+            d, c, eng, submit, 1.0, hold_s)
         assert not [n for n in during if not n.ok], \
             f"the client failed {len(during)} jobs while the daemon that took them was frozen"
         at_notice = eng.digest()
@@ -132,7 +135,7 @@ def test_frozen_daemon_writes_nothing_after_the_deadline(make_daemon):
         assert wait_until(lambda: c.stats()["in_flight_jobs"] == 0, 10)
         assert eng.digest() == at_notice, "the engine's memory changed after the client's last notice"
         assert _expired_total(d) - expired0 == len(expired)
-        record("late_copies_frozen_loads", jobs=JOBS, mib_each=B * SLOT >> 20, deadline_s=1.0,
+        record(f"late_copies_frozen_loads_{hold_s:g}s", jobs=JOBS, mib_each=B * SLOT >> 20, deadline_s=1.0,
                frozen_s=round(frozen_s, 2), done_before_freeze=len(before), failed_while_frozen=0,
                expired_after_thaw=len(expired), started_after_thaw=len(late_started),
                bytes_written_after_failure_notice=0, last_notice_after_thaw_s=round(wall, 3))
