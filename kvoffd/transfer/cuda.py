@@ -350,7 +350,7 @@ class CudaBackend(TransferBackend):
         try:
             self._enqueue(direction, mapped, m, block_ids[:head], slots[:head], event)
         except Exception as e:  # noqa: BLE001 - the job fails, never the daemon
-            _resolve(loop, fut, e)
+            self._finish_on_stream(direction, m, fut, loop, e)  # part of the head may be on the stream
             return
         try:
             self._submit.submit(self._submit_job, direction, mapped, m, block_ids[head:], slots[head:], -1, fut,
@@ -403,8 +403,6 @@ class CudaBackend(TransferBackend):
         ``after_head``: the job's head is already on the stream. If the rest cannot be enqueued (its
         deadline passed while it waited for a pool thread, or the driver refused it), the job fails,
         but only once the head's DMA is over: the event recorded behind it decides when."""
-        dev = m.device
-        stream = m.store_stream if direction is Direction.STORE else m.load_stream
         error: BaseException | None = None
         if past(expires_ns):
             error = JobExpired("deadline passed while the job waited for a submit thread; the rest not started")
@@ -415,10 +413,15 @@ class CudaBackend(TransferBackend):
             try:
                 self._enqueue(direction, mapped, m, block_ids, slots, event)
             except Exception as e:  # noqa: BLE001 - any failure fails the job, never the daemon
-                if not after_head:
-                    _resolve(loop, fut, e)
-                    return
-                error = e
+                error = e  # some of its batches may be on the stream already
+        self._finish_on_stream(direction, m, fut, loop, error)
+
+    def _finish_on_stream(self, direction: Direction, m: _Mapping, fut: asyncio.Future,
+                          loop: asyncio.AbstractEventLoop, error: BaseException | None) -> None:
+        """Resolve the job once everything it put on its stream is done: with ``error`` if it failed
+        (its notice frees the engine's blocks, so it must not overtake a DMA still running)."""
+        dev = m.device
+        stream = m.store_stream if direction is Direction.STORE else m.load_stream
         drv = cudart.driver()
         try:
             drv.use_device(dev.ordinal)
@@ -426,8 +429,7 @@ class CudaBackend(TransferBackend):
                 done = dev.free_events.pop() if dev.free_events else drv.event_create(cudart.CU_EVENT_DISABLE_TIMING)
             drv.event_record(done, stream)
         except Exception as e:  # noqa: BLE001 - any failure fails the job, never the daemon
-            if after_head:  # no event to wait on: the head's DMA must end before the notice frees the blocks
-                _quiet(drv.stream_synchronize, stream)
+            _quiet(drv.stream_synchronize, stream)  # no event to wait on: let the DMA end first
             _resolve(loop, fut, error or e)
             return
         with self._cond:
