@@ -25,6 +25,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvoffd_client import protocol as P
+from kvoffd_client.liveness import DaemonProcess
 
 log = logging.getLogger("kvoffd_client")
 
@@ -37,7 +38,10 @@ _UNSOLICITED = (P.Notice, P.HelloOk)  # never the answer a request() waits for
 _UNAVAILABLE = "unavailable"  # the code of replies this client makes up for requests a lost daemon took
 
 
+#: a job still unanswered this long after its deadline is logged as overdue (it is never failed on
+#: a timer: see _reap_jobs)
 EXPIRY_GRACE_S = 2.0
+OVERDUE_LOG_EVERY_S = 10.0
 
 
 class KvoffdError(Exception):
@@ -64,15 +68,19 @@ def _start_ticks() -> int:
 @dataclass(slots=True)
 class _Job:
     n: int
-    deadline: float
+    deadline: float  # when the daemon stops starting it (its expires_ns); past it + grace: overdue
+    daemon: DaemonProcess | None  # the daemon that took it: only its notice or its exit ends the job
 
 
 class KvoffdClient:
     """One DEALER connection to the daemon.
 
-    ``job_deadline_s`` bounds how long a job may stay unanswered while the daemon is unreachable;
-    ``link_grace_s`` is how long a broken link may last before in-flight jobs are failed (a daemon
-    that died cannot write late, so failing them is safe; the engine then recomputes).
+    ``job_deadline_s``: the daemon never starts (any further part of) a job after this long, and
+    answers it ``expired``. The client itself never fails a job on a timer: while the daemon that
+    took a job may still copy, the engine must not reuse the job's blocks, so a job ends only with
+    the daemon's notice or once that daemon is provably gone (kvoffd_client.liveness): its pidfd
+    reports exit, or, where no pidfd can be trusted, the link has been down ``link_grace_s``.
+    Requests (lookups...) touch no engine memory: they fail after ``link_grace_s`` of broken link.
     """
 
     def __init__(self, address: str, *, name: str = "kvoffd_client", timeout_s: float = 2.0,
@@ -100,6 +108,10 @@ class KvoffdClient:
         self._wanted: set[int] = set()
         self._notices: list[P.Notice] = []
         self._jobs: dict[int, _Job] = {}
+        self._daemon: DaemonProcess | None = None
+        self._old_daemons: list[DaemonProcess] = []  # replaced (a new daemon answered) with jobs left
+        self._next_overdue_check = 0.0
+        self._overdue_logged = 0.0
         self._registrations: dict[str, P.Register] = {}
         self._register_seqs: dict[int, str] = {}
         self._closed = False
@@ -166,11 +178,14 @@ class KvoffdClient:
         self._hello_seqs.clear()
         restarted = self.daemon_id is not None and msg.daemon_id != self.daemon_id
         if restarted:
-            log.warning("kvoffd restarted (daemon %s -> %s): failing %d jobs in flight, re-registering %d engines",
-                        self.daemon_id, msg.daemon_id, len(self._jobs), len(self._registrations))
-            self._fail_jobs("daemon_restarted", "the daemon restarted; the job was lost")
+            log.warning("kvoffd restarted (daemon %s -> %s): %d jobs in flight end once the old daemon is "
+                        "gone, re-registering %d engines", self.daemon_id, msg.daemon_id, len(self._jobs),
+                        len(self._registrations))
+            self._fail_requests("the daemon restarted; the request was lost")
         elif self.daemon_id is None:
             log.info("connected to kvoffd at %s (daemon %s)", self.address, msg.daemon_id)
+        if self._daemon is None or self._daemon.daemon_id != msg.daemon_id:
+            self._track_daemon(DaemonProcess(msg.daemon_id, msg.pid, self.address))
         self.daemon_id, self.hello = msg.daemon_id, msg
         self._ready = True
         self._link_down_since = None
@@ -180,20 +195,68 @@ class KvoffdClient:
                 if self._send(reg):
                     self._register_seqs[reg.seq] = reg.engine_id
 
-    def _lost(self, code: str, why: str) -> None:
+    def _track_daemon(self, new: DaemonProcess) -> None:
+        """A HELLO_OK named a daemon this client did not know: watch it; keep watching the one it
+        replaces while jobs it took are in flight (it may be frozen, not dead: the new one could
+        only bind the address if the old socket file was removed)."""
+        old = self._daemon
+        self._daemon = new
+        if old is not None:
+            if any(j.daemon is old for j in self._jobs.values()):
+                self._old_daemons.append(old)
+            else:
+                old.close()
+
+    def _daemon_gone(self, d: DaemonProcess | None, now: float) -> bool:
+        """Proof that no copy of ``d`` can run any more (see kvoffd_client.liveness)."""
+        if d is not None and d.exited():
+            return True
+        if d is not None and d.watched:
+            return False  # the process exists: frozen or slow, it may still copy
+        if d is not self._daemon:
+            return True  # unwatched and replaced: its link went down before the new daemon answered
+        return self._link_down_since is not None and now - self._link_down_since > self.link_grace_s
+
+    def _reap_jobs(self, now: float) -> None:
+        """Fail the jobs whose daemon is provably gone; log those overdue on a daemon that exists."""
+        if self._link_down_since is not None or self._old_daemons:
+            for d in {id(j.daemon): j.daemon for j in self._jobs.values()}.values():
+                if self._daemon_gone(d, now):
+                    code = "daemon_lost" if d is self._daemon else "daemon_restarted"
+                    self._fail_jobs_of(d, code, "the daemon that took the job is gone; nothing more is copied")
+            for d in [d for d in self._old_daemons if not any(j.daemon is d for j in self._jobs.values())]:
+                self._old_daemons.remove(d)
+                d.close()
+        if self._jobs and now >= self._next_overdue_check:
+            self._next_overdue_check = now + 1.0
+            late = [job for job in self._jobs.values() if job.deadline + EXPIRY_GRACE_S <= now]
+            if late and now - self._overdue_logged >= OVERDUE_LOG_EVERY_S:
+                self._overdue_logged = now
+                d = late[0].daemon
+                log.error("kvoffd: %d jobs unanswered %.1f s past their deadline, and daemon pid %s still "
+                          "exists (frozen or stalled?): their blocks stay reserved until it answers or exits",
+                          len(late), now - min(j.deadline for j in late), d.pid if d else "?")
+
+    def _lost(self, why: str) -> None:
+        """The daemon does not know this client (restarted, or dropped the connection as silent): say
+        HELLO again. Jobs stay in flight: HELLO_OK tells whether the daemon that took them is still
+        the one answering (then their notices still come), and _reap_jobs fails them once it is gone."""
         if self._ready:
             log.warning("kvoffd link lost (%s)", why)
         self._ready = False
         self._hello_seq = 0
-        self._fail_jobs(code, why)
+        self._fail_requests(why)
 
-    def _fail_jobs(self, code: str, why: str) -> None:
-        """Everything in flight is over: jobs get failed notices, requests an ``unavailable`` reply
-        (a lookup sent to a daemon that died is a miss now, not after the engine's lookup timeout)."""
-        for job_id, job in self._jobs.items():
+    def _fail_jobs_of(self, daemon: DaemonProcess | None, code: str, why: str) -> None:
+        """The daemon that took these jobs is gone: they get failed notices (the engine recomputes)."""
+        for job_id in [j for j, job in self._jobs.items() if job.daemon is daemon]:
+            job = self._jobs.pop(job_id)
             self._notices.append(P.Notice(job_id=job_id, ok=False, failed=list(range(job.n)), code=code,
                                           message=why))
-        self._jobs.clear()
+
+    def _fail_requests(self, why: str) -> None:
+        """Requests in flight get an ``unavailable`` reply (a lookup sent to a daemon that died is a
+        miss now, not after the engine's lookup timeout). They touch no engine memory."""
         for seq in self._wanted:
             self._replies[seq] = P.Error(seq=seq, code=_UNAVAILABLE, message=why)
         self._wanted.clear()
@@ -223,20 +286,16 @@ class KvoffdClient:
                 self._hello_seq = 0
             elif ev["event"] == zmq.EVENT_CONNECTED:
                 self._next_try = 0.0
-        if (self._link_down_since is not None and (self._jobs or self._wanted)
+        if (self._link_down_since is not None and self._wanted
                 and now - self._link_down_since > self.link_grace_s):
-            self._fail_jobs("daemon_lost", "the connection to the daemon broke")
+            self._fail_requests("the connection to the daemon broke")
         self._read_all()  # first: a HELLO_OK already here must be seen before another HELLO goes out
         if not self._ready:
             self._try_hello(now)
         if timeout_ms and self._sock.poll(timeout_ms, zmq.POLLIN):
             self._read_all()
         if self._jobs:
-            expired = [j for j, job in self._jobs.items() if job.deadline <= now]
-            for job_id in expired:
-                job = self._jobs.pop(job_id)
-                self._notices.append(P.Notice(job_id=job_id, ok=False, failed=list(range(job.n)), code="timeout",
-                                              message=f"no answer within {self.job_deadline_s + EXPIRY_GRACE_S} s"))
+            self._reap_jobs(now)
 
     def _read_all(self) -> None:
         while self._sock.getsockopt(_EVENTS) & _POLLIN:
@@ -265,7 +324,7 @@ class KvoffdClient:
             return
         if isinstance(msg, P.Error):
             if msg.code == P.ErrorCode.HELLO_REQUIRED.value:
-                self._lost("daemon_restarted", "the daemon does not know this client (restarted)")
+                self._lost("the daemon does not know this client")
                 return
             job = self._jobs.pop(msg.job_id, None) if msg.job_id is not None else None
             if job is not None:  # the daemon refused the job: it is over, nothing was written
@@ -422,12 +481,12 @@ class KvoffdClient:
                 raise KvoffdError(P.ErrorCode.DUPLICATE_JOB.value, f"job {msg.job_id} is already in flight")
             msg.seq = next(self._seq)
             now = time.monotonic()
-            # The daemon will not start the job after job_deadline_s; this client gives up on it only
-            # EXPIRY_GRACE_S later, when a copy started just in time has surely ended.
+            # The daemon will not start the job (or any further part of it) after job_deadline_s; the
+            # job still ends only with its notice, or once that daemon is gone (see _reap_jobs).
             msg.expires_ns = int((now + self.job_deadline_s) * 1e9)
             if not self._send(msg):
                 raise DaemonUnavailable("cannot send to kvoffd")
-            self._jobs[msg.job_id] = _Job(P.count_keys(msg.keys), now + self.job_deadline_s + EXPIRY_GRACE_S)
+            self._jobs[msg.job_id] = _Job(P.count_keys(msg.keys), now + self.job_deadline_s, self._daemon)
 
     def take_notices(self) -> list[P.Notice]:
         """Completion notices that arrived (real or synthesized for lost jobs). Never waits."""
@@ -492,6 +551,9 @@ class KvoffdClient:
             self._sock.disable_monitor()
             self._monitor.close(0)
             self._sock.close(0)
+            for d in [self._daemon, *self._old_daemons]:
+                if d is not None:
+                    d.close()
 
     def __enter__(self) -> KvoffdClient:
         return self

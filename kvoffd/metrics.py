@@ -107,8 +107,8 @@ class Metrics:
         self.checksum_failures = Counter("kvoffd_checksum_failures", "Blocks whose checksum did not match on "
                                          "load (--verify); each is reported failed so the engine recomputes",
                                          registry=r)
-        self.expired_jobs = Counter("kvoffd_expired_jobs", "Jobs refused because they reached the daemon after "
-                                    "their deadline (the daemon was stalled; the engine already recomputed)",
+        self.expired_jobs = Counter("kvoffd_expired_jobs", "Jobs not started by their deadline: refused on arrival "
+                                    "or stopped where their copy was to start (backlog or stalled daemon)",
                                     registry=r)
         self.errors = Counter("kvoffd_errors", "ERROR replies, by code", ["code"], registry=r)
         self.engine_events = Counter("kvoffd_engine_events", "Engine registrations and departures",

@@ -37,7 +37,7 @@ from kvoffd.engines import (
 from kvoffd.index import Entry, Index
 from kvoffd.metrics import Metrics
 from kvoffd.pool import MIN_SLOT_BYTES, Pool
-from kvoffd.transfer.base import AttachError, Direction, TransferBackend
+from kvoffd.transfer.base import AttachError, Direction, JobExpired, TransferBackend, past
 from kvoffd.transfer.cpu import CpuBackend
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import ErrorCode, ProtocolError
@@ -600,11 +600,10 @@ class Daemon:
             self._end_job(conn, eng, msg.job_id, jid)
             raise
         except Exception as e:
-            log.warning("store job %d of engine %s failed: %s", msg.job_id, eng.engine_id, e)
+            code = self._job_failed("store", msg.job_id, eng, e)
             self._end_job(conn, eng, msg.job_id, jid)
-            self._notice(conn, msg.job_id, sorted(dropped + idx), "copy_failed", str(e)[:200])
-            self.index.abort(entries)
-            self.metrics.failed_jobs.labels("store").inc()
+            self._notice(conn, msg.job_id, sorted(dropped + idx), code, str(e)[:200])
+            self.index.abort(entries)  # a partial (or expired) store is never committed
             self.metrics.dropped_stores.labels("failed").inc(len(entries))
             return
         if self.cfg.verify:
@@ -678,24 +677,34 @@ class Daemon:
                     keep = np.ones(len(entries), dtype=bool)
                     keep[bad] = False
                     ids, slots = ids[keep], slots[keep]
-                if msg.expires_ns and time.monotonic_ns() > msg.expires_ns:  # checksums took too long
-                    raise TimeoutError("deadline passed before the copy could start")
+                if past(msg.expires_ns):  # checksums took too long
+                    raise JobExpired("deadline passed before the copy could start")
                 if len(ids):
                     await eng.backend.submit(Direction.LOAD, eng.mapped, ids, slots, msg.event, msg.expires_ns)
         except asyncio.CancelledError:
             self._release_load(conn, eng, msg.job_id, jid, entries)
             raise
         except Exception as e:
-            log.warning("load job %d of engine %s failed: %s", msg.job_id, eng.engine_id, e)
-            self.metrics.failed_jobs.labels("load").inc()
+            code = self._job_failed("load", msg.job_id, eng, e)
             failed = sorted(failed + idx)
-            code, text = "copy_failed", str(e)[:200]
+            text = str(e)[:200]
         else:
             self._account(Direction.LOAD, len(ids), len(ids) * eng.mapped.slot_bytes, t0)
         self._end_job(conn, eng, msg.job_id, jid)
         self._notice(conn, msg.job_id, failed, code, text)  # first: the engine is waiting on it
         for e in entries:
             self.index.unpin(e)
+
+    def _job_failed(self, direction: str, job_id: int, eng: Engine, e: Exception) -> str:
+        """Count and log a job that failed as a whole; returns its notice code. ``expired``: its
+        deadline passed before (the rest of) its copy could start, so it was stopped there."""
+        if isinstance(e, JobExpired):
+            log.warning("%s job %d of engine %s expired: %s", direction, job_id, eng.engine_id, e)
+            self.metrics.expired_jobs.inc()
+            return ErrorCode.EXPIRED.value
+        log.warning("%s job %d of engine %s failed: %s", direction, job_id, eng.engine_id, e)
+        self.metrics.failed_jobs.labels(direction).inc()
+        return "copy_failed"
 
     def _release_load(self, conn: Conn, eng: Engine, job_id: int, jid: int, entries: list[Entry]) -> None:
         self._end_job(conn, eng, job_id, jid)
@@ -723,8 +732,10 @@ class Daemon:
             self._detach(eng)
 
     def _notice(self, conn: Conn, job_id: int, failed: list[int], code: str, text: str) -> None:
-        if conn.ident in self.conns:
-            self._send(conn.ident, P.Notice(job_id=job_id, ok=not failed, failed=failed, code=code, message=text))
+        """Sent even when the connection was dropped meanwhile (an engine silent past engine_timeout_s,
+        e.g. a client frozen for a while): its client waits for this notice before it reuses the
+        blocks, and a peer that is gone is just not routed to."""
+        self._send(conn.ident, P.Notice(job_id=job_id, ok=not failed, failed=failed, code=code, message=text))
 
     def _account(self, d: Direction, blocks: int, nbytes: int, t0: float) -> None:
         m = self.metrics

@@ -27,8 +27,8 @@ class Settings:
     address: str
     lease_ms: int = 30_000  # how long a lookup's hits stay pinned waiting for their LOAD
     lookup_timeout_ms: int = 500  # an unanswered lookup becomes a miss after this
-    job_timeout_s: float = 10.0  # a LOAD/STORE without a notice by then counts as failed
-    fence_timeout_s: float = 10.0  # most a preemption may wait for stores reading freed blocks
+    job_timeout_s: float = 10.0  # the daemon never starts a LOAD/STORE (or its rest) later than this
+    fence_timeout_s: float = 10.0  # a preemption fence still waiting logs an error this often
     connect_timeout_s: float = 0.5  # handshake wait at engine start (absent daemon: serve without)
     store_decode: bool = True  # also offload blocks filled by generated tokens, not only the prompt
     prefetch_lookups: bool = True  # send the lookup when the request arrives, not when it is scheduled
@@ -136,7 +136,7 @@ STAT_KEYS = (
     "load_failed_jobs",
     "fence_waits",  # preemptions that had to wait for in-flight stores
     "fence_wait_us",
-    "fence_timeouts",
+    "fence_timeouts",  # fences that waited longer than fence_timeout_s (they still waited)
 )
 
 

@@ -4,7 +4,10 @@ The daemon copies on its own, so the worker only sends one STORE per step (after
 one LOAD per loading request, and turns the daemon's NOTICEs into vLLM's finished/failed sets. It
 never waits, except to fence a preemption: vLLM frees a preempted request's blocks without telling
 the connector and may hand them out in the same step, so stores still reading them must finish
-before this step's forward writes there.
+before this step's forward writes there. No job is given up on a timer: a load's request waits (as
+vLLM's WAITING_FOR_REMOTE_KVS) and a finished request's blocks stay held until the job's notice, or
+until the client fails the job because the daemon that took it is gone (kvoffd_client.liveness);
+other requests go on meanwhile.
 """
 
 from __future__ import annotations
@@ -150,16 +153,29 @@ class KvoffdWorker:
         if not jobs or self.client is None:
             return
         t0 = time.perf_counter()
-        self._complete(self.client.wait_notices(jobs, self.s.fence_timeout_s))
-        waited = int((time.perf_counter() - t0) * 1e6)
+        self._fence(jobs, t0)
         self.stats.add("fence_waits")
-        self.stats.add("fence_wait_us", waited)
+        self.stats.add("fence_wait_us", int((time.perf_counter() - t0) * 1e6))
+
+    def _fence(self, jobs: set[int], t0: float) -> None:
+        """Wait until no store in ``jobs`` can still read: its notice came, or the client failed it
+        because its daemon is gone. Never on a timer alone: vLLM may hand the preempted blocks out in
+        this very step, and a store still reading them would publish the new bytes under the old
+        keys. A frozen daemon stalls this step (logged every ``fence_timeout_s``) until it thaws,
+        answers or dies; stores normally end long before, so the wait is microseconds."""
+        assert self.client is not None
         left = jobs.intersection(self._stores)
-        if left:
-            # Only a hung (not dead) daemon gets here: the client fails jobs of a lost link quickly.
-            self.stats.add("fence_timeouts")
-            log.error("kvoffd: %d store jobs still read blocks of preempted requests after %.1f s; "
-                      "continuing (the daemon is not answering)", len(left), self.s.fence_timeout_s)
+        logged = False
+        while left:
+            self._complete(self.client.wait_notices(left, self.s.fence_timeout_s))
+            left = left.intersection(self._stores)
+            if left:
+                if not logged:
+                    self.stats.add("fence_timeouts")
+                    logged = True
+                log.error("kvoffd: %d store jobs may still read blocks of preempted requests after %.1f s; "
+                          "this step waits until the daemon answers or is gone (frozen or stalled daemon?)",
+                          len(left), time.perf_counter() - t0)
 
     def start_load_kv(self, meta: KvoffdMetadata) -> None:
         for ld in meta.loads:

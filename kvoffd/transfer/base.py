@@ -7,6 +7,7 @@ engine's memory and copies batches between it and the pool. One call moves a who
 from __future__ import annotations
 
 import enum
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -25,6 +26,20 @@ class Direction(enum.Enum):
 
 class AttachError(Exception):
     """The engine's memory description cannot be mapped (answered as MEMORY_UNREACHABLE)."""
+
+
+class JobExpired(Exception):
+    """The job's deadline passed before (the rest of) its copy could start, so it was not started.
+
+    Raised by a backend only once nothing of the job can still move (answered with code ``expired``):
+    a LOAD may have written some of its blocks (the engine recomputes them), a STORE is never
+    committed. The client gave up at ``expires_ns`` and the engine may be about to reuse the blocks.
+    """
+
+
+def past(expires_ns: int) -> bool:
+    """Whether a job's deadline (CLOCK_MONOTONIC ns, 0: none) has passed. Checked where a copy starts."""
+    return expires_ns != 0 and time.monotonic_ns() > expires_ns
 
 
 @dataclass
@@ -83,8 +98,11 @@ class TransferBackend(ABC):
         bytes move); the awaitable completes once they are in place (for a LOAD: visible to the
         engine's next kernel) and raises if the job failed as a whole. Called on the event loop.
         ``event`` is the index in the engine's event ring that a STORE must wait for (-1: none).
-        A job that waits (for an event) must not start after ``expires_ns`` (CLOCK_MONOTONIC; 0:
-        no deadline): its client has given up and the engine may be reusing the blocks.
+        No part of the job may start after ``expires_ns`` (CLOCK_MONOTONIC; 0: no deadline): the check
+        is made where the bytes start to move (a copy thread taking the job from a backlog, each
+        syscall batch, a GPU stream enqueue), not when the job is queued, so a backlog or a frozen
+        daemon cannot start it late. A job stopped that way raises :class:`JobExpired`, and only once
+        nothing of it is still moving: its notice tells the client that the blocks are free again.
         """
 
     async def copy(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,

@@ -29,9 +29,11 @@ from kvoffd.pool import Pool
 from kvoffd.transfer.base import (
     AttachError,
     Direction,
+    JobExpired,
     MappedMemory,
     TransferBackend,
     coalesce,
+    past,
     run_descriptors,
 )
 from kvoffd_client.handles import SHM_PREFIX
@@ -126,25 +128,35 @@ class CpuBackend(TransferBackend):
         src, dst, lens = coalesce(src, dst, lens)
         loop = asyncio.get_running_loop()
         parts = _split(len(lens), lens, self.threads)
-        return asyncio.gather(*(loop.run_in_executor(self._executor, self._copy_runs, src[a:b], dst[a:b],
-                                                     lens[a:b]) for a, b in parts))
+        return asyncio.ensure_future(_all_parts([
+            loop.run_in_executor(self._executor, self._copy_runs, src[a:b], dst[a:b], lens[a:b], expires_ns)
+            for a, b in parts]))
 
-    def _copy_runs(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+    def _copy_runs(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray, expires_ns: int = 0) -> None:
+        """Copy on a pool thread. The deadline is checked here, before every batch of at most IOV_MAX
+        runs: a job that waited in the executor's queue past it (a backlog), or a thread frozen
+        mid-job (SIGSTOP, cgroup freezer), stops at the next batch boundary instead of writing late."""
         if self._pvm is not None:
             try:
-                self._copy_pvm(src, dst, lens)
+                self._copy_pvm(src, dst, lens, expires_ns)
                 return
             except OSError as e:
                 if e.errno not in (errno.EPERM, errno.ENOSYS, errno.EACCES):
                     raise
                 log.warning("process_vm_readv refused (%s); copying run by run instead", e.strerror)
                 self._pvm = None
-        for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist(), strict=True):
-            ctypes.memmove(d, s, n)
+        for a in range(0, len(lens), IOV_MAX):
+            if past(expires_ns):
+                raise JobExpired(f"deadline passed after {a} of {len(lens)} runs; the rest not started")
+            for s, d, n in zip(src[a:a + IOV_MAX].tolist(), dst[a:a + IOV_MAX].tolist(),
+                               lens[a:a + IOV_MAX].tolist(), strict=True):
+                ctypes.memmove(d, s, n)
 
-    def _copy_pvm(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
+    def _copy_pvm(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray, expires_ns: int = 0) -> None:
         readv = self._pvm[0]
         for a in range(0, len(lens), IOV_MAX):
+            if past(expires_ns):
+                raise JobExpired(f"deadline passed after {a} of {len(lens)} runs; the rest not started")
             b = min(a + IOV_MAX, len(lens))
             n = b - a
             remote = np.empty((n, 2), dtype=np.uint64)
@@ -165,6 +177,18 @@ class CpuBackend(TransferBackend):
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "threads": self.threads,
                 "method": "process_vm_readv" if self._pvm else "memmove"}
+
+
+async def _all_parts(parts: list[asyncio.Future]) -> None:
+    """Wait for every part of a job, then raise the first failure (one that is not an expiry, if any).
+
+    Never sooner: a job's notice frees the engine's blocks, so it must not go out while another part
+    of the same job is still copying on another thread (a plain gather raises at the first failure).
+    """
+    results = await asyncio.gather(*parts, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise next((e for e in errors if not isinstance(e, JobExpired)), errors[0])
 
 
 def _owner_pid(path: str) -> int:

@@ -42,9 +42,11 @@ from kvoffd.transfer import cudart
 from kvoffd.transfer.base import (
     AttachError,
     Direction,
+    JobExpired,
     MappedMemory,
     TransferBackend,
     coalesce,
+    past,
     run_descriptors,
 )
 from kvoffd_client.protocol import Segment
@@ -95,6 +97,7 @@ class _Pending:
     device: _Device
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    error: BaseException | None = None  # the job failed, but only once what it enqueued is done
 
 
 class CudaBackend(TransferBackend):
@@ -308,7 +311,7 @@ class CudaBackend(TransferBackend):
             fut.set_result(None)
             return fut
         if event >= 0 and self.wait == "host":
-            args = (direction, mapped, m, block_ids, slots, -1, fut, loop)
+            args = (direction, mapped, m, block_ids, slots, -1, expires_ns, fut, loop)
             drv = cudart.driver()
             drv.use_device(m.device.ordinal)
             if not drv.event_query(m.events[event]):
@@ -320,30 +323,38 @@ class CudaBackend(TransferBackend):
                     self._cond.notify()
                 return fut
         else:
-            args = (direction, mapped, m, block_ids, slots, event, fut, loop)
+            args = (direction, mapped, m, block_ids, slots, event, expires_ns, fut, loop)
         self._start(*args)
         return fut
 
     def _start(self, direction: Direction, mapped: MappedMemory, m: _Mapping, block_ids: np.ndarray,
-               slots: np.ndarray, event: int, fut: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+               slots: np.ndarray, event: int, expires_ns: int, fut: asyncio.Future,
+               loop: asyncio.AbstractEventLoop) -> None:
         """Put a job on its stream. Small jobs go all at once from this thread; a large one has its
         first ``inline_runs`` runs enqueued here, so the copy engine starts at once, and the rest
         from the submit pool (building thousands of descriptors takes the driver milliseconds). The
         head start covers the time the pool thread may wait for the GIL while the loop does the
-        job's bookkeeping."""
+        job's bookkeeping.
+
+        The deadline is checked here (a gated job whose event fired late, or a poller that was
+        frozen) and again by the pool thread before it enqueues the rest: once on a stream a copy
+        runs, so those are the last points where a late job can still be kept from starting."""
+        if past(expires_ns):
+            _resolve(loop, fut, JobExpired("deadline passed before the copy could start; not started"))
+            return
         # the head: up to ``inline_runs`` descriptors, and no more than ``head_bytes`` of payload
         head = max(1, min(self.inline_runs // len(mapped.segments), self.head_bytes // mapped.slot_bytes))
         if len(block_ids) <= head:
-            self._submit_job(direction, mapped, m, block_ids, slots, event, fut, loop)
+            self._submit_job(direction, mapped, m, block_ids, slots, event, fut, loop, expires_ns)
             return
         try:
             self._enqueue(direction, mapped, m, block_ids[:head], slots[:head], event)
         except Exception as e:  # noqa: BLE001 - the job fails, never the daemon
-            _resolve(loop, fut, e)
+            self._finish_on_stream(direction, m, fut, loop, e)  # part of the head may be on the stream
             return
         try:
             self._submit.submit(self._submit_job, direction, mapped, m, block_ids[head:], slots[head:], -1, fut,
-                                loop)
+                                loop, expires_ns, True)
         except RuntimeError as e:  # the pool is shut down: the daemon is stopping
             _resolve(loop, fut, e)
 
@@ -385,21 +396,44 @@ class CudaBackend(TransferBackend):
         self.bytes_moved[direction] += int(lens.sum())
 
     def _submit_job(self, direction: Direction, mapped: MappedMemory, m: _Mapping, block_ids: np.ndarray,
-                    slots: np.ndarray, event: int, fut: asyncio.Future,
-                    loop: asyncio.AbstractEventLoop) -> None:
-        """Enqueue (the rest of) a job, record its completion event and hand that to the poller."""
+                    slots: np.ndarray, event: int, fut: asyncio.Future, loop: asyncio.AbstractEventLoop,
+                    expires_ns: int = 0, after_head: bool = False) -> None:
+        """Enqueue (the rest of) a job, record its completion event and hand that to the poller.
+
+        ``after_head``: the job's head is already on the stream. If the rest cannot be enqueued (its
+        deadline passed while it waited for a pool thread, or the driver refused it), the job fails,
+        but only once the head's DMA is over: the event recorded behind it decides when."""
+        error: BaseException | None = None
+        if past(expires_ns):
+            error = JobExpired("deadline passed while the job waited for a submit thread; the rest not started")
+            if not after_head:
+                _resolve(loop, fut, error)
+                return
+        else:
+            try:
+                self._enqueue(direction, mapped, m, block_ids, slots, event)
+            except Exception as e:  # noqa: BLE001 - any failure fails the job, never the daemon
+                error = e  # some of its batches may be on the stream already
+        self._finish_on_stream(direction, m, fut, loop, error)
+
+    def _finish_on_stream(self, direction: Direction, m: _Mapping, fut: asyncio.Future,
+                          loop: asyncio.AbstractEventLoop, error: BaseException | None) -> None:
+        """Resolve the job once everything it put on its stream is done: with ``error`` if it failed
+        (its notice frees the engine's blocks, so it must not overtake a DMA still running)."""
         dev = m.device
+        stream = m.store_stream if direction is Direction.STORE else m.load_stream
+        drv = cudart.driver()
         try:
-            self._enqueue(direction, mapped, m, block_ids, slots, event)
-            drv = cudart.driver()
+            drv.use_device(dev.ordinal)
             with dev.lock:
                 done = dev.free_events.pop() if dev.free_events else drv.event_create(cudart.CU_EVENT_DISABLE_TIMING)
-            drv.event_record(done, m.store_stream if direction is Direction.STORE else m.load_stream)
+            drv.event_record(done, stream)
         except Exception as e:  # noqa: BLE001 - any failure fails the job, never the daemon
-            _resolve(loop, fut, e)
+            _quiet(drv.stream_synchronize, stream)  # no event to wait on: let the DMA end first
+            _resolve(loop, fut, error or e)
             return
         with self._cond:
-            self._pending.append(_Pending(done, dev, fut, loop))
+            self._pending.append(_Pending(done, dev, fut, loop, error))
             self._cond.notify()
 
     def _batch(self, drv: cudart.Driver, stream: int, attrs: cudart.MemcpyAttributes, src: np.ndarray,
@@ -456,8 +490,9 @@ class CudaBackend(TransferBackend):
                         elif drv.event_query(g.event):
                             ready.append(g)
                         elif now > g.deadline:
-                            failed.append((g, TimeoutError("the engine's event did not fire before the job's "
-                                                           "deadline; not started")))
+                            expired = past(g.args[-3])
+                            failed.append((g, (JobExpired if expired else TimeoutError)(
+                                "the engine's event did not fire before the job's deadline; not started")))
                     except cudart.CudaError as e:
                         failed.append((g, e))
                 if ready or failed:
@@ -488,7 +523,7 @@ class CudaBackend(TransferBackend):
                     if err is None:
                         with p.device.lock:
                             p.device.free_events.append(p.event)
-                    _resolve(p.loop, p.future, err)
+                    _resolve(p.loop, p.future, err or p.error)
             if not progressed:
                 time.sleep(self.poll_s)
 

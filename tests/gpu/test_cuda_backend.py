@@ -232,3 +232,71 @@ def test_two_gpus_share_the_pool(pool, backend):
     finally:
         e0.close()
         e1.close()
+
+
+def test_jobs_past_their_deadline_never_start(pool, engines):
+    """Issue 18, defect 1 on the GPU: a job is checked against its deadline where it reaches a stream.
+
+    1. A large LOAD's tail waits for a submit thread (all of them held busy by the test) until past
+       the job's deadline: the tail never starts, and the job fails ``JobExpired`` only once its head
+       (enqueued in time) is done. 2. A gated LOAD whose event fires while the poller is held (the
+       test holds the lock each sweep takes, as a frozen daemon would) until past the deadline: it
+       never starts. Both started late before the fix (the deadline was checked on arrival only).
+    """
+    import threading
+
+    from kvoffd.transfer.base import JobExpired
+    from kvoffd.transfer.cuda import CudaBackend
+
+    eng = engines("blocks")
+    b = CudaBackend(pool, pin=False, head_bytes=16 << 20)  # a head of a few blocks; the rest via the pool
+
+    async def go():
+        b.start()
+        m = await _attach(b, eng, "t-late")
+        ids = np.arange(0, 200)
+        slots = np.array(pool.alloc(m.slot_bytes, 200), dtype=np.int64)
+        try:
+            head = max(1, min(b.inline_runs // len(m.segments), b.head_bytes // m.slot_bytes))
+            assert head < 100
+            eng("randomize", seed=11)
+            eng("snapshot", tag="pool_head", ids=ids[:head].tolist())
+            await b.copy(S, m, ids, slots)  # the pool holds the randomized bytes
+            eng("scramble", ids=ids.tolist())
+            eng("snapshot", tag="engine_tail", ids=ids[head:].tolist())
+            eng("snapshot", tag="engine_gated", ids=ids[100:104].tolist())
+
+            gate = threading.Event()
+            busy = [b._submit.submit(gate.wait, 30) for _ in range(b._submit._max_workers)]
+            expires = time.monotonic_ns() + 200_000_000
+            fut = b.submit(L, m, ids, slots, -1, expires)
+            while time.monotonic_ns() <= expires:
+                await asyncio.sleep(0.01)
+            gate.set()
+            for f in busy:
+                f.result(10)
+            with pytest.raises(JobExpired):
+                await asyncio.wait_for(fut, 30)
+            assert eng("compare", tag="pool_head", ids=ids[:head].tolist()), "the head (started in time) did not land"
+            assert eng("compare", tag="engine_tail", ids=ids[head:].tolist()), "the tail started after its deadline"
+
+            gated = ids[100:104]
+            ev = eng("record", sleep_cycles=200_000_000)  # the event fires after a ~0.1 s kernel
+            with b._cond:  # the poller takes this lock every sweep: it cannot see the gate meanwhile
+                expires = time.monotonic_ns() + 50_000_000
+                fut = b.submit(L, m, gated, slots[100:104], ev, expires)
+                eng("sync")  # the event has fired
+                while time.monotonic_ns() <= expires:
+                    time.sleep(0.005)
+            with pytest.raises(JobExpired):
+                await asyncio.wait_for(fut, 30)
+            eng("release", event=ev)
+            assert eng("compare", tag="engine_gated", ids=gated.tolist()), "a gated job started after its deadline"
+        finally:
+            pool.free(m.slot_bytes, slots.tolist())
+            b.detach(m)
+
+    try:
+        _run(go())
+    finally:
+        b.close()

@@ -166,3 +166,67 @@ def test_preemption_fences_in_flight_stores(tiny_model: str, tmp_path: Path) -> 
     finally:
         close_llm(llm)
         d.stop()
+
+
+def test_frozen_daemon_holds_only_the_loading_requests(tiny_model: str, reference: list[list[int]],
+                                                       tmp_path: Path) -> None:
+    """The daemon freezes (SIGSTOP: cgroup freezer, ``docker pause``) with loads in flight, well past
+    ``kvoffd_job_timeout_s``: the loads are not failed while it may still write into their blocks (a
+    timer used to fail them, vLLM reused the blocks, the thawed daemon overwrote them), a new request
+    is served meanwhile, and after the thaw the loads end (``expired``: not started after their
+    deadline) and vLLM recomputes with identical output."""
+    from vllm.inputs import TokensPrompt
+
+    d = Daemon(tmp_path).start()
+    llm = make_llm(tiny_model, d.address, extra={"kvoffd_job_timeout_s": 1, "kvoffd_lookup_timeout_ms": 500})
+    try:
+        assert generate(llm, PROMPTS) == reference
+        drain(llm)
+        assert llm.reset_prefix_cache()
+        worker = _worker()
+        real_start = worker.start_load_kv
+        frozen_at: list[float] = []
+
+        def freeze_daemon_then_load(meta: Any) -> None:
+            if meta.loads and not frozen_at and d.proc is not None:
+                os.kill(d.proc.pid, signal.SIGSTOP)  # before it sees the LOADs: they wait past their deadline
+                frozen_at.append(time.monotonic())
+            real_start(meta)
+
+        worker.start_load_kv = freeze_daemon_then_load
+        engine = llm.llm_engine
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), greedy())
+        outputs: dict[str, list[int]] = {}
+        fresh = [1 + (7 * i) % 97 for i in range(40)]  # shares no block with PROMPTS
+        added_fresh = False
+        t0 = time.monotonic()
+        # frozen past the deadline + the old 2 s grace, and until the new request is served (bounded)
+        while not frozen_at or time.monotonic() - frozen_at[0] < 4.0 or "fresh" not in outputs:
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+            if frozen_at and not added_fresh:
+                engine.add_request("fresh", TokensPrompt(prompt_token_ids=fresh), greedy())
+                added_fresh = True
+            assert time.monotonic() - t0 < 90, ("no load was submitted" if not frozen_at else
+                                                "a request with no job in flight did not proceed while the "
+                                                "daemon was frozen")
+            time.sleep(0.01)
+        print(f"frozen {time.monotonic() - frozen_at[0]:.1f} s; the new request was served meanwhile")
+        in_flight = len(worker._loads)
+        assert in_flight >= 1, "loads were given up while the daemon that took them was frozen"
+        assert worker.stats.lifetime.get("load_failed_jobs", 0) == 0
+        os.kill(d.proc.pid, signal.SIGCONT)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+            assert time.monotonic() - t0 < 90, "requests hang after the daemon thawed"
+        worker.start_load_kv = real_start
+        assert [outputs[str(i)] for i in range(len(PROMPTS))] == reference
+        drain(llm)
+        _offload_works(llm, d, reference)
+    finally:
+        close_llm(llm)
+        d.stop()

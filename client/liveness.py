@@ -1,0 +1,118 @@
+"""Whether the daemon process that took a job can still touch the engine's memory.
+
+A job's blocks may be reused by the engine only once no copy of that job can still run. The daemon's
+own notice says so; otherwise only the daemon process being *gone* does: a daemon that is slow,
+swapping or frozen (SIGSTOP, cgroup freezer, ``docker pause``) resumes its copies when it thaws,
+however late. So the client fails a job on its own only on proof of exit:
+
+* a pidfd on the daemon's pid (HELLO_OK carries it) that reports the process exited. The pid is
+  trusted only once it is shown to be the daemon: the process must hold the listening socket of the
+  address this client connected to (its inode, from /proc/net/unix or /proc/net/tcp*, among the
+  process's fds). That fails, and the pidfd is not used, when the daemon lives in another pid or
+  network namespace, or runs as another user; then
+* the connection dropping is the proof instead: a daemon closes its end of a client's connection
+  only when its sockets close, i.e. when the process exits (every thread, copy threads included, has
+  ended before the kernel closes a process's fds) or at the end of a clean shutdown, after its copy
+  threads were joined.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+
+log = logging.getLogger("kvoffd_client")
+
+
+def _listener_inodes(address: str) -> set[str]:
+    """Inodes of the listening sockets serving ``address`` (ipc:// path or tcp://host:port)."""
+    out: set[str] = set()
+    try:
+        if address.startswith("ipc://"):
+            path = address[6:]
+            with open("/proc/net/unix") as f:
+                next(f, None)
+                for line in f:
+                    parts = line.split()
+                    # Flags 00010000: __SO_ACCEPTCON, a listening socket
+                    if len(parts) >= 8 and parts[7] == path and int(parts[3], 16) & 0x10000:
+                        out.add(parts[6])
+        elif address.startswith("tcp://"):
+            port = int(address.rsplit(":", 1)[1])
+            for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+                with contextlib.suppress(OSError), open(name) as f:
+                    next(f, None)
+                    for line in f:
+                        parts = line.split()
+                        if (len(parts) >= 10 and parts[3] == "0A"
+                                and int(parts[1].rsplit(":", 1)[1], 16) == port):
+                            out.add(parts[9])
+    except (OSError, ValueError, IndexError):
+        return set()
+    return out
+
+
+def _holds_socket(pid: int, inodes: set[str]) -> bool:
+    want = {f"socket:[{i}]" for i in inodes}
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in want:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+class DaemonProcess:
+    """The daemon process one HELLO_OK named, as far as this process can observe it."""
+
+    def __init__(self, daemon_id: str, pid: int, address: str):
+        self.daemon_id = daemon_id
+        self.pid = pid
+        self._pidfd: int | None = None
+        self._poll: select.poll | None = None
+        self._exited = False
+        self._open(address)
+
+    def _open(self, address: str) -> None:
+        if self.pid <= 0 or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            fd = os.pidfd_open(self.pid)
+        except OSError:
+            return  # no such process here (another pid namespace), or not allowed
+        # Opened first, checked second: the pidfd pins one process, so a pid reused after the check
+        # cannot be mistaken for the daemon.
+        inodes = _listener_inodes(address)
+        if not inodes or not _holds_socket(self.pid, inodes):
+            os.close(fd)
+            log.debug("pid %d does not hold the socket of %s: daemon exit is detected by the link instead",
+                      self.pid, address)
+            return
+        self._pidfd = fd
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    @property
+    def watched(self) -> bool:
+        """Whether exit is observed directly (pidfd); else a dropped connection counts as exit."""
+        return self._pidfd is not None
+
+    def exited(self) -> bool:
+        """True once the process has exited (never waits: one poll of the pidfd)."""
+        if self._exited or self._poll is None:
+            return self._exited
+        if self._poll.poll(0):
+            self._exited = True
+            self.close()
+        return self._exited
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+            self._pidfd = None
+            self._poll = None
