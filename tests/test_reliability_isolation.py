@@ -304,9 +304,11 @@ def test_engine_in_another_pid_namespace_survives_daemon_restarts(tmp_path, engi
     address = f"ipc://{tmp_path}/ns.sock"
     d = start_daemon(address, "32MiB")
     try:
-        # a few processes first, so the engine's pid in its namespace is one the daemon's cannot see
-        wrapper = ["unshare", "--pid", "--fork", "sh", "-c", 'for i in 1 2 3 4 5 6 7 8; do /bin/true; done; exec "$@"',
-                   "sh"]
+        # the engine's pid in its namespace is one that no process has in the daemon's (the old code
+        # then took the engine for dead and unlinked its KV file at the next daemon start)
+        free = next(p for p in range(20000, 30000) if not os.path.exists(f"/proc/{p}"))
+        wrapper = ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
+                   f'echo {free - 1} > /proc/sys/kernel/ns_last_pid; "$@"', "sh"]
         eng = engines(address, "iso-ns", namespace="iso-ns", blocks=16, wrapper=wrapper)
         keys = chain_keys(4, b"iso-ns")
         eng("fill", ids=[0, 1, 2, 3], seed=5)
