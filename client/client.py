@@ -21,10 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvoffd_client import protocol as P
+from kvoffd_client.fdpass import FdRefused, UntrustedSocket, check_socket_path, send_fd
 from kvoffd_client.liveness import DaemonProcess
 
 log = logging.getLogger("kvoffd_client")
@@ -42,6 +44,33 @@ _UNAVAILABLE = "unavailable"  # the code of replies this client makes up for req
 #: a timer: see _reap_jobs)
 EXPIRY_GRACE_S = 2.0
 OVERDUE_LOG_EVERY_S = 10.0
+#: largest frame this client accepts; libzmq drops a peer that sends more (the daemon's replies stay
+#: far below: its own frame limit is 8 MiB, an EXPLAIN of 65,536 keys is ~6 MiB)
+MAX_RECV_FRAME = 4 * P.MAX_FRAME_BYTES
+#: how long a refused HELLO (untrusted socket path, wrong token) waits before it is tried again
+REFUSED_RETRY_S = 1.0
+
+
+def _runtime_dir() -> str:
+    """The daemon's default runtime directory (kvoffd.config.runtime_dir; the client cannot import it)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return os.path.join(xdg, "kvoffd")
+    return f"/tmp/kvoffd-{os.getuid()}"
+
+
+def read_auth_token() -> str:
+    """The token a tcp:// daemon asks for: $KVOFFD_AUTH_TOKEN, else the file $KVOFFD_AUTH_TOKEN_FILE,
+    else <runtime dir>/auth-token (the daemon's default). Empty when none is readable."""
+    token = os.environ.get("KVOFFD_AUTH_TOKEN", "")
+    if token:
+        return token.strip()
+    path = os.environ.get("KVOFFD_AUTH_TOKEN_FILE") or os.path.join(_runtime_dir(), "auth-token")
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read(4096).strip()
+    except (OSError, ValueError):
+        return ""
 
 
 class KvoffdError(Exception):
@@ -84,8 +113,15 @@ class KvoffdClient:
     """
 
     def __init__(self, address: str, *, name: str = "kvoffd_client", timeout_s: float = 2.0,
-                 job_deadline_s: float = 30.0, link_grace_s: float = 0.5, heartbeat: bool = True):
+                 job_deadline_s: float = 30.0, link_grace_s: float = 0.5, heartbeat: bool = True,
+                 auth_token: str | None = None):
         self.address = address
+        # ipc://: HELLO goes out only while the socket's directory and the socket are this user's (or
+        # root's); tcp://: HELLO carries the daemon's token (docs/security.md)
+        self._ipc_path = address[6:] if address.startswith("ipc://") else None
+        self._tcp = address.startswith("tcp://")
+        self._auth_token = auth_token  # None: read at each HELLO (the daemon may create it after us)
+        self._refusal = ""  # the last reason HELLO was not sent or was refused (logged once)
         self.name = name
         self.timeout_s = timeout_s
         self.job_deadline_s = job_deadline_s
@@ -117,6 +153,7 @@ class KvoffdClient:
         self._closed = False
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_RECV_FRAME)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing to a daemon that is not there
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 250)  # a restarted daemon is found within ~0.3 s
@@ -162,9 +199,15 @@ class KvoffdClient:
             return  # one HELLO at a time
         if now < self._next_try:
             return
+        if self._ipc_path is not None:
+            try:
+                check_socket_path(self._ipc_path, must_exist=False)
+            except UntrustedSocket as e:
+                self._refused(str(e), now)
+                return
         seq = next(self._seq)
         msg = P.Hello(seq=seq, client=self.name, pid=os.getpid(), start_ticks=_start_ticks(),
-                      capabilities=["lease"])
+                      capabilities=["lease"], token=self._token())
         if self._send(msg):
             self._hello_seq, self._hello_sent = seq, now
             self._hello_seqs.add(seq)
@@ -172,6 +215,19 @@ class KvoffdClient:
         else:
             self._next_try = now + self._backoff
             self._backoff = min(self._backoff * 2, 0.25)
+
+    def _token(self) -> str:
+        if self._auth_token is not None:
+            return self._auth_token
+        return read_auth_token() if self._tcp else ""
+
+    def _refused(self, why: str, now: float) -> None:
+        """No HELLO now (untrusted socket path) or a refused one (unauthorized): retry later, quietly."""
+        if why != self._refusal:
+            log.error("kvoffd: not connecting to %s: %s", self.address, why)
+            self._refusal = why
+        self._hello_seq = 0
+        self._next_try = now + REFUSED_RETRY_S
 
     def _on_hello(self, msg: P.HelloOk) -> None:
         self._hello_seq = 0
@@ -191,9 +247,31 @@ class KvoffdClient:
         self._link_down_since = None
         if restarted or not self._register_seqs:
             for reg in self._registrations.values():
-                reg.seq = next(self._seq)
-                if self._send(reg):
-                    self._register_seqs[reg.seq] = reg.engine_id
+                try:
+                    wire = self._wire_register(reg, self.timeout_s)
+                except KvoffdError as e:
+                    log.error("kvoffd: cannot re-register engine %s: %s", reg.engine_id, e)
+                    continue
+                wire.seq = next(self._seq)
+                if self._send(wire):
+                    self._register_seqs[wire.seq] = reg.engine_id
+
+    def _wire_register(self, reg: P.Register, timeout_s: float) -> P.Register:
+        """REGISTER as it travels. ``cpu_fd`` memory holds this process's descriptor: hand it to the
+        daemon's fd socket now (each REGISTER needs a fresh one-time token) and send the token."""
+        mem = reg.memory
+        if mem.get("kind") != "cpu_fd" or "fd" not in mem:
+            return msgspec.structs.replace(reg)
+        path = self.hello.fd_socket if self.hello is not None else ""
+        if not path:
+            raise KvoffdError(P.ErrorCode.MEMORY_UNREACHABLE.value, "the daemon takes no cpu_fd memory")
+        try:
+            token = send_fd(path, mem["fd"], mem["size"], timeout_s=max(min(timeout_s, 5.0), 0.5))
+        except FdRefused as e:
+            raise KvoffdError(e.code, f"the daemon refused the memory descriptor: {e.message}") from None
+        except OSError as e:
+            raise KvoffdError(P.ErrorCode.MEMORY_UNREACHABLE.value, f"cannot hand memory to {path}: {e}") from None
+        return msgspec.structs.replace(reg, memory={"kind": "cpu_fd", "token": token, "size": mem["size"]})
 
     def _track_daemon(self, new: DaemonProcess) -> None:
         """A HELLO_OK named a daemon this client did not know: watch it; keep watching the one it
@@ -326,6 +404,10 @@ class KvoffdClient:
             if msg.code == P.ErrorCode.HELLO_REQUIRED.value:
                 self._lost("the daemon does not know this client")
                 return
+            if msg.code == P.ErrorCode.UNAUTHORIZED.value and msg.seq in self._hello_seqs:
+                self._hello_seqs.discard(msg.seq)
+                self._refused(f"the daemon refused HELLO: {msg.message}", time.monotonic())
+                return
             job = self._jobs.pop(msg.job_id, None) if msg.job_id is not None else None
             if job is not None:  # the daemon refused the job: it is over, nothing was written
                 self._notices.append(P.Notice(job_id=msg.job_id, ok=False, failed=list(range(job.n)),
@@ -430,9 +512,12 @@ class KvoffdClient:
         """Register (and remember, to register again after a daemon restart)."""
         msg = P.Register(engine_id=engine_id, namespace=namespace, rank=rank, world_size=world_size,
                          memory=memory, layout=layout)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             self._registrations[engine_id] = msg
-            reply = self.request(msg, timeout_s)
+            if not self._ready and not self.connect(timeout):
+                raise DaemonUnavailable(f"no kvoffd answering at {self.address}")
+            reply = self.request(self._wire_register(msg, timeout), timeout_s)
         assert isinstance(reply, P.Registered)
         return reply
 

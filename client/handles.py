@@ -2,8 +2,8 @@
 
 Two things go into REGISTER:
   * ``memory`` — how the daemon reaches the bytes. On CPU: the engine's KV allocation is moved, in
-    place, into a file under /dev/shm that the daemon maps (this module). On CUDA: an IPC handle
-    (kvoffd_client.handles_cuda).
+    place, into a sealed anonymous memfd whose descriptor the client hands to the daemon (this module
+    and kvoffd_client.fdpass). On CUDA: an IPC handle (kvoffd_client.handles_cuda).
   * ``layout`` — for one block, the byte runs it occupies: ``[offset, stride, length]`` per run, block
     b at ``offset + b*stride``. Worked out from the tensors' strides, so every vLLM layout (layer-major
     LBHNC/LBNHC, block-outermost BLNHC, split heads, kernel-block splitting, aliased layers) is covered
@@ -14,15 +14,16 @@ torch is imported lazily: this module is imported by the connector in vLLM's API
 
 from __future__ import annotations
 
+import fcntl
 import os
-import uuid
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "kvoffd-"
+MEMFD_PREFIX = "kvoffd-"
+#: a shrink would fault whoever maps the memory; growing or unsealing it again serves nothing
+MEMFD_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def _storage_of(tensors: dict[str, torch.Tensor]) -> tuple[Any, int]:
@@ -93,13 +94,34 @@ def _coalesce(segments: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def share_cpu_kv_caches(kv_caches: dict[str, torch.Tensor], tag: str = "") -> dict[str, Any]:
-    """Move the CPU KV allocation into a shared file, in place, and return REGISTER's ``memory``.
+def create_sealed_memfd(nbytes: int, tag: str = "") -> int:
+    """An anonymous shared memory file of ``nbytes``, sealed so that its size can never change.
 
-    Every tensor in ``kv_caches`` is re-pointed (``Tensor.set_``) at the same bytes in a file under
-    /dev/shm, so the engine keeps using the very tensor objects it bound to its attention layers and
-    the daemon maps the file: no copy per transfer, and none at registration beyond this one move.
-    The file name carries the pid so that the daemon can remove it once this process is gone.
+    Anonymous: no name in any filesystem, so nothing is left behind when the engine dies and no
+    other process can open it; the memory is freed once the last descriptor and mapping are gone.
+    It is not in /dev/shm either, so a container's 64 MiB /dev/shm does not bound it.
+    """
+    fd = os.memfd_create(f"{MEMFD_PREFIX}{(tag or 'kv')[:40]}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def share_cpu_kv_caches(kv_caches: dict[str, torch.Tensor], tag: str = "") -> dict[str, Any]:
+    """Move the CPU KV allocation into a sealed memfd, in place, and return REGISTER's ``memory``.
+
+    Every tensor in ``kv_caches`` is re-pointed (``Tensor.set_``) at the same bytes in the memfd, so
+    the engine keeps using the very tensor objects it bound to its attention layers and the daemon
+    maps the memfd: no copy per transfer, and none at registration beyond this one move.
+
+    The result, ``{"kind": "cpu_fd", "fd": fd, "size": n}``, holds this process's descriptor: the
+    client (KvoffdClient.register) hands it to the daemon's fd socket at every registration and sends
+    the token it gets back instead. Keep the descriptor open while the engine may register again
+    (after a daemon restart); ``release_cpu_kv_caches`` closes it.
     """
     import torch
 
@@ -107,25 +129,24 @@ def share_cpu_kv_caches(kv_caches: dict[str, torch.Tensor], tag: str = "") -> di
     if storage.device.type != "cpu":
         raise ValueError("share_cpu_kv_caches is for CPU tensors; use kvoffd_client.handles_cuda on GPUs")
     nbytes = storage.nbytes()
-    name = f"{SHM_PREFIX}{os.getpid()}-{(tag or 'kv')[:40].replace('/', '_')}-{uuid.uuid4().hex[:8]}"
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = create_sealed_memfd(nbytes, tag.replace("/", "_"))
     try:
-        os.ftruncate(fd, nbytes)
-    finally:
+        # torch maps a path; /proc/self/fd/N opens this very memfd (the seals hold for every opener)
+        shared = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+        shared.copy_(storage)
+    except BaseException:
         os.close(fd)
-    shared = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
-    shared.copy_(storage)
+        raise
     for t in kv_caches.values():
         t.set_(shared, t.storage_offset(), t.size(), t.stride())
-    return {"kind": "cpu_shm", "path": path, "size": nbytes}
+    return {"kind": "cpu_fd", "fd": fd, "size": nbytes}
 
 
 def release_cpu_kv_caches(memory: dict[str, Any]) -> None:
-    """Remove the shared file's name (the mapping lives on until every process drops it)."""
-    path = memory.get("path")
-    if isinstance(path, str) and os.path.basename(path).startswith(SHM_PREFIX):
+    """Close the memfd's descriptor (the memory lives on while the tensors, or the daemon, map it)."""
+    fd = memory.pop("fd", None)
+    if memory.get("kind") == "cpu_fd" and isinstance(fd, int):
         try:
-            os.unlink(path)
-        except FileNotFoundError:
+            os.close(fd)
+        except OSError:
             pass

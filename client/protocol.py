@@ -73,6 +73,7 @@ class ErrorCode(str, enum.Enum):
     BAD_BLOCK_ID = "bad_block_id"  # outside the registered tensors
     VERSION_MISMATCH = "version_mismatch"
     HELLO_REQUIRED = "hello_required"
+    UNAUTHORIZED = "unauthorized"  # HELLO over tcp:// without the daemon's auth token
     NOT_REGISTERED = "not_registered"  # the engine id is unknown (daemon restarted, or never registered)
     FOREIGN_ENGINE = "foreign_engine"  # the engine was registered by another connection
     DUPLICATE_JOB = "duplicate_job"
@@ -208,6 +209,7 @@ class Hello(Message, tag="hello"):
     pid: U63 = 0
     start_ticks: U63 = 0  # the process's start time (/proc/PID/stat field 22): pid + this = identity
     capabilities: Annotated[list[Annotated[str, Meta(max_length=MAX_NAME)]], Meta(max_length=64)] = []
+    token: Annotated[str, Meta(max_length=MAX_NAME)] = ""  # tcp:// only: the daemon's auth token
 
 
 class HelloOk(Message, tag="hello_ok"):
@@ -217,6 +219,7 @@ class HelloOk(Message, tag="hello_ok"):
     capabilities: list[str] = []
     limits: dict[str, int] = {}
     heartbeat_s: float = 2.0
+    fd_socket: str = ""  # the UNIX socket that takes ``cpu_fd`` memory (empty: none)
 
 
 @dataclass(slots=True)
@@ -232,7 +235,8 @@ class Register(Message, tag="register"):
     """Attach an engine worker's KV memory.
 
     ``memory`` says how the daemon reaches the bytes:
-      * ``{"kind": "cpu_shm", "path": "/dev/shm/...", "size": n}`` — a file the daemon maps;
+      * ``{"kind": "cpu_fd", "token": str, "size": n}`` — a sealed memfd handed to the daemon's fd
+        socket (HelloOk.fd_socket), named by the one-time token it answered (kvoffd_client.fdpass);
       * ``{"kind": "cuda_ipc", "handle": bytes, "size": n, "device_uuid": "GPU-...", "events": [bytes]}``.
     ``layout`` says where each block lives in it: ``{"num_blocks": N, "segments": [[offset, stride,
     length], ...], "desc": "free text (e.g. LBHNC fp32)"}``. A block's slot in the pool is the

@@ -51,6 +51,10 @@ def default_address() -> str:
     return f"ipc://{os.path.join(runtime_dir(), 'kvoffd.sock')}"
 
 
+def default_auth_token_file() -> str:
+    return os.path.join(runtime_dir(), "auth-token")
+
+
 def default_pool_size() -> int:
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -111,6 +115,7 @@ class Config:
     engine_timeout_s: float = 10.0  # an engine silent this long (no request, no heartbeat) is gone
     copy_threads: int = 0  # CPU copy threads (0: min(4, cores))
     verify: bool = False  # per-block checksums (integrity mode)
+    auth_token_file: str = field(default_factory=default_auth_token_file)  # tcp:// clients must send it
 
     @property
     def metrics_host_port(self) -> tuple[str, int] | None:
@@ -130,6 +135,8 @@ _FLAGS = [
     ("backend", str, "Transfer backend: auto (CUDA when available, plus CPU), cpu or cuda. Default: auto"),
     ("engine_timeout", str, "Seconds without a heartbeat after which an engine counts as gone. Default: 10"),
     ("copy_threads", str, "Threads for CPU copies (0: min(4, cores)). Default: 0"),
+    ("auth_token_file", str, "With a tcp:// address: the 0600 file holding the token clients must send in "
+                             "HELLO (created at first start). Default: <runtime dir>/auth-token"),
 ]
 
 
@@ -174,6 +181,8 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
             cfg.engine_timeout_s = float(str(raw["engine_timeout"]))
         if "copy_threads" in raw:
             cfg.copy_threads = int(str(raw["copy_threads"]))
+        if "auth_token_file" in raw:
+            cfg.auth_token_file = str(raw["auth_token_file"])
         for flag in ("allow_remote", "verify"):
             if flag in raw:
                 v = raw[flag]

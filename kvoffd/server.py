@@ -9,11 +9,11 @@ that is answered and logged, never fatal.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import os
 import socket
-import stat
 import time
 import uuid
 import zlib
@@ -34,9 +34,11 @@ from kvoffd.engines import (
     Lease,
     PidWatcher,
 )
+from kvoffd.fdserver import FdServer, fd_socket_path, remove_stale_socket
 from kvoffd.index import Entry, Index
 from kvoffd.metrics import Metrics
 from kvoffd.pool import MIN_SLOT_BYTES, Pool
+from kvoffd.runtime import ensure_private_dir, load_or_create_token
 from kvoffd.transfer.base import AttachError, Direction, JobExpired, TransferBackend, past
 from kvoffd.transfer.cpu import CpuBackend
 from kvoffd_client import protocol as P
@@ -112,6 +114,8 @@ class Daemon:
         self._ctx = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.bound_address = ""
+        self.fds: FdServer | None = None  # where CPU engines hand over their memory (cpu_fd)
+        self._auth_token: bytes | None = None  # tcp:// only: HELLO must carry it
         self.metrics_address = cfg.metrics_address  # the cli sets the bound one (port 0 picks a port)
         self._handlers: dict[P.Op, Callable[[Conn, Any], P.Message | None]] = {
             P.Op.UNREGISTER: self._unregister,
@@ -146,23 +150,28 @@ class Daemon:
                 os.umask(old)
             os.chmod(path, 0o600)
         else:
+            if addr.startswith("tcp://"):  # any local user can connect: only token holders may talk
+                self._auth_token = load_or_create_token(self.cfg.auth_token_file)
             sock.bind(addr)
         self.sock = sock
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if "cpu_fd" in self.by_kind:
+            self._bind_fd_socket()
         return self.bound_address
+
+    def _bind_fd_socket(self) -> None:
+        """The UNIX socket CPU engines pass their memfd on: beside the ipc socket (same checks), or in
+        the token file's private directory for tcp://. Its path goes out in HELLO_OK."""
+        path = fd_socket_path(self.bound_address, os.path.dirname(self.cfg.auth_token_file) or ".")
+        ensure_private_dir(os.path.dirname(path) or ".")
+        remove_stale_socket(path)  # the ZeroMQ bind above proved no daemon serves this address
+        self.fds = FdServer(path)
 
     @staticmethod
     def _prepare_ipc_path(path: str) -> None:
-        d = os.path.dirname(path) or "."
-        if not os.path.isdir(d):
-            os.makedirs(d, mode=0o700)
-        st = os.stat(d)
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            if st.st_uid == os.getuid() and os.path.basename(d.rstrip("/")).startswith("kvoffd"):
-                os.chmod(d, 0o700)  # our own directory: keep it private
-            else:
-                log.warning("socket directory %s is reachable by other users (mode %o); access is then "
-                            "guarded by the socket's mode 0600 only", d, stat.S_IMODE(st.st_mode))
+        """Refuse a directory another user owns or can write (kvoffd.runtime); a live socket; clear a
+        stale one."""
+        ensure_private_dir(os.path.dirname(path) or ".")
         if os.path.exists(path):
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -183,6 +192,8 @@ class Daemon:
             self.bind()
         for b in self.backends:
             b.start()
+        if self.fds is not None:
+            self.fds.start(loop)
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain)
         house = asyncio.create_task(self._housekeeping())
@@ -215,6 +226,8 @@ class Daemon:
             self._pids.close()
         for b in self.backends:
             b.close()
+        if self.fds is not None:
+            self.fds.close()
         if self.sock is not None:
             self.sock.close(0)
             if self.bound_address.startswith("ipc://"):
@@ -307,6 +320,9 @@ class Daemon:
         if msg.version != P.PROTOCOL_VERSION:
             raise ProtocolError(ErrorCode.VERSION_MISMATCH, f"this daemon speaks protocol v{P.PROTOCOL_VERSION}, "
                                 f"the client v{msg.version}; upgrade the older side", seq=msg.seq)
+        if self._auth_token is not None and not hmac.compare_digest(msg.token.encode(), self._auth_token):
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, "this daemon serves tcp:// to holders of its auth token "
+                                "only (--auth-token-file; clients read KVOFFD_AUTH_TOKEN_FILE)", seq=msg.seq)
         conn = self.conns.get(ident)
         if conn is None:
             if len(self.conns) >= MAX_CONNS:
@@ -320,7 +336,7 @@ class Daemon:
         return P.HelloOk(seq=msg.seq, daemon_id=self.daemon_id, pid=os.getpid(), capabilities=caps,
                          limits={"max_frame_bytes": P.MAX_FRAME_BYTES, "max_keys": P.MAX_KEYS,
                                  "max_jobs": MAX_JOBS_PER_CONN, "key_size": P.KEY_SIZE},
-                         heartbeat_s=HEARTBEAT_S)
+                         heartbeat_s=HEARTBEAT_S, fd_socket=self.fds.path if self.fds is not None else "")
 
     async def _register(self, conn: Conn, msg: P.Register) -> None:
         try:
@@ -360,9 +376,10 @@ class Daemon:
             self.index.check_table(msg.namespace, msg.rank, msg.world_size, layout_fp)
         except ValueError as e:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(e)) from None
+        memory = self._claim_memory(msg.memory) if kind == "cpu_fd" else msg.memory
         loop = asyncio.get_running_loop()
         try:
-            mapped = await loop.run_in_executor(None, backend.attach, msg.engine_id, msg.memory, num_blocks,
+            mapped = await loop.run_in_executor(None, backend.attach, msg.engine_id, memory, num_blocks,
                                                 segments)
         except AttachError as e:
             raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, str(e)) from None
@@ -390,6 +407,21 @@ class Daemon:
                  msg.engine_id, conn.pid, msg.namespace, msg.rank, msg.world_size, num_blocks, slot_bytes,
                  backend.name, msg.layout.get("desc", "") if isinstance(msg.layout.get("desc"), str) else "")
         return P.Registered(seq=msg.seq, engine_id=msg.engine_id, slot_bytes=slot_bytes, backend=backend.name)
+
+    def _claim_memory(self, memory: dict[str, Any]) -> dict[str, Any]:
+        """A ``cpu_fd`` REGISTER: the descriptor handed to the fd socket under the token. The backend
+        gets a dict built here (never the client's, which could carry an ``fd`` of its own choosing)
+        and closes the descriptor whatever happens."""
+        token, size = memory.get("token"), memory.get("size")
+        if type(token) is not str or not 0 < len(token) <= 64:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "memory.token must be the string the fd socket answered")
+        if type(size) is not int or size <= 0:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "memory.size must be a positive integer")
+        pending = self.fds.claim(token) if self.fds is not None else None
+        if pending is None:
+            raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, "unknown or expired memory token: hand the "
+                                "descriptor to the fd socket again (a token is good for one REGISTER)")
+        return {"kind": "cpu_fd", "fd": pending.fd, "size": size}
 
     def _unregister(self, conn: Conn, msg: P.Unregister) -> P.Message:
         eng = self._engine_of(conn, msg.engine_id, msg.seq)

@@ -16,6 +16,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,8 +108,9 @@ def start_daemon(address: str, pool_size: str = "256MiB", *extra: str, env: dict
 class Engine:
     """A stand-in engine worker in its own process (tests/standin_engine.py)."""
 
-    def __init__(self, address: str, engine_id: str, **kw: object):
-        args = [sys.executable, str(ROOT / "tests" / "standin_engine.py"), "--address", address,
+    def __init__(self, address: str, engine_id: str, wrapper: Sequence[str] = (), **kw: object):
+        """``wrapper``: a command the engine runs under (e.g. ``unshare --pid --fork``)."""
+        args = [*wrapper, sys.executable, str(ROOT / "tests" / "standin_engine.py"), "--address", address,
                 "--engine-id", engine_id]
         for k, v in kw.items():
             args += ["--" + k.replace("_", "-"), str(v)]

@@ -1,8 +1,8 @@
 """Helpers for the reliability drills (tests/test_reliability_*.py), and the soak worker process.
 
-Everything talks to a real daemon over real sockets. Engine memory here is a numpy view of a file in
-/dev/shm made the way the connector makes it (``kvoffd-<pid>-...``, mode 0600), without torch, so a
-worker process starts in well under a second and fills and checks blocks at memory speed.
+Everything talks to a real daemon over real sockets. Engine memory here is a numpy view of a sealed
+memfd made the way the connector makes it (``kvoffd_client.handles.create_sealed_memfd``), without
+torch, so a worker process starts in well under a second and fills and checks blocks at memory speed.
 
 Block contents are a pure function of the block's key (:func:`block_content`): any process can check
 any block it loads without asking who stored it, and a stale block (an old key's bytes in a reused
@@ -36,6 +36,8 @@ if str(ROOT / "tests") not in sys.path:
 
 from kvoffd_client import protocol as P  # noqa: E402
 from kvoffd_client.client import KvoffdClient  # noqa: E402
+from kvoffd_client.fdpass import send_fd  # noqa: E402
+from kvoffd_client.handles import create_sealed_memfd  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # process measurements
@@ -65,6 +67,25 @@ def maps_mention(pid: int, text: str) -> bool:
     """Whether /proc/PID/maps names ``text`` (a mapped file's path)."""
     with open(f"/proc/{pid}/maps") as f:
         return any(text in line for line in f)
+
+
+def anyone_maps(text: str) -> bool:
+    """Whether any process maps or holds open a file named ``text`` (e.g. "/memfd:kvoffd-x (deleted)"):
+    a memfd's memory is freed once none does."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if maps_mention(int(pid), text):
+                return True
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone, or not ours to read
+        for fd in fds:
+            try:
+                if text in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 def find_pool_base(pid: int, pool_bytes: int) -> int:
@@ -134,10 +155,12 @@ def block_content(keys: Sequence[bytes], slot_bytes: int) -> np.ndarray:
 
 
 class ShmEngine:
-    """KV memory of one engine: ``layers`` per-layer regions of ``num_blocks`` blocks in one /dev/shm file.
+    """KV memory of one engine: ``layers`` per-layer regions of ``num_blocks`` blocks in one sealed memfd.
 
-    A block occupies one run per layer (like vLLM's per-layer LBHNC views), so the daemon handles a
-    multi-segment layout; its pool slot is the layers' runs back to back.
+    Made the way the connector makes it (kvoffd_client.handles.create_sealed_memfd); ``memory`` is the
+    connector's form (with the descriptor): KvoffdClient.register and RawPeer hand the descriptor to the
+    daemon's fd socket and send the token. A block occupies one run per layer (like vLLM's per-layer LBHNC
+    views), so the daemon handles a multi-segment layout; its pool slot is the layers' runs back to back.
     """
 
     def __init__(self, num_blocks: int, slot_bytes: int, layers: int = 2, tag: str = "rel"):
@@ -145,18 +168,14 @@ class ShmEngine:
         self.num_blocks, self.slot_bytes, self.layers = num_blocks, slot_bytes, layers
         self.half = slot_bytes // layers
         self.size = num_blocks * slot_bytes
-        self.path = f"/dev/shm/kvoffd-{os.getpid()}-{tag[:40]}-{uuid.uuid4().hex[:8]}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, self.size)
-            self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+        self.tag = f"{tag[:40]}-{uuid.uuid4().hex[:8]}"  # the memfd's name: /memfd:kvoffd-<tag> in maps
+        self.fd = create_sealed_memfd(self.size, self.tag)
+        self._mm = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED)
         self.mem = np.frombuffer(self._mm, dtype=np.uint8).reshape(layers, num_blocks, self.half)
 
     @property
     def memory(self) -> dict[str, Any]:
-        return {"kind": "cpu_shm", "path": self.path, "size": self.size}
+        return {"kind": "cpu_fd", "fd": self.fd, "size": self.size}
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -185,14 +204,19 @@ class ShmEngine:
         return hashlib.sha256(self._mm).hexdigest()
 
     def close(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 # --------------------------------------------------------------------------------------------------
 # a raw peer: the protocol without the client library's manners
+
+
+def wire_memory(fd_socket: str, memory: dict[str, Any]) -> dict[str, Any]:
+    """REGISTER's memory as it travels: the descriptor handed to the fd socket, named by its token."""
+    token = send_fd(fd_socket, memory["fd"], memory["size"])
+    return {"kind": "cpu_fd", "token": token, "size": memory["size"]}
 
 
 class RawPeer:
@@ -207,6 +231,7 @@ class RawPeer:
         self.sock.setsockopt(zmq.ROUTING_ID, routing_id or uuid.uuid4().bytes)
         self.sock.connect(address)
         self._seq = 1 << 40
+        self.fd_socket = ""  # from HELLO_OK: where REGISTER's cpu_fd descriptors are handed over
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -221,6 +246,8 @@ class RawPeer:
     def send_msg(self, msg: P.Message) -> int:
         if not msg.seq:
             msg.seq = self.next_seq()
+        if isinstance(msg, P.Register) and msg.memory.get("kind") == "cpu_fd" and "fd" in msg.memory:
+            msg.memory = wire_memory(self.fd_socket, msg.memory)
         self.send(P.encode(msg))
         return msg.seq
 
@@ -249,6 +276,7 @@ class RawPeer:
     def hello(self, pid: int = 0, start_ticks: int = 0) -> dict:
         r = self.ask(P.Hello(pid=pid, start_ticks=start_ticks, client="reliability"))
         assert r["op"] == "hello_ok", r
+        self.fd_socket = r.get("fd_socket", "")
         return r
 
     def barrier(self, timeout_s: float = 30.0) -> list[dict]:

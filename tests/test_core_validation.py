@@ -75,8 +75,11 @@ def test_version_mismatch_is_a_clear_error(raw):
                     "memory": {"kind": "cpu_shm", "path": "/etc/passwd", "size": 10},
                     "layout": {"num_blocks": 4, "segments": [[0, 4096, 4096]]}}), "memory_unreachable"),
     (msgpack.packb({"op": "register", "seq": 4, "engine_id": "e", "namespace": "n",
-                    "memory": {"kind": "cpu_shm", "path": "/dev/shm/../etc/passwd", "size": 10},
+                    "memory": {"kind": "cpu_fd", "token": "0" * 32, "size": 64},
                     "layout": {"num_blocks": 4, "segments": [[0, 4096, 4096]]}}), "memory_unreachable"),
+    (msgpack.packb({"op": "register", "seq": 4, "engine_id": "e", "namespace": "n",
+                    "memory": {"kind": "cpu_fd", "fd": 0, "size": 64},  # an fd number means nothing here
+                    "layout": {"num_blocks": 4, "segments": [[0, 4096, 4096]]}}), "bad_field"),
     (msgpack.packb({"op": "register", "seq": 4, "engine_id": "e", "namespace": "n", "rank": 3, "world_size": 2,
                     "memory": {}, "layout": {}}), "bad_field"),
     # maps nested 100k deep: msgspec raises RecursionError, which must be an ordinary refusal

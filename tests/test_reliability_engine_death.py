@@ -2,19 +2,18 @@
 
 What must hold (issue 6, drill 2; anchors §6.14 — LMCache #3206, a dead engine's buffers never freed):
 the daemon notices within 1 s, lets the running copies finish into memory it still maps, then drops
-the mapping (and the engine's /dev/shm file), the lease and every pin; it serves other engines
+the mapping (the engine's memfd: once unmapped, no process holds it and its memory is freed), the lease
+and every pin; it serves other engines
 throughout, and the pool's books return exactly to their prior value (nothing leaks).
 """
 
 from __future__ import annotations
 
-import glob
-import os
 import time
 
 import pytest
 from kvtest import chain_keys, wait_until
-from reliability_util import RawPeer, ShmEngine, maps_mention, record
+from reliability_util import RawPeer, ShmEngine, anyone_maps, maps_mention, record
 
 from kvoffd_client import protocol as P
 
@@ -47,8 +46,8 @@ def test_engine_sigkilled_mid_job(make_daemon, engines, phase):
     slot = victim.info["slot_bytes"]
     victim("fill", ids=list(range(NB)), seed=7)
     want = victim("digest", ids=list(range(NB)))
-    shm = [p for p in glob.glob(f"/dev/shm/kvoffd-{victim.proc.pid}-*")]
-    assert len(shm) == 1 and maps_mention(dpid, shm[0])
+    memfd = "/memfd:kvoffd-victim (deleted)"  # the stand-in names its memfd after the engine id
+    assert maps_mention(dpid, memfd) and maps_mention(victim.proc.pid, memfd)
 
     keys = chain_keys(8 * NB, b"death")
     assert victim.store(1, keys[:NB], list(range(NB)))["ok"]
@@ -75,9 +74,9 @@ def test_engine_sigkilled_mid_job(make_daemon, engines, phase):
     _round_trip(bystander, chain_keys(16, b"bystander-1"), 1)  # served while the dead engine's copies drain
     assert wait_until(lambda: watcher.stats()["in_flight_jobs"] == 0, 30)
     drained_s = time.monotonic() - t0
-    assert wait_until(lambda: not maps_mention(dpid, shm[0]), 5), "the dead engine's memory is still mapped"
+    assert wait_until(lambda: not maps_mention(dpid, memfd), 5), "the dead engine's memory is still mapped"
     unmapped_s = time.monotonic() - t0
-    assert wait_until(lambda: not os.path.exists(shm[0]), 5), "the dead engine's /dev/shm file was left behind"
+    assert not anyone_maps(memfd), "the dead engine's memory is still held: it is never freed"
     victim.proc.wait(10)  # reaped only now
     _round_trip(bystander, chain_keys(16, b"bystander-2"), 3)
 
@@ -125,14 +124,14 @@ def test_vanished_client_without_pidfd_is_dropped_by_heartbeat_timeout(make_daem
         assert peer.recv_until(lambda r: r["op"] == "notice")[-1]["ok"]
         assert peer.ask(P.Lookup(namespace="ghost", keys=keys, lease_ms=60_000))["lease_id"]
         watcher = d.client()
-        assert watcher.stats()["leases"] == 1 and maps_mention(dpid, eng.path)
+        assert watcher.stats()["leases"] == 1 and maps_mention(dpid, eng.tag)
         t0 = time.monotonic()
         peer.close()  # the process "dies": no more messages, and no pidfd to tell
         assert wait_until(lambda: not watcher.stats()["engines"], 5)
         gone_s = time.monotonic() - t0
         assert gone_s < 0.5 + 1.0
         assert watcher.stats()["leases"] == 0
-        assert wait_until(lambda: not maps_mention(dpid, eng.path), 5)
+        assert wait_until(lambda: not maps_mention(dpid, eng.tag), 5)
         record("engine_death_no_pidfd", engine_timeout_s=0.5, noticed_s=round(gone_s, 3))
     finally:
         eng.close()

@@ -31,7 +31,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvtest import chain_keys
-from reliability_util import RawPeer, ShmEngine, record
+from reliability_util import RawPeer, ShmEngine, record, wire_memory
 
 from kvoffd_client import protocol as P
 
@@ -118,12 +118,14 @@ def mutated_request(draw) -> dict[str, Any]:
 
 @st.composite
 def register_frame(draw) -> dict[str, Any]:
-    """REGISTER with memory and layouts near the checks: paths outside /dev/shm, sizes, overflowing
-    segments, another engine's id, huge num_blocks."""
+    """REGISTER with memory and layouts near the checks: paths (a kind no longer served), tokens never
+    handed out, descriptor numbers, sizes, overflowing segments, another engine's id, huge num_blocks."""
     mem = draw(st.fixed_dictionaries({
-        "kind": st.sampled_from(["cpu_shm", "cuda_ipc", "gpu9", ""]) | scalars,
+        "kind": st.sampled_from(["cpu_fd", "cpu_shm", "cuda_ipc", "gpu9", ""]) | scalars,
         "path": st.sampled_from(["/etc/passwd", "/dev/shm/../etc/passwd", "/dev/shm/", "/dev/shm/nope",
                                  "/proc/self/mem", "relative"]) | scalars,
+        "token": st.sampled_from(["0" * 32, "", "x" * 65]) | scalars,
+        "fd": st.sampled_from([0, 1, 2, 3]) | scalars,
         "size": st.integers(1, 1 << 30) | ints}))
     small = st.integers(0, 1 << 20)
     seg = st.lists(st.tuples(small | ints, small | ints, small | ints).map(list) | values, min_size=0, max_size=3)
@@ -368,13 +370,13 @@ def _fuzz(make_daemon, engines, n_frames: int, name: str) -> None:
                _pack({"op": "explain", "seq": 4, "namespace": "fz", "keys": b"k" * 32 * (P.MAX_KEYS + 1)}),
                _pack({"op": "ping", "seq": 5, "pad": b"x" * P.MAX_FRAME_BYTES}),
                _pack({"op": "register", "seq": 6, "engine_id": "fz-x", "namespace": "fz-x",
-                      "memory": {"kind": "cpu_shm", "path": own.path, "size": own.size},
+                      "memory": wire_memory(peer.fd_socket, own.memory),
                       "layout": {"num_blocks": OWN_BLOCKS + 1, "segments": [[0, 4096, 4096]]}}),
                _pack({"op": "register", "seq": 7, "engine_id": "fz-x", "namespace": "fz-x",
-                      "memory": {"kind": "cpu_shm", "path": own.path, "size": own.size},
+                      "memory": wire_memory(peer.fd_socket, own.memory),
                       "layout": {"num_blocks": 1 << 40, "segments": [[0, 1 << 20, 4096]]}}),
                _pack({"op": "register", "seq": 8, "engine_id": "fz-x", "namespace": "fz-x",
-                      "memory": {"kind": "cpu_shm", "path": own.path, "size": own.size * 2},
+                      "memory": {**wire_memory(peer.fd_socket, own.memory), "size": own.size * 2},
                       "layout": {"num_blocks": 2, "segments": [[0, 4096, 4096]]}})]
         for f in big:
             fz.feed(f)

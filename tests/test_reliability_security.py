@@ -89,9 +89,10 @@ def _non_loopback_ipv4() -> str | None:
 # --- network exposure --------------------------------------------------------------------------------------
 
 
-def test_tcp_wildcard_listens_on_loopback_only(tmp_path):
+def test_tcp_wildcard_listens_on_loopback_only(tmp_path, monkeypatch):
     """The config test checks the rewrite; this checks the live socket the kernel has."""
     port = _free_port()
+    monkeypatch.setenv("KVOFFD_AUTH_TOKEN_FILE", str(tmp_path / "run" / "auth-token"))  # daemon and client
     proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", f"tcp://*:{port}", "--pool-size", "16MiB",
                              "--metrics-address", "off"], stderr=subprocess.DEVNULL, cwd=ROOT)
     c = KvoffdClient(f"tcp://127.0.0.1:{port}", heartbeat=False)
@@ -135,20 +136,22 @@ def test_register_refuses_segments_past_the_region(daemon, peer_of, shm):
     assert r["code"] == "memory_unreachable"
 
 
-def test_register_refuses_a_path_through_a_symlinked_directory(daemon, peer_of, tmp_path):
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "secret").write_bytes(b"s" * 65536)
-    link = f"/dev/shm/kvoffd-{os.getpid()}-sec-linkdir"
-    os.symlink(outside, link)
+def test_register_refuses_memory_named_by_path(daemon, peer_of, shm, tmp_path):
+    """Defect 3 (issue 18): the daemon must never open memory by name with its own rights; a client
+    hands it a descriptor or nothing. Before the fix a client could name any /dev/shm/kvoffd-* file,
+    another engine's included (and, through a symlinked directory, files elsewhere)."""
+    eng = shm(16, 4096, tag="bypath")
+    path = f"/dev/shm/kvoffd-{os.getpid()}-sec-bypath"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
+        os.ftruncate(fd, eng.size)
         p = peer_of(daemon.address)
-        r = p.ask(P.Register(engine_id="sec-sym", namespace="sec-sym",
-                             memory={"kind": "cpu_shm", "path": f"{link}/secret", "size": 65536},
-                             layout={"num_blocks": 16, "segments": [[0, 4096, 4096]]}))
+        r = p.ask(P.Register(engine_id="sec-bypath", namespace="sec-bypath", layout=eng.layout,
+                             memory={"kind": "cpu_shm", "path": path, "size": eng.size}))
         assert r["op"] == "error" and r["code"] == "memory_unreachable", r
     finally:
-        os.unlink(link)
+        os.close(fd)
+        os.unlink(path)
 
 
 def test_failed_reregistration_keeps_the_engine(daemon, peer_of, shm):
@@ -156,7 +159,7 @@ def test_failed_reregistration_keeps_the_engine(daemon, peer_of, shm):
     eng = shm(8, 4096, tag="rereg")
     assert _register(p, "sec-rereg", eng, "sec-rereg")["op"] == "registered"
     r = p.ask(P.Register(engine_id="sec-rereg", namespace="sec-rereg", layout=eng.layout,
-                         memory={"kind": "cpu_shm", "path": "/dev/shm/kvoffd-no-such-file", "size": eng.size}))
+                         memory={"kind": "cpu_fd", "token": "0" * 32, "size": eng.size}))
     assert r["code"] == "memory_unreachable"
     keys = chain_keys(2, b"rereg")
     eng.fill([0, 1], keys)
@@ -169,7 +172,7 @@ def test_refused_registration_leaves_no_namespace(daemon, peer_of, shm):
     p = peer_of(daemon.address)
     eng = shm(8, 4096, tag="poison")
     r = p.ask(P.Register(engine_id="sec-poison-x", namespace="sec-poison", world_size=4, layout=eng.layout,
-                         memory={"kind": "cpu_shm", "path": "/dev/shm/kvoffd-no-such-file", "size": eng.size}))
+                         memory={"kind": "cpu_fd", "token": "0" * 32, "size": eng.size}))
     assert r["code"] == "memory_unreachable"
     # the namespace's real engine (world size 1) must still be able to register
     r = _register(p, "sec-poison-0", eng, "sec-poison")

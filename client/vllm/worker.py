@@ -261,7 +261,7 @@ class KvoffdWorker:
                 except (DaemonUnavailable, KvoffdError):
                     pass  # the daemon drops the engine anyway when this connection closes
             self._shutdown_client()
-        if self.memory is not None and self.memory.get("kind") == "cpu_shm":
+        if self.memory is not None and self.memory.get("kind") == "cpu_fd":
             from kvoffd_client.handles import release_cpu_kv_caches
 
             release_cpu_kv_caches(self.memory)

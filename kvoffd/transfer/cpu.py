@@ -1,13 +1,19 @@
-"""CPU backend: engine KV memory in a shared-memory file, copied with batched kernel memcpy.
+"""CPU backend: engine KV memory in a sealed memfd the engine hands over, copied with batched kernel memcpy.
 
-The connector moves vLLM's CPU KV allocation into a file under /dev/shm (see
-kvoffd_client.handles); the daemon maps the same file, so both processes address the same pages
-and nothing is copied at registration. docs/architecture.md says why this beat the alternatives.
+The connector moves vLLM's CPU KV allocation into an anonymous memfd (see kvoffd_client.handles) and
+passes its descriptor over the daemon's fd socket (kvoffd.fdserver); the daemon maps it, so both
+processes address the same pages and nothing is copied at registration. The daemon never opens
+engine memory by name: it maps only what a client could hand it (docs/security.md). The descriptor
+is closed as soon as it is mapped (a raw libc mmap, not mmap.mmap, which would keep a dup), so an
+engine costs the daemon no fd, and a dead engine's memory is freed the moment the daemon unmaps it.
+docs/architecture.md says why this beat the alternatives.
 
 A job's runs (one per block and segment, coalesced where contiguous) are moved by
 ``process_vm_readv`` on the daemon's own pid: one system call copies up to 1024 runs, kernel-side,
 with descriptors built by numpy and the GIL released. Big jobs are split across a few threads.
 Where the call is refused (seccomp, old kernel) the backend falls back to ctypes.memmove per run.
+That fallback faults (SIGBUS) on a page past the end of a shrunk file, so a memfd is accepted only
+sealed against shrinking (F_SEAL_SHRINK): its size cannot drop below what the daemon mapped.
 """
 
 from __future__ import annotations
@@ -15,16 +21,17 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import fcntl
 import logging
-import mmap
 import os
+import stat
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvoffd import procfs
 from kvoffd.pool import Pool
 from kvoffd.transfer.base import (
     AttachError,
@@ -36,13 +43,13 @@ from kvoffd.transfer.base import (
     past,
     run_descriptors,
 )
-from kvoffd_client.handles import SHM_PREFIX
 from kvoffd_client.protocol import Segment
 
 log = logging.getLogger(__name__)
 
 IOV_MAX = 1024
-_SHM_DIRS = ("/dev/shm/",)
+#: test-only: "1" makes the backend copy with memmove, as it does where seccomp refuses process_vm_readv
+FORCE_MEMMOVE_ENV = "KVOFFD_TEST_FORCE_MEMMOVE"
 
 
 def _load_pvm() -> tuple[Any, Any] | None:
@@ -58,6 +65,50 @@ def _load_pvm() -> tuple[Any, Any] | None:
     return rd, wr
 
 
+def _load_mmap() -> tuple[Any, Any]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    mm, unmap = libc.mmap, libc.munmap
+    mm.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    mm.restype = ctypes.c_void_p
+    unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    unmap.restype = ctypes.c_int
+    return mm, unmap
+
+
+_MMAP, _MUNMAP = _load_mmap()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PROT_RW = 0x1 | 0x2
+_MAP_SHARED = 0x01
+
+
+@dataclass
+class FdMapping:
+    """A raw mapping of an engine's memfd: no descriptor kept, unmapped by ``detach``."""
+
+    address: int
+    size: int
+
+
+def map_sealed_memfd(fd: int, size: int) -> FdMapping:
+    """Map ``size`` bytes of ``fd`` shared, read-write. Refuses anything but a memfd sealed against
+    shrinking that holds at least ``size`` bytes. Does not close ``fd``."""
+    try:
+        st = os.fstat(fd)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        raise AttachError(f"the descriptor is not a sealed memfd ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode) or not seals & fcntl.F_SEAL_SHRINK:
+        raise AttachError("the descriptor must be a memfd sealed with F_SEAL_SHRINK (a shrinkable file "
+                          "could fault the daemon's copies)")
+    if st.st_size < size:
+        raise AttachError(f"the memfd holds {st.st_size} bytes, fewer than the {size} declared")
+    addr = _MMAP(None, size, _PROT_RW, _MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise AttachError(f"cannot map the memfd: {os.strerror(err)}")
+    return FdMapping(addr, size)
+
+
 class CpuBackend(TransferBackend):
     name = "cpu"
 
@@ -65,60 +116,34 @@ class CpuBackend(TransferBackend):
         super().__init__(pool)
         self.threads = threads or max(1, min(4, os.cpu_count() or 1))
         self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvoffd-copy")
-        self._pvm = _load_pvm()
+        self._pvm = None if os.environ.get(FORCE_MEMMOVE_ENV) == "1" else _load_pvm()
         self._pid = os.getpid()
-        reap_orphan_files()
 
     def kinds(self) -> tuple[str, ...]:
-        return ("cpu_shm",)
+        return ("cpu_fd",)
 
     def attach(self, engine_id: str, memory: dict[str, Any], num_blocks: int,
                segments: list[Segment]) -> MappedMemory:
-        path, size = memory.get("path"), memory.get("size")
-        # A file directly in /dev/shm, named by the connector: no subdirectory (it could be a symlink
-        # to anywhere the daemon's user can read), and the file itself opened without following links.
-        if (type(path) is not str or os.path.dirname(path) != _SHM_DIRS[0].rstrip("/")
-                or not os.path.basename(path).startswith(SHM_PREFIX)
-                or os.path.realpath(os.path.dirname(path)) != os.path.realpath(_SHM_DIRS[0])):
-            raise AttachError(f"memory.path must be a {SHM_PREFIX}* file directly under {_SHM_DIRS[0]}, "
-                              f"got {path!r:.80}")
-        if type(size) is not int or size <= 0:
-            raise AttachError("memory.size must be a positive integer")
+        """``memory`` is built by the server: ``{"kind": "cpu_fd", "fd": int, "size": int}``, the fd
+        claimed from the fd socket. The fd is always closed here, mapped or not."""
+        fd, size = memory["fd"], memory.get("size")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError as e:
-            raise AttachError(f"cannot open {path}: {e.strerror}") from None
-        try:
-            actual = os.fstat(fd).st_size
-            if actual < size:
-                raise AttachError(f"{path} holds {actual} bytes, fewer than the {size} declared")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            raise AttachError(f"cannot map {path}: {e.strerror}") from None
+            if type(size) is not int or size <= 0:
+                raise AttachError("memory.size must be a positive integer")
+            mapped = MappedMemory(engine_id=engine_id, kind="cpu_fd", size=size, num_blocks=num_blocks,
+                                  segments=segments, slot_bytes=sum(s.length for s in segments))
+            mapped.check_bounds()
+            m = map_sealed_memfd(fd, size)
         finally:
             os.close(fd)
-        mapped = MappedMemory(engine_id=engine_id, kind="cpu_shm", size=size, num_blocks=num_blocks,
-                              segments=segments, slot_bytes=sum(s.length for s in segments))
-        try:
-            mapped.check_bounds()
-        except AttachError:
-            mm.close()
-            raise
-        view = np.frombuffer(mm, dtype=np.uint8)
-        mapped.handle = (mm, view)
-        mapped.extra["base"] = view.ctypes.data
-        mapped.extra["path"] = path
+        mapped.handle = m
+        mapped.extra["base"] = m.address
         return mapped
 
     def detach(self, mapped: MappedMemory) -> None:
-        mm, view = mapped.handle
-        mapped.handle = None
-        del view
-        try:
-            mm.close()
-        except BufferError:
-            log.warning("engine %s: mapping still referenced; the OS frees it at exit", mapped.engine_id)
-        _unlink_if_orphan(mapped.extra["path"])
+        m, mapped.handle = mapped.handle, None
+        if m is not None and _MUNMAP(m.address, m.size) != 0:
+            log.warning("engine %s: munmap failed: %s", mapped.engine_id, os.strerror(ctypes.get_errno()))
 
     def submit(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
                slots: np.ndarray, event: int = -1, expires_ns: int = 0) -> Awaitable[None]:
@@ -189,45 +214,6 @@ async def _all_parts(parts: list[asyncio.Future]) -> None:
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         raise next((e for e in errors if not isinstance(e, JobExpired)), errors[0])
-
-
-def _owner_pid(path: str) -> int:
-    name = os.path.basename(path)
-    if not name.startswith(SHM_PREFIX):
-        return 0
-    head = name[len(SHM_PREFIX):].split("-", 1)[0]
-    return int(head) if head.isdigit() else 0
-
-
-def _unlink_if_orphan(path: str) -> None:
-    """Remove an engine's KV file once its process is gone (a killed engine cannot do it itself)."""
-    pid = _owner_pid(path)
-    if pid <= 0:
-        return
-    try:
-        os.kill(pid, 0)
-        if not procfs.is_zombie(pid):  # (a zombie is dead: its parent has not reaped it yet)
-            return  # still alive (or another pid namespace: leave it to its owner)
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        return
-    try:
-        if os.stat(path).st_uid == os.getuid():
-            os.unlink(path)
-            log.info("removed %s left by exited engine pid %d", path, pid)
-    except OSError:
-        pass  # gone already, or not ours to remove: cleanup is best effort
-
-
-def reap_orphan_files() -> None:
-    try:
-        names = os.listdir(_SHM_DIRS[0])
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(SHM_PREFIX):
-            _unlink_if_orphan(os.path.join(_SHM_DIRS[0], name))
 
 
 def _split(n: int, lens: np.ndarray, parts: int) -> list[tuple[int, int]]:
