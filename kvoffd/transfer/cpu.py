@@ -32,7 +32,7 @@ from kvoffd.transfer.base import (
     MappedMemory,
     TransferBackend,
     coalesce,
-    run_descriptors,
+    describe_in_chunks,
 )
 from kvoffd_client.handles import SHM_PREFIX
 from kvoffd_client.protocol import Segment
@@ -120,14 +120,20 @@ class CpuBackend(TransferBackend):
 
     def submit(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
                slots: np.ndarray, event: int = -1, expires_ns: int = 0) -> Awaitable[None]:
-        eng, pool, lens = run_descriptors(mapped, block_ids, slots, self.pool.base_address)
-        eng = eng + mapped.extra["base"]
-        src, dst = (eng, pool) if direction is Direction.STORE else (pool, eng)
-        src, dst, lens = coalesce(src, dst, lens)
         loop = asyncio.get_running_loop()
-        parts = _split(len(lens), lens, self.threads)
-        return asyncio.gather(*(loop.run_in_executor(self._executor, self._copy_runs, src[a:b], dst[a:b],
-                                                     lens[a:b]) for a, b in parts))
+        parts = _split(len(block_ids), mapped.slot_bytes, self.threads)
+        return asyncio.gather(*(loop.run_in_executor(self._executor, self._copy_blocks, direction, mapped,
+                                                     block_ids[a:b], slots[a:b]) for a, b in parts))
+
+    def _copy_blocks(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
+                     slots: np.ndarray) -> None:
+        """Describe a range of blocks a chunk at a time and move each chunk: on a copy thread, so
+        no job's descriptors (millions of runs for a many-segment layout) ever stall the loop."""
+        base = mapped.extra["base"]
+        for eng, pool, lens in describe_in_chunks(mapped, block_ids, slots, self.pool.base_address):
+            eng += base
+            src, dst = (eng, pool) if direction is Direction.STORE else (pool, eng)
+            self._copy_runs(*coalesce(src, dst, lens))
 
     def _copy_runs(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> None:
         if self._pvm is not None:
@@ -206,11 +212,10 @@ def reap_orphan_files() -> None:
             _unlink_if_orphan(os.path.join(_SHM_DIRS[0], name))
 
 
-def _split(n: int, lens: np.ndarray, parts: int) -> list[tuple[int, int]]:
-    """Cut n runs into up to ``parts`` ranges of about equal bytes (small jobs stay whole)."""
-    total = int(lens.sum()) if n else 0
-    if parts <= 1 or n <= 1 or total < (8 << 20):
+def _split(n: int, slot_bytes: int, parts: int) -> list[tuple[int, int]]:
+    """Cut n blocks into up to ``parts`` ranges of about equal size (small jobs stay whole)."""
+    if parts <= 1 or n <= 1 or n * slot_bytes < (8 << 20):
         return [(0, n)]
-    cuts = np.searchsorted(np.cumsum(lens), [total * k // parts for k in range(1, parts)])
-    bounds = [0, *sorted(set(int(c) + 1 for c in cuts if 0 < c + 1 < n)), n]
+    parts = min(parts, n)
+    bounds = [n * k // parts for k in range(parts + 1)]
     return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
