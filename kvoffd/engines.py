@@ -32,8 +32,9 @@ TRACKED_REPLY_BYTES = 4096  # replies this big are counted until libzmq has sent
 MAX_UNREAD_REPLY_BYTES_PER_PEER = 16 << 20  # big replies queued to a peer that is not reading
 MAX_UNREAD_REPLY_BYTES = 256 << 20  # ...to all peers
 # Copy descriptors: one run per block and segment. A per-layer layout has 2 x num_layers segments
-# (160 for 80 layers; hybrid models a few hundred), so these are far above any real model.
-MAX_SEGMENTS = 1024  # segments per block (REGISTER layout)
+# (160 for 80 layers; hybrid models a few hundred; split heads 2 x layers x kv heads, 1,280 for 80
+# layers of 8), so these are far above any real model. What a job costs is bounded by its runs.
+MAX_SEGMENTS = 4096  # segments per block (REGISTER layout)
 MAX_RUNS_PER_JOB = 1 << 24  # blocks x segments per STORE/LOAD: above 160 segments x 65,536 keys
 
 

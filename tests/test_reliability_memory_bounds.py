@@ -22,6 +22,8 @@ from kvoffd.engines import MAX_LEASED_KEYS_PER_CONN, MAX_SEGMENTS
 from kvoffd_client import protocol as P
 from kvoffd_client.client import KvoffdError
 
+SEGS = 1024  # segments of the runs drill: 16 bytes each, a 16 KiB block
+
 
 def _keys(n: int, salt: bytes) -> bytes:
     return b"".join(chain_keys(n, salt))
@@ -112,7 +114,7 @@ def test_a_layout_of_many_segments_is_refused(make_daemon):
         assert code == "too_many", code
         assert time.monotonic() - t0 < 5
         # at the bound it registers
-        layout["segments"] = [[i * 64, 65536, 64] for i in range(MAX_SEGMENTS)]
+        layout["segments"] = [[i * 16, 65536, 16] for i in range(MAX_SEGMENTS)]
         c.register("segs-1", "segs", 0, 1, eng.memory, layout)
     finally:
         eng.close()
@@ -125,11 +127,12 @@ def test_runs_per_job_are_bounded_and_built_off_the_loop(make_daemon):
     bound, 16.8M runs, would take its client most of a minute, so the drill stays smaller.)"""
     d = make_daemon("64MiB", name="runs")
     nb, seg = 4096, 16
+    assert SEGS * seg == 16384 and SEGS <= MAX_SEGMENTS
     eng = ShmEngine(nb, 16384, tag="runs")
     c = d.client(timeout_s=10.0, job_deadline_s=120.0)
     pinger = d.client(timeout_s=10.0)
     try:
-        layout = {"num_blocks": nb, "segments": [[i * nb * seg, seg, seg] for i in range(MAX_SEGMENTS)]}
+        layout = {"num_blocks": nb, "segments": [[i * nb * seg, seg, seg] for i in range(SEGS)]}
         c.register("runs-0", "runs", 0, 1, eng.memory, layout)
         t0 = time.monotonic()
         c.submit_store("runs-0", 1, chain_keys(65536, b"too-many"), [i % nb for i in range(65536)])
@@ -154,7 +157,7 @@ def test_runs_per_job_are_bounded_and_built_off_the_loop(make_daemon):
             t.join()
         store_s = time.monotonic() - t0
         assert n and n[0].ok, n
-        record("descriptors_off_the_loop", runs=512 * MAX_SEGMENTS, store_s=round(store_s, 2),
+        record("descriptors_off_the_loop", runs=512 * SEGS, store_s=round(store_s, 2),
                refused_ms=round(1000 * refused_s, 1), pings=len(rtts),
                ping_max_ms=round(1000 * max(rtts), 1) if rtts else None)
         assert max(rtts) < 1.0, f"a PING waited {max(rtts):.2f} s behind the job's descriptors"
