@@ -246,8 +246,10 @@ class ListenerGuard:
 
     def close(self) -> None:
         """Before the ZeroMQ socket closes: libzmq must find its own listener under its descriptor."""
-        if self.paused:
-            self._resume()
+        if self.paused:  # (quietly: the daemon is stopping, not accepting again)
+            asyncio.get_running_loop().remove_reader(self._listener.fileno())
+            os.dup2(self._listener.fileno(), self._zmq_fd, inheritable=False)
+            self.paused = False
         try:
             self._sock.disable_monitor()
         except zmq.ZMQError:

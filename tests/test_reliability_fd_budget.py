@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import resource
+import socket
 import subprocess
 import sys
 import time
@@ -147,6 +148,29 @@ def test_metrics_port_flood_leaves_the_daemon_serving(tmp_path):
         proc.wait()
         eng.close()
         d.stop()
+
+
+def test_daemon_stops_cleanly_while_refusing_connections(tmp_path):
+    """SIGTERM while libzmq's listener descriptor points at the idle socket: the guard points it back
+    before the ZeroMQ socket closes (libzmq would otherwise abort removing it from its poller)."""
+    d = _start(tmp_path, 1024, "stop")
+    held: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "refusing new connections" not in d.log():
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(0.05)
+            try:
+                s.connect(d.address[6:])
+                held.append(s)
+            except OSError:
+                s.close()
+        assert "refusing new connections" in d.log(), d.log()
+        assert d.stop() == 0, d.log()
+        assert "Assertion" not in d.log() and "(src/" not in d.log(), d.log()
+    finally:
+        for s in held:
+            s.close()
 
 
 def test_register_is_refused_near_the_descriptor_budget(tmp_path):
