@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvoffd: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvoffd.fdbudget import raise_nofile_limit
+
+    before, after = raise_nofile_limit()  # before the daemon sizes its descriptor budget
+    logging.getLogger("kvoffd").info("file descriptor limit %d (soft limit was %d)", after, before)
     try:
         import uvloop
     except ImportError:

@@ -24,6 +24,18 @@ log = logging.getLogger(__name__)
 MAX_JOBS_PER_CONN = 4096
 MAX_LEASES_PER_CONN = 8192
 MAX_ENGINES_PER_CONN = 64
+# Memory bounds (docs/security.md, "Bounds per client"): what a client can make the daemon hold.
+MAX_LEASED_KEYS_PER_CONN = 1 << 20  # entries (per rank) pinned by one connection's leases: ~8 MiB
+MAX_LEASED_KEYS = 1 << 23  # ...and by all leases: ~64 MiB
+MAX_EXPLAIN_KEYS = 4096  # an EXPLAIN reply is ~100 bytes per key
+TRACKED_REPLY_BYTES = 4096  # replies this big are counted until libzmq has sent them
+MAX_UNREAD_REPLY_BYTES_PER_PEER = 16 << 20  # big replies queued to a peer that is not reading
+MAX_UNREAD_REPLY_BYTES = 256 << 20  # ...to all peers
+# Copy descriptors: one run per block and segment. A per-layer layout has 2 x num_layers segments
+# (160 for 80 layers; hybrid models a few hundred; split heads 2 x layers x kv heads, 1,280 for 80
+# layers of 8), so these are far above any real model. What a job costs is bounded by its runs.
+MAX_SEGMENTS = 4096  # segments per block (REGISTER layout)
+MAX_RUNS_PER_JOB = 1 << 24  # blocks x segments per STORE/LOAD: above 160 segments x 65,536 keys
 
 
 @dataclass
@@ -36,6 +48,7 @@ class Conn:
     engines: set[str] = field(default_factory=set)
     jobs: set[int] = field(default_factory=set)  # client job ids in flight
     leases: set[int] = field(default_factory=set)
+    leased_keys: int = 0  # entries its leases pin (bounded: MAX_LEASED_KEYS_PER_CONN)
     watched: bool = False  # registered with the PidWatcher
 
 

@@ -2,6 +2,8 @@
 
 A few dozen lines on asyncio streams instead of a web framework: three GET routes, no bodies in,
 served by the same loop as everything else (a scrape reads counters; it never waits on a copy).
+Connections are capped (HTTP_MAX_CONNS) and short-lived (HTTP_TIMEOUT_S): any local user can reach
+this port, and each connection costs the daemon a file descriptor (kvoffd/fdbudget.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvoffd.fdbudget import HTTP_BACKLOG, HTTP_MAX_CONNS, HTTP_TIMEOUT_S
 from kvoffd.server import Daemon
 
 log = logging.getLogger(__name__)
@@ -25,9 +28,14 @@ async def start_http(daemon: Daemon, host: str, port: int) -> asyncio.AbstractSe
         "/readyz": lambda: _readyz(daemon),
     }
 
+    fds = daemon.fds
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        fds.http_conns += 1
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            if fds.http_conns > HTTP_MAX_CONNS:
+                return  # refused: closed at once, so idle connections cannot eat the daemon's descriptors
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=HTTP_TIMEOUT_S)
             parts = head.split(b"\r\n", 1)[0].split()
             method, path = (parts[0].decode(), parts[1].decode().split("?", 1)[0]) if len(parts) >= 2 else ("", "")
             route = routes.get(path)
@@ -40,15 +48,16 @@ async def start_http(daemon: Daemon, host: str, port: int) -> asyncio.AbstractSe
             reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}[status]
             writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                          "Connection: close\r\n\r\n".encode() + (body if method != "HEAD" else b""))
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), timeout=HTTP_TIMEOUT_S)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass  # a scraper that hung up or sent garbage: nothing to answer, nothing to log per request
         except Exception:
             log.exception("HTTP request failed")
         finally:
+            fds.http_conns -= 1
             writer.close()
 
-    server = await asyncio.start_server(handle, host, port, limit=16 << 10)
+    server = await asyncio.start_server(handle, host, port, limit=16 << 10, backlog=HTTP_BACKLOG)
     return server
 
 

@@ -17,6 +17,7 @@ import socket
 import time
 import uuid
 import zlib
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -27,13 +28,22 @@ from kvoffd import __version__, sdnotify
 from kvoffd.config import Config
 from kvoffd.engines import (
     MAX_ENGINES_PER_CONN,
+    MAX_EXPLAIN_KEYS,
     MAX_JOBS_PER_CONN,
+    MAX_LEASED_KEYS,
+    MAX_LEASED_KEYS_PER_CONN,
     MAX_LEASES_PER_CONN,
+    MAX_RUNS_PER_JOB,
+    MAX_SEGMENTS,
+    MAX_UNREAD_REPLY_BYTES,
+    MAX_UNREAD_REPLY_BYTES_PER_PEER,
+    TRACKED_REPLY_BYTES,
     Conn,
     Engine,
     Lease,
     PidWatcher,
 )
+from kvoffd.fdbudget import HANDSHAKE_IVL_MS, LISTEN_BACKLOG, FdBudget, ListenerGuard, open_listener
 from kvoffd.fdserver import FdServer, fd_socket_path, remove_stale_socket
 from kvoffd.index import Entry, Index
 from kvoffd.metrics import Metrics
@@ -117,6 +127,13 @@ class Daemon:
         self.fds: FdServer | None = None  # where CPU engines hand over their memory (cpu_fd)
         self._auth_token: bytes | None = None  # tcp:// only: HELLO must carry it
         self.metrics_address = cfg.metrics_address  # the cli sets the bound one (port 0 picks a port)
+        self.fds = FdBudget()
+        self._guard: ListenerGuard | None = None
+        self._listener: socket.socket | None = None  # the ZeroMQ listener's socket, owned here
+        self._zmq_fd = -1  # libzmq's duplicate of it
+        self._leased_keys = 0  # entries pinned by leases, all connections
+        self._unread: dict[bytes, deque[tuple[zmq.MessageTracker, int]]] = {}  # big replies not yet sent
+        self._unread_bytes = 0
         self._handlers: dict[P.Op, Callable[[Conn, Any], P.Message | None]] = {
             P.Op.UNREGISTER: self._unregister,
             P.Op.LOOKUP: self._lookup,
@@ -140,19 +157,21 @@ class Daemon:
         sock.setsockopt(zmq.RCVHWM, RCVHWM)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted client may reuse its routing id
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)  # a connect that never speaks costs an fd briefly
+        sock.copy_threshold = 0  # big replies are sent zero-copy and tracked (see _send_tracked)
         if addr.startswith("ipc://"):
-            path = addr[6:]
-            self._prepare_ipc_path(path)
-            old = os.umask(0o177)
-            try:
-                sock.bind(addr)
-            finally:
-                os.umask(old)
-            os.chmod(path, 0o600)
-        else:
-            if addr.startswith("tcp://"):  # any local user can connect: only token holders may talk
-                self._auth_token = load_or_create_token(self.cfg.auth_token_file)
-            sock.bind(addr)
+            self._prepare_ipc_path(addr[6:])
+        elif addr.startswith("tcp://"):  # any local user can connect: only token holders may talk
+            self._auth_token = load_or_create_token(self.cfg.auth_token_file)
+            if addr.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+        self._listener = open_listener(addr, LISTEN_BACKLOG)
+        if self._listener is not None:  # libzmq gets a duplicate: the guard can point it elsewhere
+            self._zmq_fd = os.dup(self._listener.fileno())
+            sock.setsockopt(zmq.USE_FD, self._zmq_fd)
+            if addr.startswith("tcp://"):  # the port the listener got (port 0 picks one)
+                addr = f"{addr.rpartition(':')[0]}:{self._listener.getsockname()[1]}"
+        sock.bind(addr)
         self.sock = sock
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if "cpu_fd" in self.by_kind:
@@ -196,6 +215,9 @@ class Daemon:
             self.fds.start(loop)
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain)
+        self._guard = ListenerGuard(self._ctx, self.sock, self._listener, self._zmq_fd, self.fds)
+        loop.add_reader(self._guard.fd, self._drain_monitor)
+        self._drain_monitor()  # edge-triggered like the ROUTER's fd: take what is queued already
         house = asyncio.create_task(self._housekeeping())
         self.ready.set()
         log.info("kvoffd %s serving on %s: pool %d MiB, backends %s", __version__, self.bound_address,
@@ -207,6 +229,8 @@ class Daemon:
             await self._stopping.wait()
         finally:
             loop.remove_reader(fd)
+            loop.remove_reader(self._guard.fd)
+            self._guard.close()
             house.cancel()
             await self._shutdown()
 
@@ -230,6 +254,8 @@ class Daemon:
             self.fds.close()
         if self.sock is not None:
             self.sock.close(0)
+            if self._listener is not None:
+                self._listener.close()
             if self.bound_address.startswith("ipc://"):
                 try:
                     os.unlink(self.bound_address[6:])
@@ -262,11 +288,20 @@ class Daemon:
             self._on_message(ident, body)
         asyncio.get_running_loop().call_soon(self._drain)
 
+    def _drain_monitor(self) -> None:
+        """Connection events: count them, and let the guard stop or resume accepting."""
+        if self._guard.drain():
+            asyncio.get_running_loop().call_soon(self._drain_monitor)
+
     def _send(self, ident: bytes, msg: P.Message) -> None:
         sock = self.sock
+        data = P.encode(msg)
+        if len(data) >= TRACKED_REPLY_BYTES:
+            self._send_tracked(ident, msg, data)
+            return
         try:
             sock.send(ident, _SNDMORE_NOBLOCK)  # a ROUTER queues both parts or neither
-            sock.send(P.encode(msg), _NOBLOCK)
+            sock.send(data, _NOBLOCK)
         except zmq.Again:
             log.warning("client %s is not reading; dropped a %s", ident.hex(), msg.op.value)
         except zmq.ZMQError as e:
@@ -274,6 +309,48 @@ class Daemon:
         # a send can consume the fd's edge; make sure pending input is not left unread
         if sock.getsockopt(_EVENTS) & _POLLIN:
             asyncio.get_running_loop().call_soon(self._drain)
+
+    def _send_tracked(self, ident: bytes, msg: P.Message, data: bytes) -> None:
+        """A big reply (EXPLAIN, STATS, a notice with a long failed list), counted until libzmq has
+        handed it to the kernel. ROUTER's SNDHWM bounds messages, not bytes: a peer that asks and never
+        reads would otherwise pile up gigabytes. Past the per-peer or global bound the reply becomes a
+        small ``too_many`` ERROR (with the job id for a notice, so the client fails the job at once)."""
+        q = self._unread_reclaim(ident)
+        pending = sum(n for _, n in q) if q else 0
+        if (pending + len(data) > MAX_UNREAD_REPLY_BYTES_PER_PEER
+                or self._unread_bytes + len(data) > MAX_UNREAD_REPLY_BYTES):
+            self.metrics.errors.labels(ErrorCode.TOO_MANY.value).inc()
+            log.warning("client %s: %d bytes of replies unread (%d in all); refused a %d-byte %s", ident.hex(),
+                        pending, self._unread_bytes, len(data), msg.op.value)
+            self._send(ident, P.Error(seq=msg.seq, code=ErrorCode.TOO_MANY.value, job_id=getattr(msg, "job_id", None),
+                                      message=f"{pending} bytes of replies are waiting for this client to read "
+                                      f"them; at most {MAX_UNREAD_REPLY_BYTES_PER_PEER}"))
+            return
+        sock = self.sock
+        try:
+            sock.send(ident, _SNDMORE_NOBLOCK)
+            tracker = sock.send(data, _NOBLOCK, copy=False, track=True)
+        except zmq.Again:
+            log.warning("client %s is not reading; dropped a %s", ident.hex(), msg.op.value)
+        except zmq.ZMQError as e:
+            log.warning("send to %s failed: %s", ident.hex(), e)
+        else:
+            self._unread.setdefault(ident, deque()).append((tracker, len(data)))
+            self._unread_bytes += len(data)
+        if sock.getsockopt(_EVENTS) & _POLLIN:
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _unread_reclaim(self, ident: bytes) -> deque | None:
+        """Forget the peer's tracked replies that libzmq has sent (or dropped with the peer)."""
+        q = self._unread.get(ident)
+        if q is None:
+            return None
+        while q and q[0][0].done:
+            self._unread_bytes -= q.popleft()[1]
+        if not q:
+            del self._unread[ident]
+            return None
+        return q
 
     def _reject(self, ident: bytes, e: ProtocolError) -> None:
         self.metrics.errors.labels(e.code.value).inc()
@@ -364,6 +441,11 @@ class Daemon:
                                 "another live connection")
         if old is None and len(conn.engines) >= MAX_ENGINES_PER_CONN:
             raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_ENGINES_PER_CONN} engines per connection")
+        if len(segments) > MAX_SEGMENTS:
+            raise ProtocolError(ErrorCode.TOO_MANY, f"a block of {len(segments)} segments; at most {MAX_SEGMENTS}")
+        if self.fds.engines_refused():
+            raise ProtocolError(ErrorCode.TOO_MANY, f"the daemon's file descriptors are nearly exhausted "
+                                f"({self.fds.in_use()} of {self.fds.limit}); try again later")
         slot_bytes = sum(s.length for s in segments)
         if slot_bytes > self.pool.chunk_bytes:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"a block of {slot_bytes} bytes exceeds the pool's "
@@ -402,6 +484,7 @@ class Daemon:
                      world_size=msg.world_size, mapped=mapped, backend=backend, table=table)
         self.engines[msg.engine_id] = eng
         conn.engines.add(msg.engine_id)
+        self.fds.took(1)  # the mapping may keep a descriptor; the next measurement knows
         self.metrics.engine_events.labels("registered").inc()
         log.info("engine %s registered: pid %d, namespace %s rank %d/%d, %d blocks of %d bytes (%s, %s)",
                  msg.engine_id, conn.pid, msg.namespace, msg.rank, msg.world_size, num_blocks, slot_bytes,
@@ -487,6 +570,10 @@ class Daemon:
                 if now - self._last_reap > 1.0:
                     self._reap_idle_conns()
                     self._last_reap = now
+                    self.fds.calibrate()
+                    for ident in list(self._unread):
+                        self._unread_reclaim(ident)
+                self._guard.check()
             except Exception:
                 log.exception("housekeeping failed")
 
@@ -515,10 +602,13 @@ class Daemon:
         n, by_rank, reason = self.index.leading_hits(msg.namespace, msg.keys, want_entries=msg.lease_ms > 0)
         ns = self.index.namespaces.get(msg.namespace)
         lease_id = 0
+        pinned = 0
         if n and msg.lease_ms:
             if len(conn.leases) >= MAX_LEASES_PER_CONN:
                 raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_LEASES_PER_CONN} leases per connection",
                                     seq=msg.seq)
+            pinned = sum(len(v) for v in by_rank.values())
+            self._check_leased_keys(conn, pinned, msg.seq)
             lease_id = next(self._lease_ids)
         self._send(conn.ident, P.LookupResult(seq=msg.seq, hits=n, lease_id=lease_id,
                                               world_size=ns.world_size if ns else 0))
@@ -529,6 +619,8 @@ class Daemon:
             self.leases[lease_id] = Lease(lease_id, conn.ident, time.monotonic() + msg.lease_ms / 1000, by_rank,
                                           msg.namespace)
             conn.leases.add(lease_id)
+            conn.leased_keys += pinned
+            self._leased_keys += pinned
         counts = self.metrics.lookup
         counts.lookups += 1
         counts.hit_blocks += n
@@ -537,6 +629,16 @@ class Daemon:
             counts.miss_blocks += missed
             self.metrics.misses.labels(reason).inc(missed)
         return None
+
+    def _check_leased_keys(self, conn: Conn, pinned: int, seq: int) -> None:
+        """Leases are bounded by what they hold (8 bytes per pinned entry and rank), not by their
+        count: 8,192 leases of 65,536 keys each would be 4 GiB for one connection."""
+        if conn.leased_keys + pinned > MAX_LEASED_KEYS_PER_CONN:
+            raise ProtocolError(ErrorCode.TOO_MANY, f"this connection's leases hold {conn.leased_keys} blocks; "
+                                f"at most {MAX_LEASED_KEYS_PER_CONN} (release or load some first)", seq=seq)
+        if self._leased_keys + pinned > MAX_LEASED_KEYS:
+            raise ProtocolError(ErrorCode.TOO_MANY, f"leases hold {self._leased_keys} blocks in all; at most "
+                                f"{MAX_LEASED_KEYS}", seq=seq)
 
     def _release(self, conn: Conn, msg: P.Release) -> P.Message | None:
         lease = self.leases.get(msg.lease_id)
@@ -549,12 +651,18 @@ class Daemon:
         if lease is None:
             return
         ranks = list(lease.by_rank) if rank is None else [rank]
+        freed = 0
         for r in ranks:
-            for e in lease.by_rank.pop(r, ()):
+            entries = lease.by_rank.pop(r, ())
+            freed += len(entries)
+            for e in entries:
                 self.index.unpin(e)
+        self._leased_keys -= freed
+        owner = self.conns.get(lease.owner)
+        if owner is not None:
+            owner.leased_keys -= freed
         if not lease.by_rank:
             del self.leases[lease_id]
-            owner = self.conns.get(lease.owner)
             if owner is not None:
                 owner.leases.discard(lease_id)
 
@@ -596,6 +704,10 @@ class Daemon:
         if len(conn.jobs) >= MAX_JOBS_PER_CONN:
             raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_JOBS_PER_CONN} jobs in flight per connection",
                                 seq=msg.seq, job_id=msg.job_id)
+        if len(ids) * len(eng.mapped.segments) > MAX_RUNS_PER_JOB:
+            raise ProtocolError(ErrorCode.TOO_MANY, f"{len(ids)} blocks of {len(eng.mapped.segments)} segments "
+                                f"make {len(ids) * len(eng.mapped.segments)} copy runs; at most "
+                                f"{MAX_RUNS_PER_JOB} per job", seq=msg.seq, job_id=msg.job_id)
         return eng, P.split_keys(msg.keys), ids
 
     def _store(self, conn: Conn, msg: P.Store) -> P.Message | None:
@@ -793,6 +905,9 @@ class Daemon:
         return P.Cleared(seq=msg.seq, removed_blocks=removed, in_flight_jobs=in_flight)
 
     def _explain(self, conn: Conn, msg: P.Explain) -> P.Message:
+        if P.count_keys(msg.keys) > MAX_EXPLAIN_KEYS:  # ~100 bytes of reply per key
+            raise ProtocolError(ErrorCode.TOO_MANY, f"EXPLAIN of {P.count_keys(msg.keys)} keys; at most "
+                                f"{MAX_EXPLAIN_KEYS}", seq=msg.seq)
         return P.Explained(seq=msg.seq, entries=self.index.explain(msg.namespace, P.split_keys(msg.keys)))
 
     def _stats(self, conn: Conn, msg: P.Stats) -> P.Message:
@@ -826,7 +941,8 @@ class Daemon:
             "daemon": {"id": self.daemon_id, "pid": os.getpid(), "version": __version__,
                        "protocol": P.PROTOCOL_VERSION, "uptime_s": round(time.time() - self.started, 3),
                        "address": self.bound_address, "metrics_address": self.metrics_address,
-                       "backends": [b.describe() for b in self.backends]},
+                       "backends": [b.describe() for b in self.backends], "fds": self.fds.describe(),
+                       "listening": not (self._guard and self._guard.paused)},
             "pool": {**self.pool.stats(), "base_address": self.pool.base_address},
             "verify": self.cfg.verify,
             "counters": {

@@ -84,12 +84,15 @@ def _pool_usable(c: KvoffdClient) -> bool:
     return pool["capacity_bytes"] == pool["total_bytes"]
 
 
-def start_daemon(address: str, pool_size: str = "256MiB", *extra: str, env: dict | None = None) -> DaemonProc:
+def start_daemon(address: str, pool_size: str = "256MiB", *extra: str, env: dict | None = None,
+                 preexec_fn=None) -> DaemonProc:
+    """``preexec_fn`` runs in the daemon's process before it starts (e.g. to lower its RLIMIT_NOFILE)."""
     fd, log_path = tempfile.mkstemp(prefix="kvoffd-test-", suffix=".log")
     with os.fdopen(fd, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", pool_size,
                                  "--metrics-address", "127.0.0.1:0", "--log-level", "debug", *extra],
-                                stdout=subprocess.DEVNULL, stderr=log, env=env or os.environ.copy(), cwd=ROOT)
+                                stdout=subprocess.DEVNULL, stderr=log, env=env or os.environ.copy(), cwd=ROOT,
+                                preexec_fn=preexec_fn)
     d = DaemonProc(address, proc, log_path)
     c = KvoffdClient(address, heartbeat=False)
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +137,22 @@ def run_descriptors(mapped: MappedMemory, block_ids: np.ndarray, slots: np.ndarr
     pool = (pool_base + slots.astype(np.int64)[:, None] + seg_pos[None, :]).ravel()
     lens = np.broadcast_to(seg_len, (len(block_ids), len(seg_len))).ravel()
     return eng, pool, lens
+
+
+DESCRIBE_RUNS = 1 << 16  # runs described at a time: ~4 MB of descriptors, a few ms of numpy
+
+
+def describe_in_chunks(mapped: MappedMemory, block_ids: np.ndarray, slots: np.ndarray, pool_base: int,
+                       max_runs: int = DESCRIBE_RUNS) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """:func:`run_descriptors` for consecutive ranges of blocks, about ``max_runs`` runs each.
+
+    Why: a job's runs are blocks x segments, millions for a large job of a many-segment layout. Built
+    at once they cost seconds and gigabytes; built a chunk at a time on a copy thread their memory is
+    bounded and the event loop never waits for them.
+    """
+    step = max(1, max_runs // max(1, len(mapped.segments)))
+    for a in range(0, len(block_ids), step):
+        yield run_descriptors(mapped, block_ids[a:a + step], slots[a:a + step], pool_base)
 
 
 def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

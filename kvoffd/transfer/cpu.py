@@ -40,8 +40,8 @@ from kvoffd.transfer.base import (
     MappedMemory,
     TransferBackend,
     coalesce,
+    describe_in_chunks,
     past,
-    run_descriptors,
 )
 from kvoffd_client.protocol import Segment
 
@@ -147,15 +147,23 @@ class CpuBackend(TransferBackend):
 
     def submit(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
                slots: np.ndarray, event: int = -1, expires_ns: int = 0) -> Awaitable[None]:
-        eng, pool, lens = run_descriptors(mapped, block_ids, slots, self.pool.base_address)
-        eng = eng + mapped.extra["base"]
-        src, dst = (eng, pool) if direction is Direction.STORE else (pool, eng)
-        src, dst, lens = coalesce(src, dst, lens)
         loop = asyncio.get_running_loop()
-        parts = _split(len(lens), lens, self.threads)
+        parts = _split(len(block_ids), mapped.slot_bytes, self.threads)
         return asyncio.ensure_future(_all_parts([
-            loop.run_in_executor(self._executor, self._copy_runs, src[a:b], dst[a:b], lens[a:b], expires_ns)
+            loop.run_in_executor(self._executor, self._copy_blocks, direction, mapped, block_ids[a:b], slots[a:b],
+                                 expires_ns)
             for a, b in parts]))
+
+    def _copy_blocks(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
+                     slots: np.ndarray, expires_ns: int) -> None:
+        """Describe a range of blocks a chunk at a time and move each chunk: on a copy thread, so
+        no job's descriptors (millions of runs for a many-segment layout) ever stall the loop. The
+        deadline is checked before every batch of runs (``_copy_runs``)."""
+        base = mapped.extra["base"]
+        for eng, pool, lens in describe_in_chunks(mapped, block_ids, slots, self.pool.base_address):
+            eng += base
+            src, dst = (eng, pool) if direction is Direction.STORE else (pool, eng)
+            self._copy_runs(*coalesce(src, dst, lens), expires_ns)
 
     def _copy_runs(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray, expires_ns: int = 0) -> None:
         """Copy on a pool thread. The deadline is checked here, before every batch of at most IOV_MAX
@@ -216,11 +224,10 @@ async def _all_parts(parts: list[asyncio.Future]) -> None:
         raise next((e for e in errors if not isinstance(e, JobExpired)), errors[0])
 
 
-def _split(n: int, lens: np.ndarray, parts: int) -> list[tuple[int, int]]:
-    """Cut n runs into up to ``parts`` ranges of about equal bytes (small jobs stay whole)."""
-    total = int(lens.sum()) if n else 0
-    if parts <= 1 or n <= 1 or total < (8 << 20):
+def _split(n: int, slot_bytes: int, parts: int) -> list[tuple[int, int]]:
+    """Cut n blocks into up to ``parts`` ranges of about equal size (small jobs stay whole)."""
+    if parts <= 1 or n <= 1 or n * slot_bytes < (8 << 20):
         return [(0, n)]
-    cuts = np.searchsorted(np.cumsum(lens), [total * k // parts for k in range(1, parts)])
-    bounds = [0, *sorted(set(int(c) + 1 for c in cuts if 0 < c + 1 < n)), n]
+    parts = min(parts, n)
+    bounds = [n * k // parts for k in range(parts + 1)]
     return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
