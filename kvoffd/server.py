@@ -124,7 +124,7 @@ class Daemon:
         self._ctx = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.bound_address = ""
-        self.fds: FdServer | None = None  # where CPU engines hand over their memory (cpu_fd)
+        self.fd_handover: FdServer | None = None  # where CPU engines hand over their memory (cpu_fd)
         self._auth_token: bytes | None = None  # tcp:// only: HELLO must carry it
         self.metrics_address = cfg.metrics_address  # the cli sets the bound one (port 0 picks a port)
         self.fds = FdBudget()
@@ -184,7 +184,7 @@ class Daemon:
         path = fd_socket_path(self.bound_address, os.path.dirname(self.cfg.auth_token_file) or ".")
         ensure_private_dir(os.path.dirname(path) or ".")
         remove_stale_socket(path)  # the ZeroMQ bind above proved no daemon serves this address
-        self.fds = FdServer(path)
+        self.fd_handover = FdServer(path)
 
     @staticmethod
     def _prepare_ipc_path(path: str) -> None:
@@ -211,8 +211,8 @@ class Daemon:
             self.bind()
         for b in self.backends:
             b.start()
-        if self.fds is not None:
-            self.fds.start(loop)
+        if self.fd_handover is not None:
+            self.fd_handover.start(loop)
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain)
         self._guard = ListenerGuard(self._ctx, self.sock, self._listener, self._zmq_fd, self.fds)
@@ -250,8 +250,8 @@ class Daemon:
             self._pids.close()
         for b in self.backends:
             b.close()
-        if self.fds is not None:
-            self.fds.close()
+        if self.fd_handover is not None:
+            self.fd_handover.close()
         if self.sock is not None:
             self.sock.close(0)
             if self._listener is not None:
@@ -413,7 +413,8 @@ class Daemon:
         return P.HelloOk(seq=msg.seq, daemon_id=self.daemon_id, pid=os.getpid(), capabilities=caps,
                          limits={"max_frame_bytes": P.MAX_FRAME_BYTES, "max_keys": P.MAX_KEYS,
                                  "max_jobs": MAX_JOBS_PER_CONN, "key_size": P.KEY_SIZE},
-                         heartbeat_s=HEARTBEAT_S, fd_socket=self.fds.path if self.fds is not None else "")
+                         heartbeat_s=HEARTBEAT_S,
+                         fd_socket=self.fd_handover.path if self.fd_handover is not None else "")
 
     async def _register(self, conn: Conn, msg: P.Register) -> None:
         try:
@@ -500,7 +501,7 @@ class Daemon:
             raise ProtocolError(ErrorCode.BAD_FIELD, "memory.token must be the string the fd socket answered")
         if type(size) is not int or size <= 0:
             raise ProtocolError(ErrorCode.BAD_FIELD, "memory.size must be a positive integer")
-        pending = self.fds.claim(token) if self.fds is not None else None
+        pending = self.fd_handover.claim(token) if self.fd_handover is not None else None
         if pending is None:
             raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, "unknown or expired memory token: hand the "
                                 "descriptor to the fd socket again (a token is good for one REGISTER)")
