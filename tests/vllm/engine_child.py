@@ -15,7 +15,7 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_helpers import close_llm, drain, external_hits, generate, make_llm  # noqa: E402
+from engine_helpers import close_llm, connector_of, drain, external_hits, generate, make_llm  # noqa: E402
 
 
 def main() -> None:
@@ -27,11 +27,14 @@ def main() -> None:
         try:
             outputs = generate(llm, prompts)
             hits = external_hits(llm)
+            refused = None
             if hasattr(llm.llm_engine.engine_core, "engine_core"):  # in-process: step it ourselves
                 drain(llm)
+                refused = getattr(connector_of(llm), "refused", None)
         finally:
             close_llm(llm)
-        print("RESULT " + json.dumps({"config": cfg, "outputs": outputs, "external_hits": hits}), flush=True)
+        print("RESULT " + json.dumps({"config": cfg, "outputs": outputs, "external_hits": hits,
+                                      "refused": refused}), flush=True)
 
 
 if __name__ == "__main__":
