@@ -6,8 +6,9 @@ the test shows what the connector did: blocks really loaded where it offloads, o
 reason. ``docs/vllm.md`` (compatibility table) quotes these results. The Llama-style model is covered
 in test_connector_e2e.py.
 
-One engine per architecture and phase, each closed before the next (2 CI cores); the workload is the
-one of issue 12: a 300-token shared prefix plus 20 random tokens per prompt, bf16, greedy.
+One engine at a time, each closed before the next (2 CI cores), and one child process for the
+new-engine phase of every architecture; the workload is the one of issue 12: a 300-token shared
+prefix plus 20 random tokens per prompt, bf16, greedy.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,25 +61,23 @@ def _loadable_blocks(block_size: int) -> int:
     return sum((len(p) - 1) // block_size for p in PROMPTS)
 
 
-def _child(model: str, address: str, block_size: int) -> dict[str, Any]:
-    child = Path(__file__).with_name("engine_child.py")
-    cfg = [{"dtype": "bfloat16", "block_size": block_size}]
-    proc = subprocess.run([sys.executable, str(child), model, address, json.dumps(cfg), json.dumps(PROMPTS)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return next(json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+@dataclass
+class Run:
+    reference: list[list[int]]  # without kvoffd
+    cold: list[list[int]]  # with kvoffd, daemon empty for this model
+    loaded: list[list[int]]  # with kvoffd, after reset_prefix_cache(): served from the daemon
+    loaded_tokens: int  # vLLM's external-hit counter over the loaded round
+    stored_blocks: int  # the daemon's counter over this engine's life
+    refused: str | None  # KvoffdConnector.refused
+    fresh: dict[str, Any] = field(default_factory=dict)  # a new engine process (engine_child.py)
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
-def test_architecture(name: str, tmp_path_factory: pytest.TempPathFactory, daemon: Any) -> None:
-    arch = ARCHS[name]
-    model = str(arch.build(tmp_path_factory.mktemp(name)))
+def _run(arch: Arch, model: str, daemon: Any) -> Run:
     ref_llm = make_llm(model, dtype="bfloat16", block_size=arch.block_size)
     try:
         reference = generate(ref_llm, PROMPTS)
     finally:
         close_llm(ref_llm)
-
     stored0 = daemon.stats()["counters"]["stored_blocks"]
     llm = make_llm(model, daemon.address, dtype="bfloat16", block_size=arch.block_size)
     try:
@@ -88,26 +87,46 @@ def test_architecture(name: str, tmp_path_factory: pytest.TempPathFactory, daemo
         assert llm.reset_prefix_cache()
         hits0 = external_hits(llm)
         loaded = generate(llm, PROMPTS)
-        hits = external_hits(llm) - hits0
+        hits = int(external_hits(llm) - hits0)
         drain(llm)
     finally:
         close_llm(llm)
     stored = daemon.stats()["counters"]["stored_blocks"] - stored0
-    fresh = _child(model, daemon.address, arch.block_size)
-    print(f"{name}: refused={refused!r} stored={stored} loaded_tokens={hits} "
-          f"new_process_loaded_tokens={fresh['external_hits']}")
+    return Run(reference, cold, loaded, hits, stored, refused)
 
-    assert cold == reference
-    assert loaded == reference
-    assert fresh["outputs"] == reference
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, daemon: Any) -> dict[str, Run]:
+    """Every architecture in this process, then one new process that starts a fresh engine for each."""
+    models = {name: str(arch.build(tmp_path_factory.mktemp(name))) for name, arch in ARCHS.items()}
+    out = {name: _run(arch, models[name], daemon) for name, arch in ARCHS.items()}
+    child = Path(__file__).with_name("engine_child.py")
+    cfgs = [{"model": models[n], "dtype": "bfloat16", "block_size": a.block_size} for n, a in ARCHS.items()]
+    proc = subprocess.run([sys.executable, str(child), "-", daemon.address, json.dumps(cfgs), json.dumps(PROMPTS)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    fresh = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    for name, result in zip(ARCHS, fresh, strict=True):
+        out[name].fresh = result
+    return out
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_architecture(name: str, runs: dict[str, Run]) -> None:
+    arch, run = ARCHS[name], runs[name]
+    print(f"{name}: refused={run.refused!r} stored={run.stored_blocks} loaded_tokens={run.loaded_tokens} "
+          f"new_process_loaded_tokens={run.fresh['external_hits']}")
+    assert run.cold == run.reference
+    assert run.loaded == run.reference
+    assert run.fresh["outputs"] == run.reference
     if arch.refused is None:
-        assert refused is None
-        assert stored > 0
+        assert run.refused is None
+        assert run.stored_blocks > 0
         # After the reset every whole block of every prompt comes from the daemon, in this engine
         # and in a new process.
-        assert hits == _loadable_blocks(arch.block_size) * arch.block_size
-        assert fresh["external_hits"] == _loadable_blocks(arch.block_size) * arch.block_size
+        assert run.loaded_tokens == _loadable_blocks(arch.block_size) * arch.block_size
+        assert run.fresh["external_hits"] == _loadable_blocks(arch.block_size) * arch.block_size
     else:
-        assert refused is not None and arch.refused in refused
-        assert fresh["refused"] is not None and arch.refused in fresh["refused"]
-        assert stored == 0 and hits == 0 and fresh["external_hits"] == 0
+        assert run.refused is not None and arch.refused in run.refused
+        assert run.fresh["refused"] is not None and arch.refused in run.fresh["refused"]
+        assert run.stored_blocks == 0 and run.loaded_tokens == 0 and run.fresh["external_hits"] == 0
