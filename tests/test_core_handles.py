@@ -30,11 +30,12 @@ def test_views_held_by_layers_move_and_the_daemon_copies_what_they_compute(make_
     import torch
 
     from kvoffd_client.client import KvoffdClient
-    from kvoffd_client.handles import describe_layout, share_cpu_kv_caches
+    from kvoffd_client.handles import describe_layout, release_cpu_kv_caches, share_cpu_kv_caches
 
     kv, layers = _mla_like()
     d = make_daemon("16MiB", name="views")
     c = KvoffdClient(d.address)
+    memory: dict = {}
     try:
         assert c.connect(5)
         memory = share_cpu_kv_caches(kv, "views", holders=layers)
@@ -54,6 +55,7 @@ def test_views_held_by_layers_move_and_the_daemon_copies_what_they_compute(make_
             assert layer.impl.scratch[0].untyped_storage().data_ptr() == layer.kv_cache.untyped_storage().data_ptr()
     finally:
         c.close()
+        release_cpu_kv_caches(memory)
 
 
 def test_a_view_the_connector_cannot_see_refuses_the_move() -> None:
