@@ -111,7 +111,8 @@ def create_sealed_memfd(nbytes: int, tag: str = "") -> int:
     return fd
 
 
-def share_cpu_kv_caches(kv_caches: dict[str, torch.Tensor], tag: str = "") -> dict[str, Any]:
+def share_cpu_kv_caches(kv_caches: dict[str, torch.Tensor], tag: str = "",
+                        holders: Any = None) -> dict[str, Any]:
     """Move the CPU KV allocation into a sealed memfd, in place, and return REGISTER's ``memory``.
 
     Every tensor in ``kv_caches`` is re-pointed (``Tensor.set_``) at the same bytes in the memfd, so
@@ -137,9 +138,56 @@ def share_cpu_kv_caches(kv_caches: dict[str, torch.Tensor], tag: str = "") -> di
     except BaseException:
         os.close(fd)
         raise
-    for t in kv_caches.values():
-        t.set_(shared, t.storage_offset(), t.size(), t.stride())
+    moved = _repoint(list(kv_caches.values()) + _views_held_by(holders or (), storage), storage, shared)
+    if holders is not None:
+        # The proof that the engine computes in the bytes the daemon copies: once every view we know
+        # of is moved, nothing else in the process may still reference the old allocation. ``storage``
+        # (this frame's handle) is the one reference left.
+        left = torch._C._storage_Use_Count(storage._cdata) - 1
+        if left:
+            _repoint(moved, shared, storage)  # back where they were: vLLM keeps working, without offload
+            del shared
+            os.close(fd)
+            raise StaleViewError(
+                f"{left} tensor(s) outside the registered KV views still use the KV allocation (a layer "
+                "keeps a view of its own), so the bytes the daemon would copy are not the bytes the model "
+                "reads and writes")
     return {"kind": "cpu_fd", "fd": fd, "size": nbytes}
+
+
+class StaleViewError(ValueError):
+    """Moving the KV allocation would leave the engine computing in memory the daemon never sees."""
+
+
+def _views_held_by(holders: Any, storage: Any) -> list[torch.Tensor]:
+    """Tensors viewing ``storage`` that the attention layers (and their backend impls) hold directly.
+
+    vLLM's ``bind_kv_cache`` lets a layer keep a view derived from the registered tensor (MLA squeezes
+    the head dim, Mamba splits conv/SSM state, kernel-block splitting reshapes); those views must move
+    with the allocation.
+    """
+    import torch
+
+    base = storage.data_ptr()
+    found: dict[int, torch.Tensor] = {}
+    for holder in holders:
+        for obj in (holder, getattr(holder, "impl", None)):
+            for v in (vars(obj).values() if obj is not None and hasattr(obj, "__dict__") else ()):
+                for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                    if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().data_ptr() == base:
+                        found[id(t)] = t
+    return list(found.values())
+
+
+def _repoint(tensors: list[torch.Tensor], old: Any, new: Any) -> list[torch.Tensor]:
+    """``set_`` every tensor viewing ``old`` onto ``new`` at the same offset, size and strides."""
+    moved = []
+    base = old.data_ptr()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() == base:
+            t.set_(new, t.storage_offset(), t.size(), t.stride())
+            moved.append(t)
+    return moved
 
 
 def release_cpu_kv_caches(memory: dict[str, Any]) -> None:

@@ -49,12 +49,14 @@ class KvoffdConnector(KVConnectorBase_V1):
             log.warning('kvoffd: kv_load_failure_policy is %r; with "fail" a daemon hiccup fails requests. '
                         'Set "kv_load_failure_policy":"recompute" in --kv-transfer-config.',
                         ktc.kv_load_failure_policy)
+        #: Why this engine runs without offload (None: it offloads). Logged once, by the scheduler role.
+        self.refused: str | None = None
         try:
             identity = cache_identity(vllm_config, kv_cache_config)
         except UnsupportedConfig as e:
             if role == KVConnectorRole.SCHEDULER:
                 log.error("kvoffd: %s", e)
-            identity = None
+            identity, self.refused = None, str(e)
         pc = vllm_config.parallel_config
         dp = int(getattr(pc, "data_parallel_rank", 0) or 0)
         base_id = f"{ktc.engine_id}-dp{dp}"
@@ -73,7 +75,7 @@ class KvoffdConnector(KVConnectorBase_V1):
 
             rank = worker_rank(vllm_config)
             self._worker = KvoffdWorker(self.settings, identity, f"{base_id}-r{rank}-p{os.getpid()}", rank,
-                                        kv_cache_config.num_blocks)
+                                        kv_cache_config.num_blocks, vllm_config)
 
     # ==============================================================================================
     # worker side

@@ -57,14 +57,59 @@ def fold_key(block_hash: bytes) -> bytes:
     return hashlib.blake2b(block_hash, digest_size=KEY_SIZE).digest()
 
 
-def _vllm_minor() -> str:
+#: Module-level functions of ``vllm.v1.core.kv_cache_utils`` that decide what a request's block
+#: hashes are: the root seed, the extra keys (multimodal, LoRA, prompt embeds, cache salt) and how the
+#: hasher walks a request. Their code (not their docstrings or formatting) is in the namespace.
+_HASH_INPUT_FUNCTIONS = (
+    "resolve_none_hash_seed",
+    "generate_block_hash_extra_keys",
+    "_gen_mm_extra_hash_keys",
+    "_gen_lora_extra_hash_keys",
+    "_gen_prompt_embeds_extra_hash_keys",
+    "get_request_block_hasher",
+)
+
+
+def _code_digest(fn: Any) -> str:
+    """The function's code as an AST without docstrings: comments, layout and docs do not count."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(getattr(body[0], "value", None), ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()[:16]
+
+
+def hash_compat(algo: str) -> str:
+    """A fingerprint of how this vLLM turns tokens into block hashes, in place of its version number.
+
+    Two vLLM releases whose hashes agree share cached blocks (0.32 -> 0.33 changed none of this), and
+    any change that could give one block two meanings changes the fingerprint: the hash function's
+    output on a probe chain (root seed, parent, tokens, extra keys), and the code that builds the extra
+    keys and walks a request. Anything unreadable counts as a change ("unknown" never matches a real
+    fingerprint, so the worst case is a cold cache).
+    """
     try:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils as ku
+
+        fn = get_hash_fn_by_name(algo)
+        root = fn(ku.resolve_none_hash_seed(fn))
+        probe = ku.hash_block_tokens(fn, root, (1, 2, 3, 4), ("salt", ("lora", "a", "/p"), ("mm", 0)))
+        probe = ku.hash_block_tokens(fn, probe, range(5, 9), None)
+        parts = [algo, bytes(probe).hex()] + [f"{n}={_code_digest(getattr(ku, n))}" for n in _HASH_INPUT_FUNCTIONS]
+    except Exception as e:  # pragma: no cover - a vLLM this code does not know
         import vllm
 
-        m = re.match(r"(\d+)\.(\d+)", getattr(vllm, "__version__", ""))
-        return f"{m.group(1)}.{m.group(2)}" if m else "unknown"
-    except Exception:  # pragma: no cover - vllm is present wherever this runs
-        return "unknown"
+        log.warning("kvoffd: cannot fingerprint vLLM's block hashing (%s); keying on the vLLM version", e)
+        return f"vllm-{getattr(vllm, '__version__', 'unknown')}"
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 def _platform() -> str:
@@ -116,9 +161,30 @@ def check_hash_stability(vllm_config: VllmConfig) -> None:
         )
 
 
+def check_prefix_reuse(vllm_config: VllmConfig) -> None:
+    """Raise UnsupportedConfig when vLLM never computes a prompt over KV already in its cache.
+
+    A loaded block is only useful if the attention backend then prefills the rest of the prompt over
+    it, exactly what vLLM's own prefix caching and chunked prefill do. A platform turns both off for
+    a backend that cannot do that correctly (vLLM's CPU platform does it for the reference CPU MLA
+    backend, whose prefill over a cached prefix gives wrong tokens even through vLLM's own
+    ExampleConnector). With both off nothing vouches for that path, so kvoffd does not offer it
+    either: a miss, never a wrong token.
+    """
+    cc, sc = vllm_config.cache_config, vllm_config.scheduler_config
+    if not getattr(cc, "enable_prefix_caching", True) and not getattr(sc, "enable_chunked_prefill", True):
+        raise UnsupportedConfig(
+            "vLLM runs this model with prefix caching and chunked prefill both off, so its attention "
+            "backend never computes a prompt over KV already in the cache and loaded blocks could not be "
+            "used safely (vLLM's CPU platform does this for MLA models). kvoffd offload is disabled for "
+            "this engine; turn prefix caching or chunked prefill on where the backend supports it."
+        )
+
+
 def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> CacheIdentity:
     """Fingerprint the engine's KV bytes. Raises UnsupportedConfig for what we cannot offload."""
     check_hash_stability(vllm_config)
+    check_prefix_reuse(vllm_config)
     groups = list(kv_cache_config.kv_cache_groups)
     if len(groups) != 1:
         raise UnsupportedConfig(
@@ -146,7 +212,7 @@ def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> C
     spec_dtype = getattr(spec, "dtype", None)
     fields: dict[str, Any] = {
         "key_format": KEY_FORMAT_VERSION,
-        "vllm": _vllm_minor(),
+        "hash_compat": hash_compat(str(cc.prefix_caching_hash_algo)),
         "model": str(mc.model),
         "revision": str(mc.revision),
         "hf_config": _hf_config_digest(vllm_config),

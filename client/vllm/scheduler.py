@@ -47,6 +47,7 @@ class _Lookup:
 class _Req:
     request: Request
     keys: list[bytes] = field(default_factory=list)  # folded keys of the full blocks, computed lazily
+    last_hash: Any = None  # the block hash the last key was folded from (detects a rewritten tail)
     packed: bytearray = field(default_factory=bytearray)  # the same keys back to back (what LOOKUP sends)
     lookup: _Lookup | None = None
     offer_start: int = 0  # block where the last offered hit starts
@@ -116,11 +117,29 @@ class KvoffdScheduler:
         hashes = st.request.block_hashes
         per = self.identity.hashes_per_block if self.identity else 1
         n = len(hashes) // per
+        if st.keys and (n < len(st.keys) or hashes[len(st.keys) * per - 1] != st.last_hash):
+            self._rewind(st, n, per)
         while len(st.keys) < n:
             key = fold_key(bytes(hashes[(len(st.keys) + 1) * per - 1]))
             st.keys.append(key)
             st.packed += key
+        if st.keys:
+            st.last_hash = hashes[len(st.keys) * per - 1]
         return st.keys
+
+    def _rewind(self, st: _Req, n: int, per: int) -> None:
+        """The hash list shrank or its tail changed under the same request id (a streaming-input session
+        resumed: vLLM drops the hashes past the computed tokens and regrows them from the new input).
+        Keep the keys that still match (hashes chain, so the last match vouches for all before it),
+        drop the rest, and plan stores again from there: a stale key would file new bytes under it."""
+        hashes = st.request.block_hashes
+        keep = min(len(st.keys), n)
+        while keep and fold_key(bytes(hashes[keep * per - 1])) != st.keys[keep - 1]:
+            keep -= 1
+        del st.keys[keep:]
+        del st.packed[keep * P.KEY_SIZE:]
+        st.next_store = min(st.next_store, keep)
+        self._drop_lookup(st)  # it asked about keys that may be gone
 
     def _is_negative(self, key: bytes, now: float) -> bool:
         exp = self._negative.get(key)

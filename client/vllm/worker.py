@@ -42,8 +42,10 @@ class _LoadJob:
 
 class KvoffdWorker:
     def __init__(self, settings: Settings, identity: CacheIdentity | None, engine_id: str, rank: int,
-                 num_blocks: int):
+                 num_blocks: int, vllm_config: Any = None):
         self.s = settings
+        self.vllm_config = vllm_config
+        self.refused: str | None = None  # why this worker registered nothing (None: not refused)
         self.identity = identity
         self.engine_id = engine_id
         self.rank = rank
@@ -84,7 +86,7 @@ class KvoffdWorker:
                 from kvoffd_client.handles import describe_layout, share_cpu_kv_caches
 
                 layout = describe_layout(kv_caches, self.num_blocks)
-                self.memory = share_cpu_kv_caches(kv_caches, tag=self.engine_id)
+                self.memory = share_cpu_kv_caches(kv_caches, tag=self.engine_id, holders=self._layers())
             elif first.device.type == "cuda":
                 from kvoffd_client.handles_cuda import export_kv_caches
 
@@ -94,6 +96,7 @@ class KvoffdWorker:
                 raise ValueError(f"KV tensors on {first.device.type} are not supported")
         except Exception as e:  # never take the engine down: serve without offload
             log.error("kvoffd: cannot share this worker's KV cache (%s); offload disabled", e)
+            self.refused = str(e)
             self._shutdown_client()
             return
         layout["desc"] = f"{self.identity.fields.get('layout')} {layout.get('desc', '')}"[:200]
@@ -109,6 +112,11 @@ class KvoffdWorker:
         except KvoffdError as e:
             log.error("kvoffd: the daemon refused this worker's registration (%s); offload disabled", e)
             self._shutdown_client()
+
+    def _layers(self) -> list[Any]:
+        """The attention layers vLLM bound the KV cache to: they may hold views of their own."""
+        ctx = getattr(getattr(self.vllm_config, "compilation_config", None), "static_forward_context", None)
+        return list((ctx or {}).values())
 
     # --------------------------------------------------------------------------------------------
     # per step

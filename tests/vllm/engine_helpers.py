@@ -40,6 +40,53 @@ def build_tiny_llama(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def _save(model, path: Path) -> Path:
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def build_tiny_mistral(path: Path, seed: int = 0) -> Path:
+    """A 2-layer random Mistral with a 128-token sliding window (shorter than the test prompts)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=128,
+                        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        tie_word_embeddings=False)
+    return _save(MistralForCausalLM(cfg), path)
+
+
+def build_tiny_gemma3(path: Path, seed: int = 0) -> Path:
+    """A 4-layer random Gemma-3 text model: 3 sliding-window (128) layers, then 1 full-attention layer."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=128,
+                           layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                           max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return _save(Gemma3ForCausalLM(cfg), path)
+
+
+def build_tiny_mla(path: Path, seed: int = 0) -> Path:
+    """A 2-layer random DeepSeek-V2-style MLA model (latent 512 + rope 64 = the 576 the CPU MLA kernel
+    needs), dense MLPs only. A wider init than the default keeps greedy margins clear of rounding."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+                           qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=2,
+                           n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=64, num_experts_per_tok=2,
+                           initializer_range=0.2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=0, tie_word_embeddings=False)
+    return _save(DeepseekV2ForCausalLM(cfg), path)
+
+
 # --------------------------------------------------------------------------------------------------
 # daemon
 
@@ -208,3 +255,17 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 20) -> list[l
 
 
 PROMPTS = shared_prefix_prompts()
+
+
+def issue_prompts(n: int = 3, prefix: int = 300, tail: int = 20, seed: int = 0) -> list[list[int]]:
+    """A 300-token shared prefix plus 20 random tokens per prompt (the workload of issue 12)."""
+    import random
+
+    rng = random.Random(seed)
+    base = [rng.randrange(3, 500) for _ in range(prefix)]
+    return [base + [rng.randrange(3, 500) for _ in range(tail)] for _ in range(n)]
+
+
+def connector_of(llm: Any) -> Any:
+    """The scheduler-role KvoffdConnector of an in-process engine."""
+    return core_of(llm).scheduler.get_kv_connector()

