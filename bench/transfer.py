@@ -316,7 +316,7 @@ def bench_daemon(args: argparse.Namespace) -> None:
 
     from kvoffd_client.client import KvoffdClient
 
-    sock = tempfile.mktemp(prefix="kvoffd-bench-", suffix=".sock")
+    sock = os.path.join(tempfile.mkdtemp(prefix="kvoffd-bench-"), "kvoffd.sock")  # a private (0700) directory
     address = f"ipc://{sock}"
     log_path = os.path.join(args.out or tempfile.gettempdir(), "daemon.log")
     t0 = time.perf_counter()

@@ -1040,7 +1040,7 @@ def main(argv: list[str] | None = None) -> int:
     def budget() -> float:
         return max(5.0, min(args.timeout, deadline - time.perf_counter()))
 
-    sock = tempfile.mktemp(prefix="kvoffd-ttft-", suffix=".sock")
+    sock = os.path.join(tempfile.mkdtemp(prefix="kvoffd-ttft-"), "kvoffd.sock")  # a private (0700) directory
     address = f"ipc://{sock}"
     cfg = build_config(args, address)
     print(f"kvoffd TTFT benchmark: {'tiny model, CPU' if args.cpu_smoke else 'Llama-3-8B shape, CUDA'}; "
