@@ -155,11 +155,25 @@ def describe_in_chunks(mapped: MappedMemory, block_ids: np.ndarray, slots: np.nd
         yield run_descriptors(mapped, block_ids[a:a + step], slots[a:a + step], pool_base)
 
 
-def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge runs that continue the previous one on both sides (contiguous blocks -> one run)."""
+def pool_chunks(pool_addrs: np.ndarray, pool: Pool) -> np.ndarray:
+    """The pool chunk each address lies in: the ``region`` ids :func:`coalesce` keeps runs within."""
+    return (pool_addrs - pool.base_address) // pool.chunk_bytes
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray, region: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge runs that continue the previous one on both sides (contiguous blocks -> one run).
+
+    ``region``: an id per run (its pool chunk, :func:`pool_chunks`); runs merge only within one id.
+    The pool is page-locked in regions of whole chunks, and the CUDA driver refuses a single copy
+    whose host range spans two registrations (CUDA_ERROR_INVALID_VALUE: seen on the H200 when
+    freshly carved slots of neighbouring chunks met contiguous engine blocks in one 400 MiB run).
+    """
     if len(lens) <= 1:
         return src, dst, lens
     cont = (src[1:] == src[:-1] + lens[:-1]) & (dst[1:] == dst[:-1] + lens[:-1])
+    if region is not None:
+        cont &= region[1:] == region[:-1]
     if not cont.any():
         return src, dst, lens
     starts = np.concatenate(([True], ~cont))

@@ -42,6 +42,7 @@ from kvoffd.transfer.base import (
     coalesce,
     describe_in_chunks,
     past,
+    pool_chunks,
 )
 from kvoffd_client.protocol import Segment
 
@@ -163,7 +164,7 @@ class CpuBackend(TransferBackend):
         for eng, pool, lens in describe_in_chunks(mapped, block_ids, slots, self.pool.base_address):
             eng += base
             src, dst = (eng, pool) if direction is Direction.STORE else (pool, eng)
-            self._copy_runs(*coalesce(src, dst, lens), expires_ns)
+            self._copy_runs(*coalesce(src, dst, lens, pool_chunks(pool, self.pool)), expires_ns)
 
     def _copy_runs(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray, expires_ns: int = 0) -> None:
         """Copy on a pool thread. The deadline is checked here, before every batch of at most IOV_MAX

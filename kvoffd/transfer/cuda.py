@@ -47,6 +47,7 @@ from kvoffd.transfer.base import (
     TransferBackend,
     coalesce,
     past,
+    pool_chunks,
     run_descriptors,
 )
 from kvoffd_client.protocol import Segment
@@ -383,16 +384,27 @@ class CudaBackend(TransferBackend):
         eng += m.region
         store = direction is Direction.STORE
         src, dst = (eng, pool) if store else (pool, eng)
-        src, dst, lens = coalesce(src, dst, lens)
+        src, dst, lens = coalesce(src, dst, lens, pool_chunks(pool, self.pool))
         stream = m.store_stream if store else m.load_stream
         drv.use_device(m.device.ordinal)
         if event >= 0:
             drv.stream_wait_event(stream, m.events[event])
-        if self.method == "batch" and drv.has_batch:
-            self._batch(drv, stream, m.attrs_store if store else m.attrs_load, src, dst, lens)
-        else:
-            for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist(), strict=True):
-                drv.memcpy_async(d, s, n, stream)
+        try:
+            if self.method == "batch" and drv.has_batch:
+                self._batch(drv, stream, m.attrs_store if store else m.attrs_load, src, dst, lens)
+            else:
+                for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist(), strict=True):
+                    drv.memcpy_async(d, s, n, stream)
+        except cudart.CudaError:
+            # what the driver refused, against the two regions it should lie in
+            pool0, pool1 = self.pool.base_address, self.pool.base_address + self.pool.nbytes
+            host = dst if store else src
+            log.warning("engine %s: %s refused: %d runs, %d..%d bytes each; pool side [%#x, %#x) in pool "
+                        "[%#x, %#x); engine side [%#x, %#x) in region [%#x, %#x)", mapped.engine_id,
+                        direction.value, len(lens), int(lens.min()), int(lens.max()), int(host.min()),
+                        int((host + lens).max()), pool0, pool1, int((src if store else dst).min()),
+                        int(((src if store else dst) + lens).max()), m.region, m.region + mapped.size)
+            raise
         self.bytes_moved[direction] += int(lens.sum())
 
     def _submit_job(self, direction: Direction, mapped: MappedMemory, m: _Mapping, block_ids: np.ndarray,
