@@ -37,6 +37,22 @@ class _LoadJob:
     n: int
 
 
+def _check_groups_share_pages(kv_caches: dict[str, torch.Tensor], identity: CacheIdentity, num_blocks: int) -> None:
+    """With several KV-cache groups, one registered layout serves all of them only if block ``b`` is the
+    same bytes whichever group holds it (vLLM's HMA lays every group's layers over the same pages).
+    Raise ValueError otherwise: a group's block would be stored with bytes that are not its own."""
+    if identity.num_groups < 2:
+        return
+    from kvoffd_client.handles import describe_layout
+
+    whole = describe_layout(kv_caches, num_blocks)["segments"]
+    for g in identity.groups:
+        part = {n: kv_caches[n] for n in g.layer_names if n in kv_caches}
+        if not part or describe_layout(part, num_blocks)["segments"] != whole:
+            raise ValueError(f"KV-cache group {g.index} does not span the same page bytes as the others "
+                             "(kvoffd needs HMA's shared page layout)")
+
+
 class KvoffdWorker:
     def __init__(self, settings: Settings, identity: CacheIdentity | None, engine_id: str, rank: int,
                  num_blocks: int):
@@ -77,6 +93,7 @@ class KvoffdWorker:
             return
         first = next(iter(kv_caches.values()))
         try:
+            _check_groups_share_pages(kv_caches, self.identity, self.num_blocks)
             if first.device.type == "cpu":
                 from kvoffd_client.handles import describe_layout, share_cpu_kv_caches
 
@@ -143,10 +160,11 @@ class KvoffdWorker:
             self._complete(self.client.take_notices())
 
     def handle_preemptions(self, meta: KvoffdMetadata) -> None:
-        if not meta.preempted or not self._stores:
+        if not (meta.preempted or meta.fence_jobs) or not self._stores:
             return
         preempted = set(meta.preempted)
         jobs = {j for j, sj in self._stores.items() if preempted.intersection(sj.req_ids)}
+        jobs.update(j for j in meta.fence_jobs if j in self._stores)
         if not jobs or self.client is None:
             return
         t0 = time.perf_counter()

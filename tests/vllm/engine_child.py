@@ -1,7 +1,8 @@
 """Run fresh in-process vLLM engines in a new process; print one JSON line of results per engine.
 
 Used by the cross-process test: ``python engine_child.py MODEL ADDRESS CONFIGS_JSON PROMPTS_JSON``,
-where CONFIGS_JSON is a list of ``{"dtype": ..., "block_size": ..., "multiprocess": bool}``. A
+where CONFIGS_JSON is a list of ``{"dtype": ..., "block_size": ..., "multiprocess": bool}`` (a config may
+name its own ``"model"``). A
 multiprocess engine (EngineCore and worker in spawned processes, as ``vllm serve`` runs) checks that
 the connector imports and pickles across processes; put it first (vLLM caches its env switches).
 """
@@ -15,7 +16,7 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_helpers import close_llm, drain, external_hits, generate, make_llm  # noqa: E402
+from engine_helpers import close_llm, drain, external_hits, generate, make_llm, vllm_metric  # noqa: E402
 
 
 def main() -> None:
@@ -23,15 +24,17 @@ def main() -> None:
     for cfg in configs:
         kw = dict(cfg)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if kw.pop("multiprocess", False) else "0"
-        llm = make_llm(model, address, **kw)
+        llm = make_llm(kw.pop("model", model), address, **kw)
         try:
             outputs = generate(llm, prompts)
             hits = external_hits(llm)
+            loaded = vllm_metric(llm, "vllm:kvoffd_load_blocks")
             if hasattr(llm.llm_engine.engine_core, "engine_core"):  # in-process: step it ourselves
                 drain(llm)
         finally:
             close_llm(llm)
-        print("RESULT " + json.dumps({"config": cfg, "outputs": outputs, "external_hits": hits}), flush=True)
+        print("RESULT " + json.dumps({"config": cfg, "outputs": outputs, "external_hits": hits,
+                                       "load_blocks": loaded}), flush=True)
 
 
 if __name__ == "__main__":
