@@ -73,6 +73,8 @@ class KvoffdWorker:
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._meta = KvoffdWorkerMeta()
+        #: Store jobs this worker is waiting for before a forward (empty otherwise); tests watch it.
+        self.fencing: frozenset[int] = frozenset()
         if identity is not None:
             self.client = KvoffdClient(settings.address, name=f"vllm-worker:{engine_id}",
                                        timeout_s=max(settings.connect_timeout_s, 0.1),
@@ -168,7 +170,11 @@ class KvoffdWorker:
         if not jobs or self.client is None:
             return
         t0 = time.perf_counter()
-        self._complete(self.client.wait_notices(jobs, self.s.fence_timeout_s))
+        self.fencing = frozenset(jobs)
+        try:
+            self._complete(self.client.wait_notices(jobs, self.s.fence_timeout_s))
+        finally:
+            self.fencing = frozenset()
         waited = int((time.perf_counter() - t0) * 1e6)
         self.stats.add("fence_waits")
         self.stats.add("fence_wait_us", waited)
@@ -176,7 +182,7 @@ class KvoffdWorker:
         if left:
             # Only a hung (not dead) daemon gets here: the client fails jobs of a lost link quickly.
             self.stats.add("fence_timeouts")
-            log.error("kvoffd: %d store jobs still read blocks of preempted requests after %.1f s; "
+            log.error("kvoffd: %d store jobs still read freed blocks (preempted, or out of a sliding window) after %.1f s; "
                       "continuing (the daemon is not answering)", len(left), self.s.fence_timeout_s)
 
     def start_load_kv(self, meta: KvoffdMetadata) -> None:

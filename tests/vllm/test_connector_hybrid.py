@@ -10,8 +10,12 @@ connector refused the model and why (the rows of the compatibility table in docs
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,7 +114,7 @@ def _run(arch: Arch, model: str, daemon: Any) -> Run:
     llm = make_llm(model, daemon.address, dtype=arch.dtype)
     try:
         run.specs = tuple(type(g.kv_cache_spec).__name__ for g in core_of(llm).scheduler.kv_cache_config.kv_cache_groups)
-        run.refused = core_of(llm).scheduler.get_kv_connector().refused
+        run.refused = getattr(core_of(llm).scheduler.get_kv_connector(), "refused", "")
         run.cold = generate(llm, PROMPTS)
         drain(llm)
         run.stored_blocks = daemon.stats()["counters"]["stored_blocks"] - stored0
@@ -161,3 +165,52 @@ def test_hybrid_new_process(runs: Callable[[str], Run], daemon: Any) -> None:
         assert res["outputs"] == recs[name].reference, name
         assert res["load_blocks"] == expected_load_blocks(arch), name
         assert res["external_hits"] == (0 if arch.refusal else sum(hit_blocks(p) for p in PROMPTS) * BLOCK), name
+
+
+def test_sliding_window_block_freed_while_its_store_is_in_flight(tmp_path: Path, daemon: Any) -> None:
+    """vLLM frees a sliding-window block once it leaves the window and may give it to another request
+    in the same step; a store still reading it must finish before that step's forward writes there.
+
+    The daemon is held (SIGSTOP) so that request A's stores stay in flight. With 36 blocks, A (200
+    tokens, 7 blocks x 4 groups) leaves too little room for C (128 tokens), which is admitted once A's
+    decode frees its out-of-window blocks and is computed into them. Without the fence the daemon
+    later copies C's KV under A's keys, and D (A's first 96 tokens, then its own) loads them: wrong
+    tokens. With it the worker waits (``fencing``) until the daemon copies A's bytes.
+    """
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    model = str(build_tiny_gemma3(tmp_path / "gemma3"))  # its own namespace: nothing stored yet
+    a = [(7 * j + 1) % 500 + 3 for j in range(200)]
+    c = [(13 * j + 5) % 500 + 3 for j in range(128)]
+    d = a[:96] + [(17 * j + 1) % 500 + 3 for j in range(30)]
+    llm = make_llm(model, daemon.address, max_model_len=256, max_num_seqs=4, num_gpu_blocks_override=37,
+                   extra={"kvoffd_lookup_timeout_ms": 300, "kvoffd_fence_timeout_s": 120,
+                          "kvoffd_prefetch_lookups": False, "kvoffd_reset_clears_namespace": True})
+    try:
+        ref_d = generate(llm, [d])
+        drain(llm)
+        assert llm.reset_prefix_cache(reset_connector=True)  # and empty the namespace again
+        worker = get_kv_transfer_group()._worker
+        fenced0 = vllm_metric(llm, "vllm:kvoffd_fence_waits")
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            gen = threading.Thread(target=generate, args=(llm, [a, c]))
+            gen.start()
+            deadline = time.monotonic() + 120
+            while gen.is_alive() and not getattr(worker, "fencing", None) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            fencing = bool(getattr(worker, "fencing", None))
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        gen.join(120)
+        assert not gen.is_alive()
+        drain(llm)
+        assert llm.reset_prefix_cache()
+        loaded0 = vllm_metric(llm, "vllm:kvoffd_load_blocks")
+        assert generate(llm, [d]) == ref_d
+        # 3 full-attention blocks and the 2 in-window blocks of each of the 3 sliding groups.
+        assert vllm_metric(llm, "vllm:kvoffd_load_blocks") - loaded0 == 3 + 3 * 2
+        drain(llm)
+        assert fencing and vllm_metric(llm, "vllm:kvoffd_fence_waits") > fenced0
+    finally:
+        close_llm(llm)
