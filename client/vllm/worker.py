@@ -37,20 +37,29 @@ class _LoadJob:
     n: int
 
 
-def _check_groups_share_pages(kv_caches: dict[str, torch.Tensor], identity: CacheIdentity, num_blocks: int) -> None:
-    """With several KV-cache groups, one registered layout serves all of them only if block ``b`` is the
-    same bytes whichever group holds it (vLLM's HMA lays every group's layers over the same pages).
-    Raise ValueError otherwise: a group's block would be stored with bytes that are not its own."""
+def _log_group_coverage(kv_caches: dict[str, torch.Tensor], identity: CacheIdentity, num_blocks: int) -> None:
+    """With several KV-cache groups, one layout (block ``b``'s page in every KV tensor) serves them all.
+
+    vLLM's HMA shares one block pool among the groups and lays each group's layers over the same pages
+    (tensor ``j`` holds the ``j``-th layer of every group), so block ``b`` belongs to one group at a time
+    and a page no layer of the owning group uses is unused while it owns ``b``. Storing or loading that
+    page moves bytes nobody reads: correct, only wasteful. Groups with fewer layers than the others
+    (52 sliding + 10 full layers in groups of 10, say) store that waste; say so once.
+    """
     if identity.num_groups < 2:
         return
     from kvoffd_client.handles import describe_layout
 
-    whole = describe_layout(kv_caches, num_blocks)["segments"]
-    for g in identity.groups:
-        part = {n: kv_caches[n] for n in g.layer_names if n in kv_caches}
-        if not part or describe_layout(part, num_blocks)["segments"] != whole:
-            raise ValueError(f"KV-cache group {g.index} does not span the same page bytes as the others "
-                             "(kvoffd needs HMA's shared page layout)")
+    def nbytes(tensors: dict[str, torch.Tensor]) -> int:
+        return sum(length for _, _, length in describe_layout(tensors, num_blocks)["segments"]) if tensors else 0
+
+    whole = nbytes(kv_caches)
+    short = {g.index: nbytes({n: kv_caches[n] for n in g.layer_names if n in kv_caches}) for g in identity.groups}
+    short = {i: n for i, n in short.items() if n < whole}
+    if short:
+        log.info("kvoffd: KV-cache groups %s use fewer bytes per block than the %d stored per block (%s); "
+                 "the rest of their blocks' pages is stored unused", sorted(short), whole,
+                 ", ".join(f"group {i}: {n}" for i, n in sorted(short.items())))
 
 
 class KvoffdWorker:
@@ -95,7 +104,7 @@ class KvoffdWorker:
             return
         first = next(iter(kv_caches.values()))
         try:
-            _check_groups_share_pages(kv_caches, self.identity, self.num_blocks)
+            _log_group_coverage(kv_caches, self.identity, self.num_blocks)
             if first.device.type == "cpu":
                 from kvoffd_client.handles import describe_layout, share_cpu_kv_caches
 

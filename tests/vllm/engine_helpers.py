@@ -45,15 +45,19 @@ def build_tiny_llama(path: Path, seed: int = 0) -> Path:
 WINDOW = 64
 
 
-def build_tiny_gemma3(path: Path, seed: int = 0) -> Path:
-    """A Gemma-3-style text model: 3 sliding-window layers, then 1 full-attention layer (4 KV groups)."""
+def build_tiny_gemma3(path: Path, seed: int = 0, sliding: int = 3, full: int = 1) -> Path:
+    """A Gemma-3-style text model: ``sliding`` sliding-window layers, then ``full`` full-attention layers.
+
+    3 + 1 gives 4 KV groups of one layer each; 5 + 2 gives groups of 2, 2, 1 sliding and 2 full layers
+    (uneven groups, as real Gemma-3 sizes get)."""
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    cfg = Gemma3TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=sliding + full,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-                           sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                           sliding_window=WINDOW,
+                           layer_types=["sliding_attention"] * sliding + ["full_attention"] * full,
                            bos_token_id=1, eos_token_id=2, pad_token_id=0)
     Gemma3ForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
     return path

@@ -9,6 +9,7 @@ connector refused the model and why (the rows of the compatibility table in docs
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -54,6 +55,10 @@ class Arch:
 
 ARCHS = {
     "gemma3": Arch(build_tiny_gemma3, "float32", ("SlidingWindowSpec",) * 3 + ("FullAttentionSpec",)),
+    # 5 sliding + 2 full layers: HMA groups them 2, 2, 1 sliding and 2 full, so one group's blocks leave
+    # half of each page unused (stored anyway: see kvoffd_client.vllm.worker._log_group_coverage).
+    "gemma3_uneven": Arch(functools.partial(build_tiny_gemma3, sliding=5, full=2), "float32",
+                          ("SlidingWindowSpec",) * 3 + ("FullAttentionSpec",)),
     "mistral": Arch(build_tiny_mistral, "float32", ("SlidingWindowSpec",)),
     "qwen3_next": Arch(build_tiny_qwen3_next, "bfloat16", ("MambaSpec",) * 3 + ("FullAttentionSpec",),
                        refusal="Mamba"),
