@@ -93,6 +93,9 @@ class KvoffdMetadata(KVConnectorMetadata):
     await_stores: list[str] = field(default_factory=list)
     # Requests preempted this step: their blocks may be reused by this very step's forward.
     preempted: list[str] = field(default_factory=list)
+    # Store jobs reading sliding-window blocks vLLM freed this step (out of the window, or at a finish):
+    # fenced like a preemption's, since the freed blocks may be rewritten by this step's forward.
+    fence_jobs: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -33,10 +34,15 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class KvoffdConnector(KVConnectorBase_V1):
+class KvoffdConnector(KVConnectorBase_V1, SupportsHMA):
     """Offload vLLM's KV blocks to a kvoffd daemon shared by every engine on the host.
 
     A best-effort cache: misses, a dead daemon or a failed load only ever cost a recompute.
+    ``SupportsHMA``: vLLM keeps its hybrid KV-cache manager on, so hybrid models start and sliding
+    windows keep their memory; kvoffd offloads full-attention and sliding-window groups and refuses
+    (serves without offload, one log line) models with a group it cannot restore, such as Mamba
+    state (kvoffd_client.vllm.groups). A failed load is reported per request (``failed_recving``),
+    never per block: vLLM refuses block-level load errors with more than one group.
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -54,6 +60,7 @@ class KvoffdConnector(KVConnectorBase_V1):
         try:
             identity = cache_identity(vllm_config, kv_cache_config)
         except UnsupportedConfig as e:
+            self.refused = str(e)
             if role == KVConnectorRole.SCHEDULER:
                 log.error("kvoffd: %s", e)
             identity, self.refused = None, str(e)
@@ -142,6 +149,13 @@ class KvoffdConnector(KVConnectorBase_V1):
             self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is None:
+            return False, None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """HMA's finish hook (one block list per KV-cache group); delays the free like request_finished."""
         if self._scheduler is None:
             return False, None
         return self._scheduler.request_finished(request, block_ids)

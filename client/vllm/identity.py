@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvoffd_client.protocol import KEY_SIZE, MAX_NAME
+from kvoffd_client.vllm.groups import GroupKind, KVGroup, UnsupportedGroups, kv_groups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -48,6 +49,11 @@ class CacheIdentity:
     hashes_per_block: int  # request.block_hashes entries per block (block_size // hash_block_size)
     world_size: int  # ranks that must all hold a block for it to hit (tp * pp * pcp)
     fields: dict[str, Any]  # the fingerprinted inputs, for the log line and `docs/vllm.md`
+    groups: tuple[KVGroup, ...] = ()  # vLLM's KV-cache groups (several with HMA: kvoffd_client.vllm.groups)
+
+    @property
+    def num_groups(self) -> int:
+        return max(1, len(self.groups))
 
 
 def fold_key(block_hash: bytes) -> bytes:
@@ -186,11 +192,12 @@ def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> C
     check_hash_stability(vllm_config)
     check_prefix_reuse(vllm_config)
     groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        raise UnsupportedConfig(
-            f"the model has {len(groups)} KV-cache groups (hybrid attention); kvoffd handles a single "
-            "full-attention group for now. Offload is disabled for this engine."
-        )
+    try:
+        kinds = kv_groups(kv_cache_config)
+    except UnsupportedGroups as e:
+        raise UnsupportedConfig(f"{e}. Offload is disabled for this engine.") from None
+    if len({int(g.kv_cache_spec.page_size_bytes) for g in groups}) > 1:
+        raise UnsupportedConfig("the KV-cache groups have different page sizes. Offload is disabled for this engine.")
     spec = groups[0].kv_cache_spec
     block_size = int(spec.block_size)
     if getattr(spec, "dcp_sharded", False):
@@ -228,7 +235,7 @@ def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> C
         "head_size": head_size,
         "head_size_v": int(getattr(spec, "head_size_v", 0) or 0),
         "page_size_bytes": int(spec.page_size_bytes),
-        "num_layers": len(groups[0].layer_names),
+        "num_layers": sum(len(g.layer_names) for g in groups),
         "block_size": block_size,
         "hash_block_size": hash_block,
         "hash_algo": str(cc.prefix_caching_hash_algo),
@@ -238,12 +245,14 @@ def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> C
         "dcp": dcp,
         "kv_tp_replicas": int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1),
     }
+    if len(kinds) > 1 or kinds[0].kind is not GroupKind.FULL:
+        fields["groups"] = [g.describe() for g in kinds]
     if platform == "cpu":
         fields["cpu_isa"] = _cpu_attention_isa(spec_dtype, int(spec.block_size), head_size, str(cc.cache_dtype))
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
     namespace = f"vllm{KEY_FORMAT_VERSION}:{_short_model(str(mc.model))}:{digest}"[:MAX_NAME]
     return CacheIdentity(namespace=namespace, block_size=block_size, hashes_per_block=block_size // hash_block,
-                         world_size=tp * pp * pcp, fields=fields)
+                         world_size=tp * pp * pcp, fields=fields, groups=kinds)
 
 
 def worker_rank(vllm_config: VllmConfig) -> int:

@@ -21,6 +21,7 @@ from kvoffd_client.vllm.common import (
     Settings,
     log,
 )
+from kvoffd_client.vllm.groups import NULL_BLOCK_ID, GroupKind, group_key
 from kvoffd_client.vllm.identity import CacheIdentity, fold_key
 
 if TYPE_CHECKING:
@@ -56,6 +57,14 @@ class _Req:
     no_external: bool = False  # a load for this request failed: recompute, never offer again
     next_store: int = 0  # first block not yet planned for a store
     store_jobs: set[int] = field(default_factory=set)  # planned store jobs not yet known finished
+    # Several KV-cache groups: the daemon keys, block-major (block i, group g at i*G + g), and the last
+    # block key they were derived from (to notice a rewritten hash list).
+    gkeys: list[bytes] = field(default_factory=list)
+    gpacked: bytearray = field(default_factory=bytearray)
+    gsource: bytes = b""
+    # Sliding-window blocks read by store jobs not yet acknowledged: (job, group, block index, block id).
+    # vLLM frees such a block once it leaves the window; the job is then fenced before it is rewritten.
+    window_reads: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -80,6 +89,10 @@ class KvoffdScheduler:
         self._store_jobs: dict[int, _StoreJob] = {}
         self._pending_loads: list[LoadSpec] = []
         self._await_stores: list[str] = []
+        self._fence_jobs: set[int] = set()
+        groups = identity.groups if identity is not None else ()
+        self._ngroups = max(1, len(groups))
+        self._window_groups = tuple(g.index for g in groups if g.kind is GroupKind.SLIDING)
         self._negative: dict[bytes, float] = {}
         # Keys the daemon recently confirmed holding (a lookup hit or an acknowledged store), so a block
         # vLLM found in its own prefix cache is not sent again. Entries age out (the daemon evicts too)
@@ -141,6 +154,24 @@ class KvoffdScheduler:
         st.next_store = min(st.next_store, keep)
         self._drop_lookup(st)  # it asked about keys that may be gone
 
+    def _daemon_keys(self, st: _Req) -> tuple[list[bytes], bytearray]:
+        """The daemon keys of the request's full blocks, all groups, block-major (``_keys`` for one group)."""
+        keys = self._keys(st)
+        if self._ngroups == 1:
+            return keys, st.packed
+        G = self._ngroups
+        have = len(st.gkeys) // G
+        if have > len(keys) or (have and st.gsource != keys[have - 1]):
+            st.gkeys, st.gpacked, have = [], bytearray(), 0  # the hash list was rewritten: derive again
+        for i in range(have, len(keys)):
+            for g in range(G):
+                k = group_key(keys[i], g)
+                st.gkeys.append(k)
+                st.gpacked += k
+        if keys:
+            st.gsource = keys[-1]
+        return st.gkeys, st.gpacked
+
     def _is_negative(self, key: bytes, now: float) -> bool:
         exp = self._negative.get(key)
         if exp is None:
@@ -194,17 +225,19 @@ class KvoffdScheduler:
 
     def _send_lookup(self, st: _Req, start: int, limit: int, now: float, prefetch: bool = False) -> bool:
         assert self.client is not None and self.identity is not None
-        keys = self._keys(st)
-        end = min(limit, len(keys))
+        keys, all_packed = self._daemon_keys(st)
+        G = self._ngroups
+        end = min(limit, len(keys) // G)
         if self._negative:  # usually empty: then no per-key work here at all
-            for i in range(start, end):
+            for i in range(start * G, end * G):
                 if self._is_negative(keys[i], now):
-                    end = i
+                    end = i // G
                     break
         if end <= start:
             return False
-        # one slice of the packed keys: no join of a long prompt's keys on the scheduler's step
-        packed = bytes(memoryview(st.packed)[start * P.KEY_SIZE:end * P.KEY_SIZE])
+        # one slice of the packed keys: no join of a long prompt's keys on the scheduler's step. With
+        # several groups the daemon's "leading hits" counts keys, so whole blocks are hits // G.
+        packed = bytes(memoryview(all_packed)[start * G * P.KEY_SIZE:end * G * P.KEY_SIZE])
         seq = self.client.send_lookup(self.identity.namespace, packed, self.s.lease_ms)
         if seq is None:
             return False
@@ -267,8 +300,9 @@ class KvoffdScheduler:
                 self._unprefetch(lk)
                 st.lookup = None
                 return 0, False
-            lk.hits, lk.lease_id, lk.answered_at = reply.hits, reply.lease_id, now
-            self._confirm(self._keys(st)[lk.start:lk.start + reply.hits], now)
+            G = self._ngroups
+            lk.hits, lk.lease_id, lk.answered_at = reply.hits // G, reply.lease_id, now
+            self._confirm(self._daemon_keys(st)[0][lk.start * G:lk.start * G + reply.hits], now)
             self.stats.add("lookup_miss_blocks", max(0, limit - start - reply.hits))
         n = max(0, min(lk.start + lk.hits, limit) - start)
         if n == 0:
@@ -291,8 +325,7 @@ class KvoffdScheduler:
                       num_external_tokens, request.request_id)
             return
         start = st.offer_start
-        block_ids = list(blocks.get_block_ids()[0][start:start + n])
-        keys = self._keys(st)[start:start + n]
+        keys, block_ids = self._load_plan(st, blocks.get_block_ids(), start, n)
         job = next(self._job_ids)
         self._pending_loads.append(LoadSpec(request.request_id, job, keys, block_ids, lk.lease_id))
         self._unprefetch(lk)
@@ -301,10 +334,48 @@ class KvoffdScheduler:
         st.next_store = start + n
         self.stats.add("lookup_hit_blocks", n)
 
+    def _load_plan(self, st: _Req, tables: tuple[list[int], ...], start: int, n: int
+                   ) -> tuple[list[bytes], list[int]]:
+        """Blocks ``start..start+n`` of every group, except those vLLM keeps as the null block (a sliding
+        window's blocks before the window: nothing reads them, so nothing is loaded there)."""
+        G = self._ngroups
+        all_keys = self._daemon_keys(st)[0]
+        keys: list[bytes] = []
+        block_ids: list[int] = []
+        for i in range(start, start + n):
+            for g in range(G):
+                b = tables[g][i]
+                if b != NULL_BLOCK_ID:
+                    keys.append(all_keys[i * G + g])
+                    block_ids.append(b)
+        return keys, block_ids
+
+    def _windows_left(self, st: _Req, tables: tuple[list[int], ...] | None) -> None:
+        """Fence the store jobs still reading sliding-window blocks that vLLM has freed since (``tables``
+        None: the request is gone, all of its blocks are free)."""
+        live: list[tuple[int, int, int, int]] = []
+        for job, g, i, b in st.window_reads:
+            if job not in self._store_jobs:
+                continue  # acknowledged by every worker: nothing reads the block any more
+            if tables is None or i >= len(tables[g]) or tables[g][i] != b:
+                self._fence_jobs.add(job)
+            else:
+                live.append((job, g, i, b))
+        st.window_reads = live
+
     def build_connector_meta(self, so: SchedulerOutput) -> KvoffdMetadata:
         meta = KvoffdMetadata(loads=self._pending_loads, await_stores=self._await_stores,
                               preempted=sorted(so.preempted_req_ids or ()))
         self._pending_loads, self._await_stores = [], []
+        block_state = so.kv_connector_block_state
+        if self._window_groups:
+            # vLLM frees out-of-window blocks while scheduling this step, before this call.
+            for req_id in so.num_scheduled_tokens:
+                st = self._reqs.get(req_id)
+                if st is not None and st.window_reads:
+                    self._windows_left(st, block_state.get_block_ids(req_id) if block_state is not None else None)
+        if self._fence_jobs:
+            meta.fence_jobs, self._fence_jobs = sorted(self._fence_jobs), set()
         self._reap_orphans()
         linked = self.client is not None and self.client.connected
         if self.client is not None and not linked:
@@ -323,7 +394,7 @@ class KvoffdScheduler:
         fresh = {r.req_id for r in so.scheduled_new_reqs}
         fresh.update(getattr(so.scheduled_cached_reqs, "resumed_req_ids", None) or ())
         new_ids = {r.req_id: r.block_ids for r in so.scheduled_new_reqs}
-        block_state = so.kv_connector_block_state
+        job = 0
         keys: list[bytes] = []
         block_ids: list[int] = []
         req_ids: list[str] = []
@@ -342,29 +413,36 @@ class KvoffdScheduler:
             end = min(req.num_computed_tokens + n_sched, req.num_tokens)
             if not self.s.store_decode:
                 end = min(end, req.num_prompt_tokens)
-            all_keys = self._keys(st)
-            n_full = min(end // bs, len(all_keys))
+            all_keys, _ = self._daemon_keys(st)
+            G = self._ngroups
+            n_full = min(end // bs, len(all_keys) // G)
             if n_full <= st.next_store:
                 continue
             table = block_state.get_block_ids(req_id) if block_state is not None else new_ids.get(req_id)
             if not table:
                 continue
-            table0 = table[0]
-            n_full = min(n_full, len(table0))
+            n_full = min(n_full, *(len(t) for t in table[:G]))
             added = False
             for i in range(st.next_store, n_full):
-                k = all_keys[i]
-                if k in seen or self._is_known(k, now):
-                    continue
-                seen.add(k)
-                keys.append(k)
-                block_ids.append(table0[i])
-                added = True
+                for g in range(G):
+                    b = table[g][i]
+                    k = all_keys[i * G + g]
+                    # A null block is a sliding window's block vLLM already freed: its bytes are gone.
+                    if b == NULL_BLOCK_ID or k in seen or self._is_known(k, now):
+                        continue
+                    seen.add(k)
+                    keys.append(k)
+                    block_ids.append(b)
+                    added = True
+                    if g in self._window_groups:
+                        if not job:
+                            job = next(self._job_ids)
+                        st.window_reads.append((job, g, i, b))
             st.next_store = n_full
             if added:
                 req_ids.append(req_id)
         if keys:
-            job = next(self._job_ids)
+            job = job or next(self._job_ids)
             meta.store_job_id, meta.store_keys, meta.store_block_ids, meta.store_req_ids = job, keys, block_ids, req_ids
             self._store_jobs[job] = _StoreJob(keys, req_ids)
             for r in req_ids:
@@ -417,11 +495,17 @@ class KvoffdScheduler:
         for req_id in out.finished_sending or ():
             self._reqs.pop(req_id, None)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int] | tuple[list[int], ...]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the blocks vLLM frees unless we hold them (one list, or one per group with HMA)."""
         st = self._reqs.get(request.request_id)
         if st is None:
             return False, None
         self._drop_lookup(st)
+        if st.window_reads:
+            # vLLM already freed the blocks that left the window; the ones still listed are held below.
+            tables = tuple(block_ids) if block_ids and isinstance(block_ids[0], list) else None
+            self._windows_left(st, tables)
         if st.load_job:
             # vLLM itself holds the blocks until the load's finished_recving; a second hold via
             # finished_sending would free them twice. Stores from before a preemption were fenced.

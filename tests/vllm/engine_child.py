@@ -16,7 +16,7 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_helpers import close_llm, connector_of, drain, external_hits, generate, make_llm  # noqa: E402
+from engine_helpers import close_llm, connector_of, drain, external_hits, generate, make_llm, vllm_metric  # noqa: E402
 
 
 def main() -> None:
@@ -29,13 +29,14 @@ def main() -> None:
             outputs = generate(llm, prompts)
             hits = external_hits(llm)
             refused = None
+            loaded = vllm_metric(llm, "vllm:kvoffd_load_blocks")
             if hasattr(llm.llm_engine.engine_core, "engine_core"):  # in-process: step it ourselves
                 drain(llm)
                 refused = getattr(connector_of(llm), "refused", None)
         finally:
             close_llm(llm)
         print("RESULT " + json.dumps({"config": cfg, "outputs": outputs, "external_hits": hits,
-                                      "refused": refused}), flush=True)
+                                      "refused": refused, "load_blocks": loaded}), flush=True)
 
 
 if __name__ == "__main__":

@@ -40,35 +40,59 @@ def build_tiny_llama(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def _save(model, path: Path) -> Path:
-    model.save_pretrained(str(path), safe_serialization=True)
+#: The sliding window of the tiny sliding-window models: two 32-token blocks, so that a 200-token
+#: prefix leaves most of its blocks outside the window (vLLM frees them with HMA on).
+WINDOW = 64
+
+
+def build_tiny_gemma3(path: Path, seed: int = 0, sliding: int = 3, full: int = 1) -> Path:
+    """A Gemma-3-style text model: ``sliding`` sliding-window layers, then ``full`` full-attention layers.
+
+    3 + 1 gives 4 KV groups of one layer each; 5 + 2 gives groups of 2, 2, 1 sliding and 2 full layers
+    (uneven groups, as real Gemma-3 sizes get)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=sliding + full,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                           sliding_window=WINDOW,
+                           layer_types=["sliding_attention"] * sliding + ["full_attention"] * full,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    Gemma3ForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
     return path
 
 
 def build_tiny_mistral(path: Path, seed: int = 0) -> Path:
-    """A 2-layer random Mistral with a 128-token sliding window (shorter than the test prompts)."""
+    """A Mistral-style model whose every layer is a sliding window (one sliding KV group)."""
     import torch
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(seed)
     cfg = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=128,
-                        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                        sliding_window=WINDOW, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                         tie_word_embeddings=False)
-    return _save(MistralForCausalLM(cfg), path)
+    MistralForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
+    return path
 
 
-def build_tiny_gemma3(path: Path, seed: int = 0) -> Path:
-    """A 4-layer random Gemma-3 text model: 3 sliding-window (128) layers, then 1 full-attention layer."""
+def build_tiny_qwen3_next(path: Path, seed: int = 0) -> Path:
+    """A Qwen3-Next-style hybrid: 3 gated-delta-net (linear attention) layers, then 1 full-attention layer,
+    MoE MLPs. The CPU linear-attention kernel needs 128-wide heads; bf16 weights."""
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=128,
-                           layer_types=["sliding_attention"] * 3 + ["full_attention"],
-                           max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    return _save(Gemma3ForCausalLM(cfg), path)
+    cfg = Qwen3NextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                          linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=128,
+                          linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1,
+                          full_attention_interval=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(path), safe_serialization=True)
+    return path
 
 
 def build_tiny_mla(path: Path, seed: int = 0) -> Path:
@@ -84,7 +108,8 @@ def build_tiny_mla(path: Path, seed: int = 0) -> Path:
                            n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=64, num_experts_per_tok=2,
                            initializer_range=0.2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
                            pad_token_id=0, tie_word_embeddings=False)
-    return _save(DeepseekV2ForCausalLM(cfg), path)
+    DeepseekV2ForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
+    return path
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ For each architecture: greedy outputs with kvoffd equal those without it, cold, 
 ``reset_prefix_cache()`` (the second round loads from the daemon) and in a new engine process; and
 the test shows what the connector did: blocks really loaded where it offloads, or its refusal and the
 reason. ``docs/vllm.md`` (compatibility table) quotes these results. The Llama-style model is covered
-in test_connector_e2e.py.
+in test_connector_e2e.py; sliding-window and hybrid models (several KV groups, HMA on) in
+test_connector_hybrid.py.
 
 One engine at a time, each closed before the next (2 CI cores), and one child process for the
 new-engine phase of every architecture; the workload is the one of issue 12: a 300-token shared
@@ -23,8 +24,6 @@ from typing import Any
 
 import pytest
 from engine_helpers import (
-    build_tiny_gemma3,
-    build_tiny_mistral,
     build_tiny_mla,
     close_llm,
     connector_of,
@@ -48,8 +47,6 @@ class Arch:
 
 
 ARCHS = {
-    "mistral-swa": Arch(build_tiny_mistral, 32, None),
-    "gemma3": Arch(build_tiny_gemma3, 32, None),
     # vLLM's CPU platform turns prefix caching and chunked prefill off for MLA: its reference MLA
     # backend gives wrong tokens when prefilling over a cached prefix (issue 12), so kvoffd refuses.
     "deepseek-v2-mla": Arch(build_tiny_mla, 16, "prefix caching and chunked prefill both off"),

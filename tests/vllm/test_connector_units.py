@@ -147,3 +147,27 @@ def test_known_keys_are_forgotten_while_the_daemon_is_out_of_reach(tmp_path) -> 
     finally:
         sched.client.close()
         d.stop()
+
+
+def test_kv_groups_classify_and_refuse() -> None:
+    """Full and sliding groups are offloaded; a group whose blocks kvoffd cannot restore refuses the model."""
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+    from kvoffd_client.vllm.groups import GroupKind, UnsupportedGroups, group_key, kv_groups
+
+    kw = {"block_size": 32, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+
+    def cfg(*specs: object) -> SimpleNamespace:
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s, layer_names=[f"l{i}"])
+                                                for i, s in enumerate(specs)])
+
+    gs = kv_groups(cfg(SlidingWindowSpec(**kw, sliding_window=64), FullAttentionSpec(**kw)))
+    assert [(g.kind, g.window, g.layer_names) for g in gs] == [(GroupKind.SLIDING, 64, ("l0",)),
+                                                             (GroupKind.FULL, 0, ("l1",))]
+    with pytest.raises(UnsupportedGroups, match="ChunkedLocal"):
+        kv_groups(cfg(ChunkedLocalAttentionSpec(**kw, attention_chunk_size=64), FullAttentionSpec(**kw)))
+    with pytest.raises(UnsupportedGroups, match="block sizes"):
+        kv_groups(cfg(FullAttentionSpec(**kw), SlidingWindowSpec(**{**kw, "block_size": 64}, sliding_window=64)))
+    k = bytes(32)
+    assert len({group_key(k, 0), group_key(k, 1), k}) == 3 and group_key(k, 1) == group_key(bytes(32), 1)
