@@ -288,15 +288,20 @@ class Decoder:
         """T new tokens over S = start + T cached ones (q [T, H, D], k/v [S, Hk, D]) -> [T, H*D].
 
         The query heads sharing a KV head are stacked along the query axis (row r*T + i is head
-        kv*rep + r, token i: the same head -> KV head map as ``enable_gqa``), so this is plain
-        attention over Hk heads: no K/V expansion and no math-kernel fallback for a masked GQA call.
+        kv*rep + r, token i: the same head -> KV head map as ``enable_gqa``), and the few rows are
+        attended with two batched matmuls and a softmax, as a paged decode/prefill kernel does: K and
+        V are read once, no K/V expansion. (SDPA with a dense mask picked a cuDNN kernel that took
+        0.36 ms per layer at 16k on the H200, 12 of the 25 ms of a 16-token suffix.)
         ``mask`` [rep*T, S] (None for one token: it sees everything)."""
-        F = self.torch.nn.functional
+        torch = self.torch
         s = self.s
         T, rep = q.shape[0], s.heads // s.kv_heads
-        qg = q.view(T, s.kv_heads, rep, s.head_dim).permute(1, 2, 0, 3).reshape(1, s.kv_heads, rep * T, s.head_dim)
-        kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask)
+        qg = q.view(T, s.kv_heads, rep, s.head_dim).permute(1, 2, 0, 3).reshape(s.kv_heads, rep * T, s.head_dim)
+        kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [Hk, S, D]
+        scores = torch.bmm(qg, kh.transpose(1, 2)).float() * (s.head_dim ** -0.5)
+        if mask is not None:
+            scores.masked_fill_(~mask, float("-inf"))
+        o = torch.bmm(scores.softmax(-1).to(v.dtype), vh)  # [Hk, rep*T, D]
         return o.view(s.kv_heads, rep, T, s.head_dim).permute(2, 0, 1, 3).reshape(T, -1)
 
     def forward(self, tokens: Any, start: int, table: Any, cache: PagedKV, logits: bool = True) -> Any:
