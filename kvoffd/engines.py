@@ -48,6 +48,7 @@ class Conn:
     engines: set[str] = field(default_factory=set)
     jobs: set[int] = field(default_factory=set)  # client job ids in flight
     leases: set[int] = field(default_factory=set)
+    registering: int = 0  # REGISTERs being mapped: counted against the engine bound (pipelined ones too)
     leased_keys: int = 0  # entries its leases pin (bounded: MAX_LEASED_KEYS_PER_CONN)
     watched: bool = False  # registered with the PidWatcher
 

@@ -71,6 +71,7 @@ class FdServer:
         finally:
             os.umask(old)
         os.chmod(path, 0o600)
+        self._ino = os.lstat(path).st_ino  # removed at close only while it is still ours
         self._sock.listen(64)
         self._sock.setblocking(False)
 
@@ -95,8 +96,9 @@ class FdServer:
         for p in self._pending.values():
             os.close(p.fd)
         self._pending.clear()
-        try:
-            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+        try:  # not a newer daemon's socket that took the path over
+            st = os.lstat(self.path)
+            if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._ino:
                 os.unlink(self.path)
         except OSError:
             pass  # gone already

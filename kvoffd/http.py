@@ -37,7 +37,9 @@ async def start_http(daemon: Daemon, host: str, port: int) -> asyncio.AbstractSe
                 return  # refused: closed at once, so idle connections cannot eat the daemon's descriptors
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=HTTP_TIMEOUT_S)
             parts = head.split(b"\r\n", 1)[0].split()
-            method, path = (parts[0].decode(), parts[1].decode().split("?", 1)[0]) if len(parts) >= 2 else ("", "")
+            # latin-1 decodes any byte: a request line that is not UTF-8 is a 404, not a traceback
+            method, path = ((parts[0].decode("latin-1"), parts[1].decode("latin-1").split("?", 1)[0])
+                            if len(parts) >= 2 else ("", ""))
             route = routes.get(path)
             if method not in ("GET", "HEAD"):
                 status, ctype, body = 405, "text/plain", b"method not allowed\n"

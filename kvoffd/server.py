@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import socket
+import stat
 import time
 import uuid
 import zlib
@@ -131,6 +132,7 @@ class Daemon:
         self._guard: ListenerGuard | None = None
         self._listener: socket.socket | None = None  # the ZeroMQ listener's socket, owned here
         self._zmq_fd = -1  # libzmq's duplicate of it
+        self._socket_ino = 0  # the ipc socket file this daemon made (removed at stop only if still it)
         self._leased_keys = 0  # entries pinned by leases, all connections
         self._unread: dict[bytes, deque[tuple[zmq.MessageTracker, int]]] = {}  # big replies not yet sent
         self._unread_bytes = 0
@@ -166,6 +168,8 @@ class Daemon:
             if addr.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
         self._listener = open_listener(addr, LISTEN_BACKLOG)
+        if addr.startswith("ipc://"):
+            self._socket_ino = os.lstat(addr[6:]).st_ino
         if self._listener is not None:  # libzmq gets a duplicate: the guard can point it elsewhere
             self._zmq_fd = os.dup(self._listener.fileno())
             sock.setsockopt(zmq.USE_FD, self._zmq_fd)
@@ -186,21 +190,35 @@ class Daemon:
         remove_stale_socket(path)  # the ZeroMQ bind above proved no daemon serves this address
         self.fd_handover = FdServer(path)
 
+    def _unlink_own_socket(self, path: str) -> None:
+        """Remove our socket file, unless it is no longer ours: a newer daemon that took the path over
+        (after an operator removed ours) must not lose its socket when this one stops."""
+        try:
+            if os.lstat(path).st_ino == self._socket_ino:
+                os.unlink(path)
+        except OSError:
+            pass  # already gone (removed by an operator)
+
     @staticmethod
     def _prepare_ipc_path(path: str) -> None:
-        """Refuse a directory another user owns or can write (kvoffd.runtime); a live socket; clear a
-        stale one."""
+        """Refuse a directory another user owns or can write (kvoffd.runtime), a live socket, and a
+        path that is not a socket at all (never delete an operator's file); clear a stale socket."""
         ensure_private_dir(os.path.dirname(path) or ".")
-        if os.path.exists(path):
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(path)
-            except OSError:
-                os.unlink(path)  # a stale socket from a daemon that died
-            else:
-                raise AddressInUse(f"another daemon is serving on {path}")
-            finally:
-                probe.close()
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise AddressInUse(f"{path} exists and is not a socket; choose another --address")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # a stale socket from a daemon that died
+        else:
+            raise AddressInUse(f"another daemon is serving on {path}")
+        finally:
+            probe.close()
 
     # ------------------------------------------------------------------------------------------------
     # main loop
@@ -257,10 +275,7 @@ class Daemon:
             if self._listener is not None:
                 self._listener.close()
             if self.bound_address.startswith("ipc://"):
-                try:
-                    os.unlink(self.bound_address[6:])
-                except OSError:
-                    pass  # already gone (removed by an operator, or a new daemon took the path)
+                self._unlink_own_socket(self.bound_address[6:])
         log.info("kvoffd stopped")
 
     def _drain(self) -> None:
@@ -417,6 +432,7 @@ class Daemon:
                          fd_socket=self.fd_handover.path if self.fd_handover is not None else "")
 
     async def _register(self, conn: Conn, msg: P.Register) -> None:
+        conn.registering += 1
         try:
             reply = await self._do_register(conn, msg)
         except ProtocolError as e:
@@ -424,6 +440,8 @@ class Daemon:
             self.metrics.errors.labels(e.code.value).inc()
             log.warning("engine %s: registration refused: %s", msg.engine_id, e.message)
             reply = P.error_for(e)
+        finally:
+            conn.registering -= 1
         if conn.ident in self.conns:
             self._send(conn.ident, reply)
 
@@ -440,7 +458,7 @@ class Daemon:
         if old is not None and old.conn is not conn and old.conn.ident in self.conns:
             raise ProtocolError(ErrorCode.FOREIGN_ENGINE, f"engine {msg.engine_id!r} is registered by "
                                 "another live connection")
-        if old is None and len(conn.engines) >= MAX_ENGINES_PER_CONN:
+        if old is None and len(conn.engines) + conn.registering > MAX_ENGINES_PER_CONN:  # (this one included)
             raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_ENGINES_PER_CONN} engines per connection")
         if len(segments) > MAX_SEGMENTS:
             raise ProtocolError(ErrorCode.TOO_MANY, f"a block of {len(segments)} segments; at most {MAX_SEGMENTS}")
@@ -779,9 +797,14 @@ class Daemon:
                 e.pins += 1  # a pin, released by unpin when the copy ends
                 entries.append(e)
                 ok_idx.append(i)
-        if msg.lease_id:
+        if msg.lease_id and entries:
+            # A lease is consumed by a LOAD of blocks it holds: another connection may (the engine's
+            # worker, by design), but naming a lease id alone (no keys, or other keys) must not
+            # release someone else's lease (lease ids are sequential).
             lease = self.leases.get(msg.lease_id)
-            if lease is not None and lease.namespace == eng.namespace:
+            held = lease.by_rank.get(eng.rank) if lease is not None and lease.namespace == eng.namespace else None
+            first = entries[0]
+            if held and any(e is first for e in held):
                 self._drop_lease(msg.lease_id, eng.rank)
         if failed:
             self.metrics.misses.labels("absent").inc(len(failed))

@@ -96,3 +96,28 @@ def test_socket_directory_and_socket_are_private(make_daemon, tmp_path):
     finally:
         p.terminate()
         p.wait(10)
+
+
+def test_an_address_naming_a_regular_file_keeps_the_file(tmp_path):
+    """Issue 19 item 18: --address ipc://<an existing regular file> used to delete that file."""
+    d = tmp_path / "run"
+    d.mkdir(mode=0o700)
+    victim = d / "notes.txt"
+    victim.write_text("keep me")
+    r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", f"ipc://{victim}", "--metrics-address", "off",
+                        "--pool-size", "16MiB"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "not a socket" in r.stderr
+    assert victim.read_text() == "keep me"
+
+
+def test_stopping_an_old_daemon_keeps_a_newer_daemons_socket(make_daemon):
+    """Issue 19 item 19: an operator removed daemon A's socket and started B on the same path; A's
+    stop must not unlink B's socket."""
+    a = make_daemon("16MiB", name="same")
+    path = a.address[len("ipc://"):]
+    os.unlink(path)
+    os.unlink(path + ".fd")  # (the memfd hand-over socket beside it)
+    b = make_daemon("16MiB", name="same")
+    assert a.stop() == 0
+    assert os.path.exists(path) and os.path.exists(path + ".fd")
+    assert b.client().ping(timeout_s=5) >= 0

@@ -349,3 +349,17 @@ def test_prometheus_scrape_config_finds_the_pods():
     assert all(t.endswith(f":{Config().metrics_host_port[1]}") for t in static["static_configs"][0]["targets"])
 
 
+
+
+def test_a_request_line_that_is_not_utf8_is_a_404_without_a_traceback(make_daemon):
+    """Issue 19 item 17: any local user could make the daemon log a traceback per request."""
+    import socket
+
+    d = make_daemon("16MiB", name="http-bytes")
+    host, port = d.metrics_address.rsplit(":", 1)
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"GET /\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = s.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 404"), reply[:80]
+    assert "Traceback" not in d.log() and "HTTP request failed" not in d.log()

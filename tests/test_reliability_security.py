@@ -258,6 +258,29 @@ def test_a_lease_is_released_only_by_its_owner(daemon, peer_of, shm):
     assert all(e.get("pinned") for e in entries), "another connection released the owner's lease"
 
 
+def test_a_load_naming_a_lease_consumes_it_only_with_its_blocks(daemon, peer_of, shm):
+    """Issue 19 item 16: a zero-key LOAD (or one of other keys) naming someone else's lease id must not
+    release it; the worker's LOAD of the leased blocks does (another connection, by design)."""
+    owner, other = peer_of(daemon.address), peer_of(daemon.address)
+    a, b = shm(8, 4096, tag="lease-a"), shm(8, 4096, tag="lease-b")
+    assert _register(owner, "sec-lz-a", a, "sec-lz")["op"] == "registered"
+    assert _register(other, "sec-lz-b", b, "sec-lz")["op"] == "registered"
+    keys, others = chain_keys(4, b"sec-lz"), chain_keys(2, b"sec-lz-other")
+    a.fill(range(6), keys + others)
+    owner.send_msg(P.Store(engine_id="sec-lz-a", job_id=1, keys=keys + others, block_ids=range(6)))
+    assert owner.recv_until(lambda r: r.get("op") == "notice")[-1]["ok"]
+    lease = owner.ask(P.Lookup(namespace="sec-lz", keys=keys, lease_ms=60_000))["lease_id"]
+    assert lease
+    other.send_msg(P.Load(engine_id="sec-lz-b", job_id=2, keys=b"", block_ids=b"", lease_id=lease))
+    other.send_msg(P.Load(engine_id="sec-lz-b", job_id=3, keys=others, block_ids=[0, 1], lease_id=lease))
+    other.recv_until(lambda r: r.get("op") == "notice" and r.get("job_id") == 3)
+    assert daemon.client().stats()["leases"] >= 1
+    assert all(e.get("pinned") for e in daemon.client().explain("sec-lz", keys)), "a keyless LOAD took the lease"
+    other.send_msg(P.Load(engine_id="sec-lz-b", job_id=4, keys=keys[2:], block_ids=[4, 5], lease_id=lease))
+    assert other.recv_until(lambda r: r.get("op") == "notice" and r.get("job_id") == 4)[-1]["ok"]
+    assert not any(e.get("pinned") for e in daemon.client().explain("sec-lz", keys)), "the LOAD kept the lease"
+
+
 # --- per-connection bounds ---------------------------------------------------------------------------------
 
 
