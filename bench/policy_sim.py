@@ -15,6 +15,7 @@ are chosen on the first half, the second half shows they were not tuned to it.
 
     python bench/policy_sim.py [--trace PATH ...] [--capacities 500,1000,2000,4000,8000,16000,18000]
                                [--policies a,b] [--jobs 2] [--out results.json]
+    python bench/policy_sim.py --micro      # ns per block of each policy call path
 
 Output JSON: ``{trace: {part: {"capacities": [...], "block_hit_ratio": {policy: [...]},
 "unbounded": x, "seconds": {policy: s}}}}`` where part is ``all``, ``first_half``, ``second_half`` and
@@ -161,6 +162,44 @@ def table(res: dict) -> str:
     return "\n".join(rows)
 
 
+def micro(capacity: int = 100_000, blocks: int = 400_000) -> dict[str, dict[str, float]]:
+    """ns per block of each call path, for LRU and the default, on a full tier of ``capacity`` blocks:
+    ``store`` = admit + victim + on_insert of a new block (a chain, so parents are present), ``access``
+    = on_access of a resident block (a LOAD's unpin), ``lookup_miss`` = on_lookup_miss per key."""
+    out: dict[str, dict[str, float]] = {}
+    for name in ("lru", DEFAULT_POLICY):
+        pol = factories()[name](capacity)
+        keys = [i.to_bytes(32, "little") for i in range(2 * blocks)]  # 32-byte keys, as the daemon's
+        for k in keys[:capacity]:  # fill it
+            pol.admit(k, True)
+            pol.on_insert(k, None)
+        res: dict[str, float] = {}
+        offered = keys[capacity:capacity + blocks]
+        t0 = time.perf_counter_ns()
+        for i, k in enumerate(offered):
+            if pol.admit(k, True):
+                if len(pol) >= capacity:
+                    pol.victim()
+                pol.on_insert(k, offered[i - 1] if i else None)
+        res["store"] = (time.perf_counter_ns() - t0) / blocks
+        for k in offered:  # offered twice: the default admits on the second request
+            if pol.admit(k, True):
+                if len(pol) >= capacity:
+                    pol.victim()
+                pol.on_insert(k, None)
+        hot = offered[-capacity // 2:]
+        t0 = time.perf_counter_ns()
+        for _ in range(blocks // len(hot)):
+            for k in hot:
+                pol.on_access(k)
+        res["access"] = (time.perf_counter_ns() - t0) / (blocks // len(hot) * len(hot))
+        t0 = time.perf_counter_ns()
+        pol.on_lookup_miss(offered)
+        res["lookup_miss"] = (time.perf_counter_ns() - t0) / blocks
+        out[name] = res
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", type=Path, action="append", help="Mooncake-format jsonl (repeatable)")
@@ -169,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help="all,first_half,second_half")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--micro", action="store_true", help="only the per-block cost of each call path")
     a = ap.parse_args(argv)
+    if a.micro:
+        for name, res in micro().items():
+            print(f"{name}: " + ", ".join(f"{k} {v:.0f} ns/block" for k, v in res.items()))
+        return 0
     caps = [int(x) for x in a.capacities.split(",") if x.strip()]
     names = [n for n in a.policies.split(",") if n] or list(factories())
     unknown = set(names) - set(factories())

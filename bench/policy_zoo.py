@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from kvoffd.cache_policy import AdaptiveDoorkeeper, Key
+from kvoffd.cache_policy import AdaptiveDoorkeeper, GuardedDoorkeeper, Key
 
 
 class _Base:
@@ -136,10 +136,9 @@ class TwoQueue(_Base):
             self._seen.popitem(last=False)
 
     def admit(self, key: Key, parent_present: bool) -> bool:
-        if self._seen.pop(key, 0) is None:
-            if parent_present:
-                self._promote.add(key)
-                return True
+        if self._seen.pop(key, 0) is None and parent_present:  # asked for again
+            self._promote.add(key)
+            return True
         if parent_present and self._pc >= 1:
             return True
         self._ghost(key)
@@ -397,11 +396,11 @@ def zoo() -> dict[str, type | object]:
         "doorkeeper": Doorkeeper,
         "tail-first-lru": TailFirstLRU,
         "2q-0.05": lambda c: TwoQueue(c, 0.05),
-        "2q-0.25": lambda c: TwoQueue(c, 0.25),
         "2q-0.5": lambda c: TwoQueue(c, 0.5),
         "s3-fifo": S3FIFO,
         "arc": ARC,
         "w-tinylfu": WTinyLFU,
         "w-tinylfu-0.2": lambda c: WTinyLFU(c, 0.2),
         "adaptive-doorkeeper": AdaptiveDoorkeeper,
+        "guarded-doorkeeper": GuardedDoorkeeper,
     }
