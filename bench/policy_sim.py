@@ -62,8 +62,7 @@ def simulate(trace: T.Trace, policy: EvictionPolicy, capacity: int) -> T.Tally:
                 break
             h += 1
         t.hits.append(h)
-        if h < len(ids):
-            policy.on_lookup_miss(ids[h:])
+        policy.on_lookup_miss(ids[h:])
         for b in ids[:h]:
             policy.on_access(b)
         rest = ids[h:]

@@ -7,13 +7,18 @@ are a fixed multiple of it), so the same policy can sit in front of a DRAM pool 
 
 How the index drives a policy (the order ``bench/policy_sim.py`` replays, and kvoffd/index.py's today):
 
-* LOOKUP: ``on_lookup_miss(keys)`` with the keys past the hit prefix (a hint; may be skipped).
+* LOOKUP: ``on_lookup_miss(keys)`` with the keys past the hit prefix, on every LOOKUP (empty when
+  all hit): the default takes it as the start of a request for its shadows' prefix accounting.
 * LOAD done: ``on_access(key)`` for each loaded block, in key order.
 * STORE: ``on_access(key)`` for each named key already resident; then, for each key not resident, in
   key order, ``admit(key, parent_present)`` (``parent_present``: the previous key of the prefix is
   resident or admitted earlier in this STORE, or the key is a prefix's first); for each slot it needs,
-  ``victim()``; then ``on_insert(key, parent)`` for each block it really placed.
+  ``victim()``; then ``on_insert(key, parent)`` for each block it really placed, and
+  ``on_remove(key)`` for each admitted key that found no room (dropped from the end).
 * A block dropped for any other reason (CLEAR, found corrupt): ``on_remove(key)``.
+
+A refused ``admit`` means the STORE skips that block: no slot, no copy (the index reports it as
+dropped, as it does a block that finds no room).
 
 ``victim()`` hands a key over: the policy forgets it at once (it may remember it in a ghost list). An
 index that cannot evict that key (pinned by a LOAD or a lease) keeps it and gives it back with
@@ -23,8 +28,12 @@ used, as kvoffd/index.py puts skipped pinned entries back as most recently used 
 Policies:
 
 * :class:`LRU` — what kvoffd does today (kvoffd/index.py), as a policy: admits everything.
-* :class:`AdaptiveDoorkeeper` — the default (docs/benchmarks.md, "Admission and eviction policy",
-  has every policy tried, at every capacity, on the conversation trace and on synthetic traces).
+* :class:`AdaptiveDoorkeeper` — admits a block on its second request; a probation segment for
+  first-time blocks is sized by ghost hits.
+* :class:`GuardedDoorkeeper` — the default: the adaptive doorkeeper, turned into plain LRU while a
+  sampled LRU shadow beats a sampled doorkeeper shadow. docs/benchmarks.md ("Admission and
+  eviction policies") has every policy tried, at every capacity, on the conversation trace and on
+  synthetic traces; bench/policy_sim.py reproduces it.
 """
 
 from __future__ import annotations
@@ -256,8 +265,12 @@ class GuardedDoorkeeper(AdaptiveDoorkeeper):
     Miniature Simulations", USENIX ATC'17) on a hash-sampled share of the keys (``rate``, at least
     ``min_sample`` blocks of capacity): an :class:`LRU` and an :class:`AdaptiveDoorkeeper`, each at
     the sampled capacity and each fed every request of a sampled key (a hit becomes ``on_access``, a
-    miss ``admit`` + ``victim`` + ``on_insert``). Their hits decay by half every ``period`` sampled
-    requests; while the LRU shadow leads, ``lru_mode`` admits every block straight to protected.
+    miss ``admit`` + ``victim`` + ``on_insert``). A shadow counts a hit only until its first miss in
+    the request (``on_lookup_miss`` starts one): a hit behind a missing block is no prefix hit, and
+    LRU, which evicts a prefix's head first, would otherwise be credited with those. Their hits
+    decay by half every ``period`` sampled requests; while the LRU shadow leads, ``lru_mode`` admits
+    every block straight to protected (the switch is made for whole periods only, so it does not
+    flap).
 
     Cost: one multiply and mask per block, plus the shadows' work on the sampled share (1/16 at large
     capacities); memory: two sampled policies, about 2 x ``rate`` of this one's.
@@ -265,7 +278,7 @@ class GuardedDoorkeeper(AdaptiveDoorkeeper):
 
     name = "guarded-doorkeeper"
 
-    def __init__(self, capacity: int, rate: float = 1 / 16, min_sample: int = 512, period: int = 4096,
+    def __init__(self, capacity: int, rate: float = 1 / 16, min_sample: int = 512, period: int = 16384,
                  margin: float = 1.0, **kw):
         super().__init__(capacity, **kw)
         bits = 0  # the sampled share is 1/2**bits: down to ``rate``, keeping min_sample blocks of capacity
@@ -275,18 +288,29 @@ class GuardedDoorkeeper(AdaptiveDoorkeeper):
         small = max(1, capacity >> bits)
         self._shadows = (LRU(small), AdaptiveDoorkeeper(small, **kw))
         self._shadow_hits = [0.0, 0.0]
+        self._broken = [False, False]  # this request already missed a sampled block in that shadow
         self._sampled = 0
         self._period = period
         self._margin = margin
+        self._bits = bits
+
+    def set_capacity(self, capacity: int) -> None:
+        super().set_capacity(capacity)
+        small = max(1, capacity >> self._bits)
+        self._shadows[0].capacity = small
+        self._shadows[1].set_capacity(small)
 
     def _sampled_request(self, key: Key) -> None:
         for i, sh in enumerate(self._shadows):
             if key in sh:
                 sh.on_access(key)
-                self._shadow_hits[i] += 1
-            elif sh.admit(key, True):
-                if len(sh) >= sh.capacity:
-                    sh.victim()
+                if not self._broken[i]:  # a hit behind a missing block is no prefix hit
+                    self._shadow_hits[i] += 1
+                continue
+            self._broken[i] = True
+            if sh.admit(key, True):
+                while len(sh) >= sh.capacity and sh.victim() is not None:
+                    pass
                 sh.on_insert(key, None)
         self._sampled += 1
         if self._sampled >= self._period:
@@ -294,6 +318,9 @@ class GuardedDoorkeeper(AdaptiveDoorkeeper):
             lru, door = self._shadow_hits
             self.lru_mode = lru > door * self._margin
             self._shadow_hits = [lru / 2, door / 2]
+
+    def on_lookup_miss(self, keys: Iterable[Key]) -> None:
+        self._broken = [False, False]  # a new request
 
     def admit(self, key: Key, parent_present: bool) -> bool:
         if not (hash(key) * _MIX & _M64) >> 58 & self._mask:
