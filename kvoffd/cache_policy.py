@@ -126,6 +126,10 @@ class AdaptiveDoorkeeper:
     * **prefix-aware admission**: a block whose parent is absent is refused (it can never be a
       leading hit), and while the cache still has free slots every block with its parent is admitted
       (refusing then would only lose hits).
+    * **tail-first eviction**: the blocks a request used are refreshed when the next request starts
+      (or a victim is needed), deepest first, so a prefix's head stays more recent than its tail and
+      protected gives up chains from the tail (LRU refreshes in key order and evicts the head first,
+      leaving the rest resident and unreachable).
 
     Memory: at most capacity tracked keys + ``ghost_factor`` × capacity + capacity ghost keys.
     """
@@ -152,6 +156,7 @@ class AdaptiveDoorkeeper:
         self._pending = 0  # first-time blocks admitted into free slots, insert pending
         self.refused = 0  # admissions refused (a refused store costs no copy)
         self.lru_mode = False  # admit every block straight to protected: plain LRU (GuardedDoorkeeper sets it)
+        self._touched: list[Key] = []  # protected keys used by this request, refreshed deepest first
         self._sizes()
 
     def _sizes(self) -> None:
@@ -176,8 +181,20 @@ class AdaptiveDoorkeeper:
 
     # --- events -------------------------------------------------------------------------------------
     def on_lookup_miss(self, keys: Iterable[Key]) -> None:
-        """Unused: the STORE that follows a miss offers the same keys, and counting both would admit a
-        block on its first request."""
+        """A new request: refresh the last one's blocks. (The keys themselves are not counted: the STORE
+        that follows a miss offers the same keys, and counting both would admit a block on its first
+        request.)"""
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Make the blocks a request used most recently used, its deepest first, so that a prefix's head
+        is always more recent than its tail and eviction takes chains from the tail (a block is
+        worthless once its parent is gone; in key order LRU evicts the head first)."""
+        touched, prot = self._touched, self._protected
+        for key in reversed(touched):
+            if key in prot:
+                prot.move_to_end(key)
+        touched.clear()
 
     def admit(self, key: Key, parent_present: bool) -> bool:
         seen = self._seen.pop(key, None)
@@ -214,6 +231,7 @@ class AdaptiveDoorkeeper:
         if key in self._promote:
             self._promote.discard(key)
             self._protected[key] = None
+            self._touched.append(key)
         else:
             self._probation[key] = None
             if self._pending:
@@ -223,9 +241,11 @@ class AdaptiveDoorkeeper:
         if key in self._probation:
             del self._probation[key]
         self._protected[key] = None  # also re-tracks a handed-back victim
-        self._protected.move_to_end(key)
+        self._touched.append(key)
 
     def victim(self) -> Key | None:
+        if self._touched:
+            self._refresh()
         self._pending = 0  # evicting: the cache is full, no free slot is pending
         if self._probation and (len(self._probation) >= self.target or not self._protected):
             key = self._probation.popitem(last=False)[0]
@@ -321,6 +341,7 @@ class GuardedDoorkeeper(AdaptiveDoorkeeper):
 
     def on_lookup_miss(self, keys: Iterable[Key]) -> None:
         self._broken = [False, False]  # a new request
+        super().on_lookup_miss(keys)
 
     def admit(self, key: Key, parent_present: bool) -> bool:
         if not (hash(key) * _MIX & _M64) >> 58 & self._mask:

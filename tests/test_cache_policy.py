@@ -82,6 +82,21 @@ def test_a_victim_is_forgotten_and_a_pinned_one_comes_back_on_access(cls):
     assert len(p) == 1
 
 
+@pytest.mark.parametrize("cls", [AdaptiveDoorkeeper, GuardedDoorkeeper])
+def test_a_prefix_is_evicted_from_its_tail(cls):
+    """A LOAD refreshes a chain in key order; the policy still evicts its deepest block first (LRU
+    evicts the head, leaving the rest resident but unreachable)."""
+    for p, first in ((cls(3), "c"), (LRU(3), "a")):
+        for k, parent in (("a", None), ("b", "a"), ("c", "b")):
+            assert p.admit(k, True)
+            p.on_insert(k, parent)
+        p.on_lookup_miss([])
+        for k in "abc":  # the LOAD of the whole prefix ends
+            p.on_access(k)
+        p.on_lookup_miss(["d"])  # the next request
+        assert p.victim() == first
+
+
 def test_ghost_memory_is_bounded_by_capacity():
     p = AdaptiveDoorkeeper(100)
     for i in range(20_000):
