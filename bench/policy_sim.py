@@ -161,40 +161,69 @@ def table(res: dict) -> str:
     return "\n".join(rows)
 
 
-def micro(capacity: int = 100_000, blocks: int = 400_000) -> dict[str, dict[str, float]]:
-    """ns per block of each call path, for LRU and the default, on a full tier of ``capacity`` blocks:
-    ``store`` = admit + victim + on_insert of a new block (a chain, so parents are present), ``access``
-    = on_access of a resident block (a LOAD's unpin), ``lookup_miss`` = on_lookup_miss per key."""
+def _offer(pol: EvictionPolicy, keys: Sequence[bytes], capacity: int) -> None:
+    """``keys`` as one STORE's new blocks, in the index's order: admit each, then the victims for all,
+    then insert each."""
+    taken = [k for k in keys if pol.admit(k, True)]
+    for _ in range(len(pol) + len(taken) - capacity):
+        pol.victim()
+    prev = None
+    for k in taken:
+        pol.on_insert(k, prev)
+        prev = k
+
+
+def micro(capacity: int = 100_000, blocks: int = 200_000, request: int = 64) -> dict[str, dict[str, float]]:
+    """Per-block cost of each call path, for LRU and the default, on a full tier of ``capacity`` blocks
+    with 32-byte keys (the daemon's): ``store_first`` = a new block's first request (the default
+    refuses it), ``store_again`` = its second (admitted: admit + victim + on_insert), ``access`` =
+    on_access of a resident block (a LOAD ends), ``lookup`` = on_lookup_miss per LOOKUP of ``request``
+    keys (ns per call), ``bytes_per_block`` = the policy's memory (tracemalloc) per block of capacity
+    once its ghosts are full."""
+    import gc
+    import tracemalloc
+
     out: dict[str, dict[str, float]] = {}
+    keys = [i.to_bytes(32, "little") for i in range(capacity + 2 * blocks)]
     for name in ("lru", DEFAULT_POLICY):
+        gc.collect()
+        tracemalloc.start()
         pol = factories()[name](capacity)
-        keys = [i.to_bytes(32, "little") for i in range(2 * blocks)]  # 32-byte keys, as the daemon's
-        for k in keys[:capacity]:  # fill it
-            pol.admit(k, True)
-            pol.on_insert(k, None)
-        res: dict[str, float] = {}
-        offered = keys[capacity:capacity + blocks]
+        for rounds in (keys[:capacity], keys[capacity + blocks:]):  # asked for twice, ghosts full
+            _offer(pol, rounds, capacity)
+            _offer(pol, rounds, capacity)
+        res: dict[str, float] = {"bytes_per_block": tracemalloc.get_traced_memory()[0] / capacity}
+        tracemalloc.stop()
+        del pol
+        gc.collect()
+        pol = factories()[name](capacity)
+        _offer(pol, keys[:capacity], capacity)
+        _offer(pol, keys[:capacity], capacity)  # asked for twice: resident under every policy
+        for label, batch in (("store_first", keys[capacity:capacity + blocks]),
+                             ("store_again", keys[capacity:capacity + blocks])):
+            t0 = time.perf_counter_ns()
+            for a in range(0, len(batch), request):
+                pol.on_lookup_miss(())
+                _offer(pol, batch[a:a + request], capacity)
+            res[label] = (time.perf_counter_ns() - t0) / len(batch)
+        _offer(pol, keys[capacity + blocks:], capacity)
+        _offer(pol, keys[capacity + blocks:], capacity)
+        hot = keys[capacity + 2 * blocks - capacity // 2:]
         t0 = time.perf_counter_ns()
-        for i, k in enumerate(offered):
-            if pol.admit(k, True):
-                if len(pol) >= capacity:
-                    pol.victim()
-                pol.on_insert(k, offered[i - 1] if i else None)
-        res["store"] = (time.perf_counter_ns() - t0) / blocks
-        for k in offered:  # offered twice: the default admits on the second request
-            if pol.admit(k, True):
-                if len(pol) >= capacity:
-                    pol.victim()
-                pol.on_insert(k, None)
-        hot = offered[-capacity // 2:]
+        n = 0
+        while n < blocks:
+            for a in range(0, len(hot), request):
+                pol.on_lookup_miss(())
+                for k in hot[a:a + request]:
+                    pol.on_access(k)
+            n += len(hot)
+        if hasattr(pol, "victim"):
+            pol.victim()  # the default's deferred refresh is part of the cost
+        res["access"] = (time.perf_counter_ns() - t0) / n
         t0 = time.perf_counter_ns()
-        for _ in range(blocks // len(hot)):
-            for k in hot:
-                pol.on_access(k)
-        res["access"] = (time.perf_counter_ns() - t0) / (blocks // len(hot) * len(hot))
-        t0 = time.perf_counter_ns()
-        pol.on_lookup_miss(offered)
-        res["lookup_miss"] = (time.perf_counter_ns() - t0) / blocks
+        for _ in range(10_000):
+            pol.on_lookup_miss(())
+        res["lookup_ns_per_call"] = (time.perf_counter_ns() - t0) / 10_000
         out[name] = res
     return out
 
@@ -211,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.micro:
         for name, res in micro().items():
-            print(f"{name}: " + ", ".join(f"{k} {v:.0f} ns/block" for k, v in res.items()))
+            print(f"{name}: " + ", ".join(f"{k} {v:.0f}" for k, v in res.items()))
         return 0
     caps = [int(x) for x in a.capacities.split(",") if x.strip()]
     names = [n for n in a.policies.split(",") if n] or list(factories())

@@ -156,7 +156,8 @@ class AdaptiveDoorkeeper:
         self._pending = 0  # first-time blocks admitted into free slots, insert pending
         self.refused = 0  # admissions refused (a refused store costs no copy)
         self.lru_mode = False  # admit every block straight to protected: plain LRU (GuardedDoorkeeper sets it)
-        self._touched: list[Key] = []  # protected keys used by this request, refreshed deepest first
+        self._touched: list[Key] = []  # protected keys used since the last refresh, in call order
+        self._cuts = [0]  # where each request's keys start in _touched
         self._sizes()
 
     def _sizes(self) -> None:
@@ -181,20 +182,31 @@ class AdaptiveDoorkeeper:
 
     # --- events -------------------------------------------------------------------------------------
     def on_lookup_miss(self, keys: Iterable[Key]) -> None:
-        """A new request: refresh the last one's blocks. (The keys themselves are not counted: the STORE
-        that follows a miss offers the same keys, and counting both would admit a block on its first
-        request.)"""
-        self._refresh()
+        """A new request begins: O(1), so a LOOKUP costs the policy nothing per key. (The keys are not
+        counted: the STORE that follows a miss offers the same keys, and counting both would admit a
+        block on its first request.)"""
+        n = len(self._touched)
+        if n and self._cuts[-1] != n:
+            self._cuts.append(n)
+            if n > self.capacity:  # bounded even while nothing is evicted
+                self._refresh()
 
     def _refresh(self) -> None:
-        """Make the blocks a request used most recently used, its deepest first, so that a prefix's head
-        is always more recent than its tail and eviction takes chains from the tail (a block is
-        worthless once its parent is gone; in key order LRU evicts the head first)."""
+        """Make the blocks each request used most recently used, its deepest first, requests in order,
+        so that a prefix's head is always more recent than its tail and eviction takes chains from the
+        tail (a block is worthless once its parent is gone; in key order LRU evicts the head first).
+        Deferred to the next ``victim`` (order matters only then): amortized O(1) per block, on the
+        STORE path."""
         touched, prot = self._touched, self._protected
-        for key in reversed(touched):
-            if key in prot:
-                prot.move_to_end(key)
+        cuts = self._cuts
+        cuts.append(len(touched))
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            for i in range(b - 1, a - 1, -1):
+                key = touched[i]
+                if key in prot:
+                    prot.move_to_end(key)
         touched.clear()
+        self._cuts = [0]
 
     def admit(self, key: Key, parent_present: bool) -> bool:
         seen = self._seen.pop(key, None)
