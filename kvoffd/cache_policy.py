@@ -273,9 +273,12 @@ class AdaptiveDoorkeeper:
         return key
 
     def on_remove(self, key: Key) -> None:
-        self._probation.pop(key, None)
-        self._protected.pop(key, None)
-        self._promote.discard(key)
+        if self._probation.pop(key, 0) is None or self._protected.pop(key, 0) is None:
+            return
+        if key in self._promote:
+            self._promote.discard(key)
+        elif self._pending:  # a first-time block admitted into a free slot that it did not get
+            self._pending -= 1
 
     def _remember(self, key: Key) -> None:
         self._seen[key] = self._first_serial
