@@ -28,6 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvoffd_client import protocol as P
 from kvoffd_client.fdpass import FdRefused, UntrustedSocket, check_socket_path, send_fd
 from kvoffd_client.liveness import DaemonProcess
+from kvoffd_client.paths import default_auth_token_file
 
 log = logging.getLogger("kvoffd_client")
 
@@ -51,21 +52,13 @@ MAX_RECV_FRAME = 4 * P.MAX_FRAME_BYTES
 REFUSED_RETRY_S = 1.0
 
 
-def _runtime_dir() -> str:
-    """The daemon's default runtime directory (kvoffd.config.runtime_dir; the client cannot import it)."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
-        return os.path.join(xdg, "kvoffd")
-    return f"/tmp/kvoffd-{os.getuid()}"
-
-
 def read_auth_token() -> str:
     """The token a tcp:// daemon asks for: $KVOFFD_AUTH_TOKEN, else the file $KVOFFD_AUTH_TOKEN_FILE,
     else <runtime dir>/auth-token (the daemon's default). Empty when none is readable."""
     token = os.environ.get("KVOFFD_AUTH_TOKEN", "")
     if token:
         return token.strip()
-    path = os.environ.get("KVOFFD_AUTH_TOKEN_FILE") or os.path.join(_runtime_dir(), "auth-token")
+    path = os.environ.get("KVOFFD_AUTH_TOKEN_FILE") or default_auth_token_file()
     try:
         with open(path, encoding="ascii") as f:
             return f.read(4096).strip()

@@ -11,6 +11,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from kvoffd_client.paths import default_auth_token_file, runtime_dir
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
 LOOPBACK = "127.0.0.1"
@@ -40,19 +42,8 @@ def format_size(n: float) -> str:
     return f"{n} B"
 
 
-def runtime_dir() -> str:
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
-        return os.path.join(xdg, "kvoffd")
-    return f"/tmp/kvoffd-{os.getuid()}"
-
-
 def default_address() -> str:
     return f"ipc://{os.path.join(runtime_dir(), 'kvoffd.sock')}"
-
-
-def default_auth_token_file() -> str:
-    return os.path.join(runtime_dir(), "auth-token")
 
 
 def default_pool_size() -> int:

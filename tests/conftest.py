@@ -53,3 +53,20 @@ def engines() -> Iterator:
     yield make
     for e in made:
         e.close()
+
+
+@pytest.fixture
+def shm() -> Iterator:
+    """Engine memory made the way the connector makes it (a sealed memfd), closed after the test."""
+    from reliability_util import ShmEngine
+
+    made: list[ShmEngine] = []
+
+    def make(*a, **kw) -> ShmEngine:
+        e = ShmEngine(*a, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()

@@ -26,7 +26,7 @@ import sys
 import pytest
 import zmq
 from kvtest import ROOT, chain_keys, start_daemon, wait_until
-from reliability_util import RawPeer, ShmEngine, anyone_maps, fd_count, maps_mention, record, wire_memory
+from reliability_util import RawPeer, anyone_maps, fd_count, maps_mention, record, wire_memory
 
 from kvoffd.fdserver import MAX_PENDING_PER_PID
 from kvoffd_client import protocol as P
@@ -37,20 +37,6 @@ from kvoffd_client.handles import create_sealed_memfd
 NOBODY = 65534
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
-
-
-@pytest.fixture
-def shm():
-    made: list[ShmEngine] = []
-
-    def make(*a, **kw) -> ShmEngine:
-        e = ShmEngine(*a, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
 
 
 def _free_port() -> int:

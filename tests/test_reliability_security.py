@@ -51,20 +51,6 @@ def peer_of():
         p.close()
 
 
-@pytest.fixture
-def shm():
-    made: list[ShmEngine] = []
-
-    def make(*a, **kw) -> ShmEngine:
-        e = ShmEngine(*a, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-
-
 def _register(peer: RawPeer, engine_id: str, eng: ShmEngine, namespace: str = "sec", **kw) -> dict:
     return peer.ask(P.Register(engine_id=engine_id, namespace=namespace, memory=eng.memory, layout=eng.layout,
                                **kw))
