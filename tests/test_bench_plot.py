@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-pytest.importorskip("matplotlib")
 spec = importlib.util.spec_from_file_location("bench_plot", ROOT / "bench" / "plot.py")
 plot = importlib.util.module_from_spec(spec)
 sys.modules["bench_plot"] = plot
