@@ -1,15 +1,15 @@
 """docs/vllm.md's quick test, run as a user runs it: `vllm serve` over HTTP with the connector.
 
 The steps come from the docs' quick-test block itself (the `vllm serve` command line, its
-environment and its `--kv-transfer-config`; only the model path, socket and port are this test's),
-so the docs cannot drift from what CI proves: build the tiny model with bench/make_tiny_model.py,
-start a daemon, start `vllm serve`, wait for /health and for the engine's registration, send a
-prompt, reset vLLM's prefix cache, send it again. The answers must be identical and the daemon's
-`kvoffd_loaded_blocks_total` must rise by the prompt's full blocks: the repeat was served by loads
-from the daemon, not by vLLM's own prefix cache (issue 19: without the reset, or with a reset that
-404s, the daemon counts hits while loading nothing).
+environment, its `--kv-transfer-config`, the prompt and the request; only the model path, socket and
+port are this test's), so the docs cannot drift from what CI proves: build the tiny model with
+bench/make_tiny_model.py, start a daemon, start `vllm serve`, wait for /health and for the engine's
+registration, send a prompt, reset vLLM's prefix cache, send it again. The answers must be
+identical and the daemon's `kvoffd_loaded_blocks_total` must rise by the prompt's full blocks: the
+repeat was served by loads from the daemon, not by vLLM's own prefix cache (issue 19: without the
+reset, or with a reset that 404s, the daemon counts hits while loading nothing).
 
-One server start (~25 s on 2 idle cores); the timeouts are generous for a loaded CI machine.
+One server start (25 to 60 s on 2 cores); the timeouts are generous for a loaded CI machine.
 """
 
 from __future__ import annotations
@@ -77,6 +77,14 @@ def doc_prompt() -> list[int]:
     return list(eval(code, {"__builtins__": {"range": range}}))  # noqa: S307 - our own docs
 
 
+def doc_request(model: str, prompt: list[int]) -> dict[str, Any]:
+    """The quick test's completion request (``REQ='...'``), with its prompt and model filled in."""
+    m = re.search(r"""^REQ='(.*)'$""", quick_test_block(), re.M)
+    body = json.loads(m.group(1).replace("""'"$PROMPT"'""", json.dumps(prompt)))
+    assert body["model"] == "/tmp/tiny-llama"
+    return {**body, "model": model}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,6 +118,11 @@ def _healthy(base: str) -> bool:
         return True
     except (OSError, urllib.error.URLError):
         return False
+
+
+def _vllm_metric(base: str, name: str) -> float:
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -156,8 +169,8 @@ def test_docs_quick_test_loads_blocks_through_vllm_serve(tmp_path: Path) -> None
         _wait(lambda: bool(d.stats()["engines"]), 60, "the engine's registration with kvoffd", proc, log)
 
         prompt = doc_prompt()
-        req = {"model": str(model), "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-               "return_token_ids": True}
+        req = doc_request(str(model), prompt)
+        assert req["return_token_ids"] and req["temperature"] == 0
         first = _http(f"{base}/v1/completions", req)["choices"][0]["token_ids"]
         assert len(first) == 8
 
@@ -171,6 +184,10 @@ def test_docs_quick_test_loads_blocks_through_vllm_serve(tmp_path: Path) -> None
         assert second == first
         full_blocks = (len(prompt) - 1) // BLOCK  # never the block holding the prompt's last token
         assert loaded == full_blocks == 6, f"{loaded} blocks loaded by the repeat"
+        # vLLM's own view, as the docs list it (its counters arrive with the engine's stats: poll)
+        _wait(lambda: _vllm_metric(base, "vllm:kvoffd_load_blocks_total") == full_blocks
+              and _vllm_metric(base, "vllm:external_prefix_cache_hits_total") == full_blocks * BLOCK,
+              60, "vLLM's load counters", proc, log)
     finally:
         _stop(proc)
         d.stop()
