@@ -6,6 +6,7 @@ answered "not yet" (``(None, False)``) until its reply is in; an unreachable dae
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -223,6 +224,18 @@ class KvoffdScheduler:
                     self.client.forget(seq)
                 del self._orphans[seq]
 
+    def _log_miss(self, st: _Req, first: int, end: int) -> None:
+        """At DEBUG, name a lookup's missed keys so an operator can ask the daemon why
+        (``kvoffctl explain``, docs/operations.md): the first key that missed and the last key asked,
+        in hex. Only called with debug logging on: no hex work on the scheduler's step otherwise."""
+        keys = self._daemon_keys(st)[0]
+        if first >= min(end, len(keys)) or self.identity is None:
+            return
+        ns, a, b = self.identity.namespace, keys[first].hex(), keys[min(end, len(keys)) - 1].hex()
+        log.debug("kvoffd: request %s missed %d of its lookup's keys; first missed key %s, last key %s "
+                  "(kvoffctl explain --namespace %s %s %s)", st.request.request_id,
+                  min(end, len(keys)) - first, a, b, ns, a, b)
+
     def _send_lookup(self, st: _Req, start: int, limit: int, now: float, prefetch: bool = False) -> bool:
         assert self.client is not None and self.identity is not None
         keys, all_packed = self._daemon_keys(st)
@@ -304,6 +317,8 @@ class KvoffdScheduler:
             lk.hits, lk.lease_id, lk.answered_at = reply.hits // G, reply.lease_id, now
             self._confirm(self._daemon_keys(st)[0][lk.start * G:lk.start * G + reply.hits], now)
             self.stats.add("lookup_miss_blocks", max(0, limit - start - reply.hits))
+            if log.isEnabledFor(logging.DEBUG):
+                self._log_miss(st, lk.start * G + reply.hits, limit * G)
         n = max(0, min(lk.start + lk.hits, limit) - start)
         if n == 0:
             self._drop_lookup(st)

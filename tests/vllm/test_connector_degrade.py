@@ -123,9 +123,11 @@ def test_daemon_sigkilled_while_loading(tiny_model: str, reference: list[list[in
 
 def test_preemption_fences_in_flight_stores(tiny_model: str, tmp_path: Path) -> None:
     """A KV cache of 9 usable blocks for 4 requests needing 17 (48 tokens each): vLLM preempts and
-    reuses the victims' blocks at once. Every store is kept in flight ~50 ms (the daemon is paused), so preemptions find stores
-    still reading the freed blocks; the fence waits for them. The stored blocks are then loaded back
-    and the outputs match: nothing was overwritten under a store."""
+    reuses the victims' blocks at once. The daemon is held (SIGSTOP) from the first store until the
+    worker is told of a preemption, so the preempted request's stores are certainly still in flight
+    when the fence runs (a 50 ms pause per store used to race the next step on a loaded machine:
+    ``fence_waits`` 0). The daemon is released only then, and the fence waits for its answers. The
+    stored blocks are then loaded back and the outputs match: nothing was overwritten under a store."""
     plain = make_llm(tiny_model)
     try:
         reference = generate(plain, PROMPTS, max_tokens=48)
@@ -134,27 +136,42 @@ def test_preemption_fences_in_flight_stores(tiny_model: str, tmp_path: Path) -> 
     d = Daemon(tmp_path).start()
     llm = make_llm(tiny_model, d.address, kv_bytes=10 * 2 * 16384, max_model_len=256,
                    extra={"kvoffd_prefetch_lookups": False})
+    held = threading.Event()  # the daemon is stopped
+    released = threading.Event()  # ... and was let go at the first preemption (or at the end)
     try:
         worker = _worker()
         real_save, real_fence = worker.wait_for_save, worker.handle_preemptions
         preemptions: list[list[str]] = []
+        in_flight_at_preemption: list[int] = []
 
-        def slow_daemon_save(meta: Any) -> None:
+        def hold_daemon_after_store(meta: Any) -> None:
             real_save(meta)
-            if meta.store_job_id and d.proc is not None:
-                os.kill(d.proc.pid, signal.SIGSTOP)
-                threading.Timer(0.05, os.kill, (d.proc.pid, signal.SIGCONT)).start()
+            if meta.store_job_id and not held.is_set() and d.proc is not None:
+                os.kill(d.proc.pid, signal.SIGSTOP)  # every store from now on stays in flight
+                held.set()
 
         def fence(meta: Any) -> None:
             if meta.preempted:
                 preemptions.append(list(meta.preempted))
+                if held.is_set() and not released.is_set():
+                    # The worker has not consumed a notice since the hold, so the preempted
+                    # request's stores are still in flight: the fence below must wait for them.
+                    in_flight_at_preemption.append(len(worker._stores))
+                    released.set()
+                    os.kill(d.proc.pid, signal.SIGCONT)
             real_fence(meta)
 
-        worker.wait_for_save, worker.handle_preemptions = slow_daemon_save, fence
-        out = generate(llm, PROMPTS, max_tokens=48)
-        worker.wait_for_save, worker.handle_preemptions = real_save, real_fence
+        worker.wait_for_save, worker.handle_preemptions = hold_daemon_after_store, fence
+        try:
+            out = generate(llm, PROMPTS, max_tokens=48)
+        finally:
+            worker.wait_for_save, worker.handle_preemptions = real_save, real_fence
+            if held.is_set() and not released.is_set():
+                released.set()
+                os.kill(d.proc.pid, signal.SIGCONT)
         drain(llm)
         assert preemptions, "the workload did not preempt"
+        assert in_flight_at_preemption and in_flight_at_preemption[0] > 0, "the daemon was not held"
         assert worker.stats.lifetime.get("fence_waits", 0) >= 1
         assert worker.stats.lifetime.get("fence_timeouts", 0) == 0
         assert out == reference

@@ -112,6 +112,64 @@ def test_lookup_sends_a_slice_of_the_packed_keys_up_to_the_first_negative(daemon
         sched.client.close()
 
 
+def test_a_miss_logs_its_keys_at_debug_for_kvoffctl_explain(daemon) -> None:
+    """docs/operations.md's runbook takes a missed request's keys from the connector's debug log and
+    passes them to ``kvoffctl explain``: the line must be there at DEBUG (and only then), name the
+    namespace and the keys in hex, and the command it shows must run against the daemon."""
+    import logging
+    import os
+    import time
+
+    from kvoffd_client.client import KvoffdClient
+    from kvoffd_client.vllm.common import Settings
+    from kvoffd_client.vllm.scheduler import KvoffdScheduler
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("vllm.kvoffd")
+    handler, level = Collect(), logger.level
+    logger.addHandler(handler)
+    sched = KvoffdScheduler(Settings(address=daemon.address, prefetch_lookups=False), None, 1, "units")
+    sched.identity = SimpleNamespace(namespace="units-miss-log", hashes_per_block=1, block_size=16)
+    sched.enabled = True
+    sched.client = KvoffdClient(daemon.address, heartbeat=False)
+    hashes = [bytes([0xA0 + i]) * 32 for i in range(6)]
+
+    def lookup(req_id: str) -> None:
+        req = SimpleNamespace(request_id=req_id, block_hashes=hashes, num_tokens=6 * 16 + 1)
+        deadline = time.monotonic() + 10
+        while sched.get_num_new_matched_tokens(req, 0)[0] is None:
+            assert time.monotonic() < deadline, "no lookup answer"
+            time.sleep(0.01)
+
+    try:
+        assert sched.client.connect(10)
+        logger.setLevel(logging.INFO)
+        lookup("quiet")
+        assert not [m for m in lines if "missed" in m], "logged without debug on"
+        logger.setLevel(logging.DEBUG)
+        lookup("r1")
+        line = next(m for m in lines if "request r1 missed" in m)
+        assert hashes[0].hex() in line and hashes[5].hex() in line and "6 of" in line
+        cmd = line[line.index("(kvoffctl ") + 1:-1].split()
+        assert cmd[:4] == ["kvoffctl", "explain", "--namespace", "units-miss-log"]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        out = subprocess.run([sys.executable, "-m", "kvoffd.ctl", "--address", daemon.address, "--json",
+                              *cmd[1:]], capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0, out.stderr
+        import json
+
+        assert len(json.loads(out.stdout)) == 2  # one answer per key from the log
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        sched.client.close()
+
+
 def test_known_keys_are_forgotten_while_the_daemon_is_out_of_reach(tmp_path) -> None:
     """The scheduler does not store again keys the daemon recently confirmed. A daemon out of reach
     may come back restarted and empty, and the scheduler's client may learn of the restart only after
