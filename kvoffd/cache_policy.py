@@ -290,6 +290,19 @@ _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads consecutive ids (a chain
 _M64 = (1 << 64) - 1
 
 
+def _sample_hash(key: Key) -> int:
+    """A hash of ``key`` that is the same in every process, for the shadows' sample: Python's hash of
+    bytes changes with each process (PYTHONHASHSEED) and an object's with its address, so the daemon
+    would sample other keys on every run and could not be replayed against bench/policy_sim.py. The
+    index's keys are ``(table, 32-byte key)`` and the key bytes are already a hash: their first 8
+    bytes are used; an int (a trace's hash id) is its own hash."""
+    if type(key) is tuple:
+        key = key[-1]
+    if type(key) is bytes:
+        return int.from_bytes(key[:8], "little")
+    return hash(key)
+
+
 class GuardedDoorkeeper(AdaptiveDoorkeeper):
     """The default: an :class:`AdaptiveDoorkeeper` that turns into plain LRU while LRU would do better.
 
@@ -359,12 +372,12 @@ class GuardedDoorkeeper(AdaptiveDoorkeeper):
         super().on_lookup_miss(keys)
 
     def admit(self, key: Key, parent_present: bool) -> bool:
-        if not (hash(key) * _MIX & _M64) >> 58 & self._mask:
+        if not (_sample_hash(key) * _MIX & _M64) >> 58 & self._mask:
             self._sampled_request(key)
         return super().admit(key, parent_present)
 
     def on_access(self, key: Key) -> None:
-        if not (hash(key) * _MIX & _M64) >> 58 & self._mask:
+        if not (_sample_hash(key) * _MIX & _M64) >> 58 & self._mask:
             self._sampled_request(key)
         super().on_access(key)
 

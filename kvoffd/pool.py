@@ -116,6 +116,15 @@ class Pool:
         per_chunk = self.chunk_bytes // slot_bytes
         return per_chunk * self._usable_chunks
 
+    def slots_held(self, slot_bytes: int) -> int:
+        """How many slots of this size the pool can hold now without draining another size's chunk:
+        its chunks plus the free usable ones (an eviction policy's capacity)."""
+        slab = self._slabs.get(slot_bytes)
+        mine = len(slab.chunks) if slab is not None else 0
+        heap = self._free_chunks
+        free = len(heap) if self._usable_chunks == self.num_chunks else sum(1 for c in heap if c < self._usable_chunks)
+        return (self.chunk_bytes // slot_bytes) * (mine + free)
+
     # --- allocation ---------------------------------------------------------------------------------
     def alloc(self, slot_bytes: int, n: int) -> list[int]:
         """Up to ``n`` free slot offsets of ``slot_bytes``; fewer when the pool is full (caller evicts).
