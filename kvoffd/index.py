@@ -172,7 +172,7 @@ class Index:
             if self.policy != LRU.name:
                 pol = self._policies.get(slot_bytes)
                 if pol is None:
-                    pol = self._policies[slot_bytes] = make_policy(self.policy, self.pool.slots_held(slot_bytes))
+                    pol = self._policies[slot_bytes] = make_policy(self.policy, self.pool.slots_share(slot_bytes))
                 if pol not in ns.policies:
                     ns.policies.append(pol)
         return t
@@ -274,7 +274,7 @@ class Index:
         """Ask the policy about each new key, in key order: (admitted, refused) indices. A key's parent
         is present when the key before it is stored (or being stored) or admitted just now; the
         first key of a STORE counts as having its parent (the engine stores what follows a hit)."""
-        cap = self.pool.slots_held(table.slot_bytes)
+        cap = self.pool.slots_share(table.slot_bytes)
         if cap != pol.capacity:
             pol.set_capacity(cap)  # this slot size's share of the pool moved
         entries = table.entries
