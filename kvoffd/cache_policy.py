@@ -5,7 +5,8 @@ The index owns the blocks (slots, pins, visibility); a policy only decides *whic
 OrderedDict operations in C, no scans), and a policy's memory is bounded by its capacity (ghost lists
 are a fixed multiple of it), so the same policy can sit in front of a DRAM pool or a disk tier.
 
-How the index drives a policy (the order ``bench/policy_sim.py`` replays, and kvoffd/index.py's today):
+How the index drives a policy (the order ``bench/policy_sim.py`` replays; kvoffd/index.py with
+``--eviction-policy``; the index passes no keys to ``on_lookup_miss``, which no policy here reads):
 
 * LOOKUP: ``on_lookup_miss(keys)`` with the keys past the hit prefix, on every LOOKUP (empty when
   all hit): the default takes it as the start of a request for its shadows' prefix accounting.
