@@ -201,7 +201,8 @@ def plot_hit_ratio(data: dict[str, Any], out: str) -> str:
     fig, ax = plt.subplots(figsize=(8, 5))
     markers = "os^vDP*X"
     for i, (name, hs) in enumerate(data["policies"].items()):
-        ax.plot(caps, [h * 100 for h in hs], marker=markers[i % len(markers)], lw=2, label=name)
+        label = f"daemon ({data['daemon_policy']})" if name == "daemon" and data.get("daemon_policy") else name
+        ax.plot(caps, [h * 100 for h in hs], marker=markers[i % len(markers)], lw=2, label=label)
     ax.axhline(data["unbounded"] * 100, color=COLORS["ceiling"], ls="--", lw=1.5,
                label=f"unbounded pool ({data['unbounded'] * 100:.1f}%)")
     if caps[-1] / caps[0] >= 10:

@@ -29,18 +29,28 @@ Next to the daemon the bench computes, on the same trace and in pure Python:
   says it is no longer a bound.)
 * **unbounded** — every block ever stored stays.
 
+``--policy`` picks the daemon's ``--eviction-policy`` (default: the daemon's default). For ``lru`` the
+daemon is checked against the exact LRU model above; for any other policy against
+bench/policy_sim.py's simulation of that same policy (kvoffd/cache_policy.py, driven in the daemon's
+call order, on the daemon's own 32-byte keys so that a sampling policy samples the same blocks), at
+the capacity the daemon held: per-request hits, stored, no-op, evicted and dropped blocks must all be
+equal. A refused admission is reported in the STORE's notice (``not_admitted``) and counted in
+``admission_refused_blocks``. The ``lru`` line of the table and plot is always the LRU model.
+
 Hits are leading resident blocks (what vLLM can use). Block hit ratio = hit blocks / blocks asked
 for; token hit ratio = hit tokens / input tokens, where a hit covering a request's partial last
 block counts its ``input_length`` (min(hits × 512, input_length)).
 
     python bench/trace_replay.py [--trace PATH] [--capacities 1000,2000,4000,8000] [--block-bytes 4096]
-                                 [--out results.json] [--plot hit_ratio.png] [--realtime] [--no-verify]
+                                 [--policy guarded-doorkeeper] [--out results.json] [--plot hit_ratio.png]
+                                 [--realtime] [--no-verify]
 
 Output JSON (``--out``; bench/plot.py reads it; lists are in ``capacities`` order)::
 
     {
       "trace": "mooncake_conversation_trace",   # the trace file's stem
       "block_tokens": 512,
+      "daemon_policy": "guarded-doorkeeper",    # the daemon's --eviction-policy (its line is "daemon")
       "capacities": [1000, 2000, 4000, 8000],   # asked-for capacities, in blocks
       "policies": {                             # block hit ratio per capacity
         "daemon": [...], "lru": [...], "optimum": [...]
@@ -78,13 +88,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "tests"):
+for p in (ROOT, ROOT / "tests", ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
 from kvtest import DaemonProc, start_daemon  # noqa: E402
 from reliability_util import ShmEngine  # noqa: E402
 
+from kvoffd.cache_policy import DEFAULT_POLICY, POLICIES, make_policy  # noqa: E402
 from kvoffd_client.client import KvoffdClient  # noqa: E402
 
 BLOCK_TOKENS = 512
@@ -362,7 +373,7 @@ class Replayer:
         if not got:
             raise RuntimeError(f"job {job}: no notice within {JOB_TIMEOUT_S} s")
         n = got[0]
-        if n.failed and n.code not in ("pool_full",):
+        if n.failed and n.code not in ("pool_full", "not_admitted"):
             raise RuntimeError(f"job {job} failed: {n.code} {n.message} ({len(n.failed)} blocks)")
         return list(n.failed)
 
@@ -394,11 +405,11 @@ class Replayer:
 
 
 def replay_daemon(trace: Trace, geo: PoolGeometry, keys: dict[int, bytes], verify: bool,
-                  realtime: bool) -> DaemonRun:
+                  realtime: bool, policy: str = DEFAULT_POLICY) -> DaemonRun:
     """The trace through a fresh daemon whose pool is ``geo``; its STATS counters at the end."""
     tmp = tempfile.mkdtemp(prefix="kvoffd-trace-")
     d: DaemonProc = start_daemon(f"ipc://{tmp}/kvoffd.sock", str(geo.pool_bytes), "--log-level", "warning",
-                                  "--backend", "cpu")
+                                  "--backend", "cpu", "--eviction-policy", policy)
     eng = None
     try:
         client = d.client(name="trace-replay", timeout_s=30.0, job_deadline_s=JOB_TIMEOUT_S)
@@ -440,29 +451,44 @@ def measured_capacity(run: DaemonRun, geo: PoolGeometry) -> int:
     return geo.expected_blocks
 
 
-def agreement(trace: Trace, run: DaemonRun, lru: Tally) -> list[str]:
-    """Every way the daemon's counters disagree with the bench's own count and with the LRU model."""
+def simulate_policy(trace: Trace, keys: dict[int, bytes], policy: str, capacity: int) -> Tally:
+    """bench/policy_sim.py's simulation of ``policy`` at ``capacity``, on the daemon's 32-byte keys (a
+    sampling policy hashes the key: on the hash ids it would sample other blocks than the daemon)."""
+    import policy_sim
+
+    keyed = Trace(trace.name, [Request(r.timestamp_ms, r.input_tokens, tuple(keys[b] for b in r.hash_ids))
+                               for r in trace.requests])
+    return policy_sim.simulate(keyed, make_policy(policy, capacity), capacity)
+
+
+def agreement(trace: Trace, run: DaemonRun, model: Tally, name: str = "lru") -> list[str]:
+    """Every way the daemon's counters disagree with the bench's own count and with the policy's model
+    (``name``: the exact LRU model, or bench/policy_sim.py's simulation of the daemon's policy)."""
     c, t = run.counters, run.tally
     hits = sum(t.hits)
+    refused = c.get("admission_refused_blocks", 0)
     checks = {
         "lookups": (c["lookups"], len(trace.requests)),
         "lookup_hit_blocks": (c["lookup_hit_blocks"], hits),
         "lookup_miss_blocks": (c["lookup_miss_blocks"], trace.asked_blocks - hits),
         "loaded_blocks": (c["loaded_blocks"], run.loaded),
-        "dropped_stores": (c["dropped_stores"], t.dropped),
-        "stored+noop+dropped": (c["stored_blocks"] + c["store_noop_blocks"] + c["dropped_stores"],
-                                trace.asked_blocks - hits),
-        "hit_blocks vs lru model": (hits, sum(lru.hits)),
-        "stored_blocks vs lru model": (c["stored_blocks"], lru.stored),
-        "store_noop_blocks vs lru model": (c["store_noop_blocks"], lru.noop),
-        "evicted_blocks vs lru model": (c["evicted_blocks"], lru.evicted),
+        "dropped_stores+admission_refused": (c["dropped_stores"] + refused, t.dropped),
+        "stored+noop+dropped+refused": (c["stored_blocks"] + c["store_noop_blocks"] + c["dropped_stores"] + refused,
+                                        trace.asked_blocks - hits),
+        f"hit_blocks vs {name} model": (hits, sum(model.hits)),
+        f"stored_blocks vs {name} model": (c["stored_blocks"], model.stored),
+        f"store_noop_blocks vs {name} model": (c["store_noop_blocks"], model.noop),
+        f"evicted_blocks vs {name} model": (c["evicted_blocks"], model.evicted),
+        f"dropped_stores vs {name} model": (c["dropped_stores"], model.dropped),
         "loaded blocks with wrong bytes": (run.bad_bytes, 0),
     }
-    out = [f"{name}: daemon {a} != bench {b}" for name, (a, b) in checks.items() if a != b]
-    if t.hits != lru.hits:
-        first = next(i for i, (a, b) in enumerate(zip(t.hits, lru.hits, strict=True)) if a != b)
+    if name == "lru":
+        checks["admission_refused_blocks"] = (refused, 0)
+    out = [f"{label}: daemon {a} != bench {b}" for label, (a, b) in checks.items() if a != b]
+    if t.hits != model.hits:
+        first = next(i for i, (a, b) in enumerate(zip(t.hits, model.hits, strict=True)) if a != b)
         out.append(f"per-request hits differ first at request {first}: daemon {t.hits[first]}, "
-                   f"lru model {lru.hits[first]}")
+                   f"{name} model {model.hits[first]}")
     return out
 
 
@@ -474,6 +500,7 @@ def agreement(trace: Trace, run: DaemonRun, lru: Tally) -> list[str]:
 class Result:
     trace: str
     block_tokens: int
+    daemon_policy: str
     capacities: list[int]
     policies: dict[str, list[float]]
     token_policies: dict[str, list[float]]
@@ -505,7 +532,7 @@ def plot(res: Result, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    styles = {"daemon": ("o-", "kvoffd daemon"), "lru": ("x--", "LRU (simulated)"),
+    styles = {"daemon": ("o-", f"kvoffd daemon ({res.daemon_policy})"), "lru": ("x--", "LRU (simulated)"),
               "optimum": ("s-", "optimum (Belady MIN)")}
     for name, ratios in res.policies.items():
         fmt, label = styles.get(name, ("-", name))
@@ -527,7 +554,7 @@ def plot(res: Result, path: Path) -> None:
 
 
 def run(trace: Trace, capacities: Sequence[int], block_bytes: int, verify: bool = True,
-        realtime: bool = False, parallel: int = 1, log=print) -> Result:
+        realtime: bool = False, parallel: int = 1, log=print, policy: str = DEFAULT_POLICY) -> Result:
     """Replay and simulate at every capacity; raises AssertionError if the daemon and the bench disagree.
 
     Each capacity gets its own daemon; ``parallel`` of them replay at once (the replay waits on
@@ -538,7 +565,7 @@ def run(trace: Trace, capacities: Sequence[int], block_bytes: int, verify: bool 
     keys = {b: block_key(b) for r in trace.requests for b in r.hash_ids}
     geos = {cap: pool_geometry(cap, block_bytes) for cap in capacities}
     with ThreadPoolExecutor(max(1, parallel)) as ex:
-        runs = dict(zip(capacities, ex.map(lambda c: replay_daemon(trace, geos[c], keys, verify, realtime),
+        runs = dict(zip(capacities, ex.map(lambda c: replay_daemon(trace, geos[c], keys, verify, realtime, policy),
                                            capacities), strict=True))
     unb = simulate_unbounded(trace)
     pol: dict[str, list[float]] = {"daemon": [], "lru": [], "optimum": []}
@@ -552,9 +579,12 @@ def run(trace: Trace, capacities: Sequence[int], block_bytes: int, verify: bool 
             log(f"WARNING: asked for {cap} blocks, the daemon held {held} (slot {geo.slot_bytes} B, "
                 f"pool {geo.pool_bytes} B)")
         lru = simulate_lru(trace, cap)
-        model = lru if held == cap else simulate_lru(trace, held)
+        if policy == "lru":
+            model = lru if held == cap else simulate_lru(trace, held)
+        else:
+            model = simulate_policy(trace, keys, policy, held)
         opt = simulate_optimum(trace, cap)
-        bad = agreement(trace, d, model)
+        bad = agreement(trace, d, model, policy)
         if chained and opt.noop:  # the argument that makes it a bound on prefix hits has failed
             bad.append(f"optimum kept {opt.noop} blocks resident behind a missing parent")
         problems += [f"capacity {cap}: {b}" for b in bad]
@@ -568,7 +598,7 @@ def run(trace: Trace, capacities: Sequence[int], block_bytes: int, verify: bool 
         log(f"capacity {cap}: daemon {pol['daemon'][-1]:.2%} lru {pol['lru'][-1]:.2%} "
             f"optimum {pol['optimum'][-1]:.2%} ({d.seconds:.1f} s replay)"
             + ("" if not bad else f"  MISMATCH: {'; '.join(bad)}"))
-    res = Result(trace.name, BLOCK_TOKENS, list(capacities), pol, tok, unb.block_ratio(trace),
+    res = Result(trace.name, BLOCK_TOKENS, policy, list(capacities), pol, tok, unb.block_ratio(trace),
                  unb.token_ratio(trace), counters)
     if problems:
         raise AssertionError("the daemon's counters disagree with the bench:\n  " + "\n  ".join(problems))
@@ -586,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-verify", dest="verify", action="store_false",
                     help="skip filling stored blocks and checking loaded bytes")
     ap.add_argument("--parallel", type=int, default=4, help="daemons replaying at once (one per capacity)")
+    ap.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                    help=f"the daemon's --eviction-policy (default {DEFAULT_POLICY})")
     a = ap.parse_args(argv)
     capacities = [int(x) for x in a.capacities.split(",") if x.strip()]
     trace = load_trace(a.trace)
@@ -593,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(set(b for r in trace.requests for b in r.hash_ids)):,} distinct", flush=True)
     t0 = time.monotonic()
     res = run(trace, capacities, a.block_bytes, a.verify, a.realtime, a.parallel,
-              log=lambda s: print(s, flush=True))
+              log=lambda s: print(s, flush=True), policy=a.policy)
     print(table(res))
     print(f"daemon and bench agree at every capacity; wall time {time.monotonic() - t0:.1f} s")
     if a.out:

@@ -5,7 +5,8 @@ The index owns the blocks (slots, pins, visibility); a policy only decides *whic
 OrderedDict operations in C, no scans), and a policy's memory is bounded by its capacity (ghost lists
 are a fixed multiple of it), so the same policy can sit in front of a DRAM pool or a disk tier.
 
-How the index drives a policy (the order ``bench/policy_sim.py`` replays, and kvoffd/index.py's today):
+How the index drives a policy (the order ``bench/policy_sim.py`` replays; kvoffd/index.py with
+``--eviction-policy``; the index passes no keys to ``on_lookup_miss``, which no policy here reads):
 
 * LOOKUP: ``on_lookup_miss(keys)`` with the keys past the hit prefix, on every LOOKUP (empty when
   all hit): the default takes it as the start of a request for its shadows' prefix accounting.
@@ -290,6 +291,19 @@ _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads consecutive ids (a chain
 _M64 = (1 << 64) - 1
 
 
+def _sample_hash(key: Key) -> int:
+    """A hash of ``key`` that is the same in every process, for the shadows' sample: Python's hash of
+    bytes changes with each process (PYTHONHASHSEED) and an object's with its address, so the daemon
+    would sample other keys on every run and could not be replayed against bench/policy_sim.py. The
+    index's keys are ``(table, 32-byte key)`` and the key bytes are already a hash: their first 8
+    bytes are used; an int (a trace's hash id) is its own hash."""
+    if type(key) is tuple:
+        key = key[-1]
+    if type(key) is bytes:
+        return int.from_bytes(key[:8], "little")
+    return hash(key)
+
+
 class GuardedDoorkeeper(AdaptiveDoorkeeper):
     """The default: an :class:`AdaptiveDoorkeeper` that turns into plain LRU while LRU would do better.
 
@@ -359,12 +373,12 @@ class GuardedDoorkeeper(AdaptiveDoorkeeper):
         super().on_lookup_miss(keys)
 
     def admit(self, key: Key, parent_present: bool) -> bool:
-        if not (hash(key) * _MIX & _M64) >> 58 & self._mask:
+        if not (_sample_hash(key) * _MIX & _M64) >> 58 & self._mask:
             self._sampled_request(key)
         return super().admit(key, parent_present)
 
     def on_access(self, key: Key) -> None:
-        if not (hash(key) * _MIX & _M64) >> 58 & self._mask:
+        if not (_sample_hash(key) * _MIX & _M64) >> 58 & self._mask:
             self._sampled_request(key)
         super().on_access(key)
 

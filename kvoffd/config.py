@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from kvoffd.cache_policy import DEFAULT_POLICY, POLICIES
 from kvoffd_client.paths import default_auth_token_file, runtime_dir
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
@@ -107,6 +108,7 @@ class Config:
     copy_threads: int = 0  # CPU copy threads (0: min(4, cores))
     verify: bool = False  # per-block checksums (integrity mode)
     auth_token_file: str = field(default_factory=default_auth_token_file)  # tcp:// clients must send it
+    eviction_policy: str = DEFAULT_POLICY  # admission/eviction of the pool (kvoffd/cache_policy.py)
 
     @property
     def metrics_host_port(self) -> tuple[str, int] | None:
@@ -128,6 +130,8 @@ _FLAGS = [
     ("copy_threads", str, "Threads for CPU copies (0: min(4, cores)). Default: 0"),
     ("auth_token_file", str, "With a tcp:// address: the 0600 file holding the token clients must send in "
                              "HELLO (created at first start). Default: <runtime dir>/auth-token"),
+    ("eviction_policy", str, f"Admission and eviction of the pool's blocks: {', '.join(sorted(POLICIES))}. "
+                             f"Default: {DEFAULT_POLICY} (docs/benchmarks.md, trace replay)"),
 ]
 
 
@@ -174,6 +178,8 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
             cfg.copy_threads = int(str(raw["copy_threads"]))
         if "auth_token_file" in raw:
             cfg.auth_token_file = str(raw["auth_token_file"])
+        if "eviction_policy" in raw:
+            cfg.eviction_policy = str(raw["eviction_policy"]).lower()
         for flag in ("allow_remote", "verify"):
             if flag in raw:
                 v = raw[flag]
@@ -184,6 +190,9 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         raise ConfigError(f"--log-level must be debug, info, warning or error, got {cfg.log_level!r}")
     if cfg.backend not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--backend must be auto, cpu or cuda, got {cfg.backend!r}")
+    if cfg.eviction_policy not in POLICIES:
+        raise ConfigError(f"--eviction-policy must be one of {', '.join(sorted(POLICIES))}, "
+                          f"got {cfg.eviction_policy!r}")
     if not 0.5 <= cfg.engine_timeout_s <= 3600:
         raise ConfigError("--engine-timeout must be between 0.5 and 3600 seconds")
     if not 0 <= cfg.copy_threads <= 256:

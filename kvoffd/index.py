@@ -1,9 +1,15 @@
-"""The index: (namespace, rank, key) -> slot, with LRU eviction, pins and visibility.
+"""The index: (namespace, rank, key) -> slot, with an admission/eviction policy, pins and visibility.
 
 Rules it keeps (docs/architecture.md):
   * an entry is visible to LOOKUP/LOAD only once its copy completed (``ready``);
   * a pinned entry (read by a LOAD, or held by a lease) is never evicted nor overwritten;
   * ready entries sit in their slot size's LRU list; eviction is O(1) per block and skips pinned ones;
+  * with a policy other than ``lru`` (``--eviction-policy``, kvoffd/cache_policy.py), one policy per
+    slot size replaces that list: it is asked ``admit`` for each new key of a STORE (a refused key
+    gets no slot and no copy) and ``victim()`` for each slot needed, and told every other event in
+    the order its module docstring gives. ``Entry.in_lru`` then means "tracked by the policy";
+    policy keys are ``(table, key)``. ``lru`` keeps the list below, step for step as before
+    policies existed (bench/trace_replay.py checks it against an exact model);
   * CLEAR unlinks entries at once; a slot still being copied is freed when its job ends;
   * a slot size below its fair share of the pool takes a chunk from the one furthest above it,
     evicting that chunk's unpinned entries a bounded number per store (``_reclaim``).
@@ -13,11 +19,14 @@ Everything here runs on the event loop thread; nothing blocks.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from itertools import takewhile
 
+from kvoffd.cache_policy import LRU, EvictionPolicy, make_policy
 from kvoffd.pool import Pool
 from kvoffd_client.protocol import KEY_SIZE, split_keys
 
@@ -27,6 +36,8 @@ _PICK_CHUNKS = 4  # candidate chunks compared (the least recently allocated from
 _PICK_CHECK = 2  # candidates scanned for pins (a scan costs one dict probe per slot of the chunk)
 _DRAIN_SCAN = 8 * RECLAIM_BUDGET  # slots of the draining chunk looked at per store
 DRAIN_PATIENCE_S = 30.0  # a drain stuck on pinned entries this long is given up (the connector leases 30 s)
+
+log = logging.getLogger(__name__)
 
 
 class Run:
@@ -97,6 +108,18 @@ class Namespace:
     world_size: int
     tables: dict[int, Table] = field(default_factory=dict)  # rank -> table
     layouts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # rank -> segment lengths
+    policies: list[EvictionPolicy] = field(default_factory=list)  # its tables' slot sizes' policies, once each
+
+
+@dataclass
+class StorePlan:
+    """What a STORE will do (``Index.plan``): indices into its keys."""
+
+    want: list[int]  # to copy, into ``slots``
+    slots: list[int]
+    present: int  # already stored (or being stored)
+    dropped: list[int]  # admitted, but no room (from the end)
+    refused: list[int]  # refused by the admission policy: no slot, no copy
 
 
 class Index:
@@ -104,8 +127,11 @@ class Index:
     do it inline: lookups with leases pin thousands of blocks per step); eviction skips pinned entries
     it meets and ``unpin`` puts them back as most recently used."""
 
-    def __init__(self, pool: Pool):
+    def __init__(self, pool: Pool, policy: str = LRU.name):
         self.pool = pool
+        self.policy = policy
+        make_policy(policy, 0)  # ValueError for an unknown name, before any engine comes
+        self._policies: dict[int, EvictionPolicy] = {}  # slot_bytes -> policy (none for lru: the list below)
         self.namespaces: dict[str, Namespace] = {}
         self._lru: dict[int, OrderedDict[Entry, None]] = {}  # slot_bytes -> ready entries, oldest first
         self.evicted: OrderedDict[tuple[str, bytes], float] = OrderedDict()
@@ -115,6 +141,7 @@ class Index:
         self.resident = 0  # ready entries
         self.evictions = 0  # all evicted entries, including reclaim_evictions
         self.reclaim_evictions = 0  # evicted to hand their chunk to another slot size
+        self.refused = 0  # new blocks the admission policy refused (never copied)
 
     # --- namespaces -------------------------------------------------------------------------------------
     def check_table(self, namespace: str, rank: int, world_size: int, layout: tuple[int, ...]) -> None:
@@ -142,7 +169,22 @@ class Index:
             t = ns.tables[rank] = Table(namespace, rank, slot_bytes)
             ns.layouts[rank] = layout
             self._lru.setdefault(slot_bytes, OrderedDict())
+            if self.policy != LRU.name:
+                pol = self._policies.get(slot_bytes)
+                if pol is None:
+                    pol = self._policies[slot_bytes] = make_policy(self.policy, self.pool.slots_share(slot_bytes))
+                if pol not in ns.policies:
+                    ns.policies.append(pol)
         return t
+
+    def forget_if_idle(self, namespace: str) -> bool:
+        """Forget a namespace that holds no entry (the caller knows no engine uses it): its world size
+        and layouts no longer bind the next engine, and register/unregister cycles leave nothing."""
+        ns = self.namespaces.get(namespace)
+        if ns is None or any(t.entries for t in ns.tables.values()):
+            return False
+        del self.namespaces[namespace]
+        return True
 
     # --- lookups ----------------------------------------------------------------------------------------
     def leading_hits(self, namespace: str, keys: bytes, want_entries: bool = False
@@ -155,6 +197,8 @@ class Index:
         ns = self.namespaces.get(namespace)
         if ns is None or len(ns.tables) < ns.world_size:
             return 0, {}, "namespace_mismatch"
+        for pol in ns.policies:  # a request starts (O(1): the keys are not passed, no policy needs them)
+            pol.on_lookup_miss(())
         total = n = len(keys) // KEY_SIZE
         hits: dict[int, list[Entry]] = {}
         for r in range(ns.world_size):
@@ -176,6 +220,9 @@ class Index:
             return
         if e.dead:
             self._free(e.table.slot_bytes, [e.slot])
+        elif e.ready and self._policies:  # read by a load, or handed back as a pinned victim: just used
+            self._policies[e.table.slot_bytes].on_access((e.table, e.key))
+            e.in_lru = True
         elif e.ready:
             lru = self._lru[e.table.slot_bytes]
             if e.in_lru:
@@ -185,10 +232,10 @@ class Index:
                 e.in_lru = True
 
     # --- stores -------------------------------------------------------------------------------------------
-    def plan(self, table: Table, keys: list[bytes]) -> tuple[list[int], list[int], int, list[int]]:
-        """Slots for the keys not yet present, evicting LRU blocks as needed; no entries yet.
+    def plan(self, table: Table, keys: list[bytes]) -> StorePlan:
+        """Slots for the keys not yet present that the policy admits, evicting LRU blocks (or the
+        policy's victims) as needed; no entries yet.
 
-        Returns (indices to copy, their slots, already-present count, indices dropped for room).
         Split from ``add_pending`` so the server can start the copy first and do the per-key
         bookkeeping while the bytes move. Keys beyond what the pool can hold are dropped from the
         end: the leading blocks of a prefix are the ones a later lookup can use.
@@ -201,9 +248,13 @@ class Index:
         present = len(keys) - len(want)
         if present:
             self._touch(table, keys)
-        if not want:
-            return [], [], present, []
+        refused: list[int] = []
         size = table.slot_bytes
+        pol = self._policies.get(size)
+        if pol is not None and want:
+            want, refused = self._admit(pol, table, keys, want)
+        if not want:
+            return StorePlan([], [], present, [], refused)
         slots = self.pool.alloc(size, len(want))
         if len(slots) < len(want):
             self._reclaim(size)  # below its fair share: a chunk of another slot size comes this way
@@ -212,12 +263,48 @@ class Index:
         if short:
             self.evict(size, short)
             slots += self.pool.alloc(size, short)
-        return want[: len(slots)], slots, present, want[len(slots):]
+        dropped = want[len(slots):]
+        if pol is not None:
+            for i in dropped:  # admitted, no room: the policy lets go of what it reserved
+                pol.on_remove((table, keys[i]))
+        return StorePlan(want[: len(slots)], slots, present, dropped, refused)
+
+    def _admit(self, pol: EvictionPolicy, table: Table, keys: list[bytes], want: list[int]
+               ) -> tuple[list[int], list[int]]:
+        """Ask the policy about each new key, in key order: (admitted, refused) indices. A key's parent
+        is present when the key before it is stored (or being stored) or admitted just now; the
+        first key of a STORE counts as having its parent (the engine stores what follows a hit)."""
+        cap = self.pool.slots_share(table.slot_bytes)
+        if cap != pol.capacity:
+            pol.set_capacity(cap)  # this slot size's share of the pool moved
+        entries = table.entries
+        ok: list[int] = []
+        refused: list[int] = []
+        taken: set[bytes] = set()
+        admit = pol.admit
+        for i in want:
+            k = keys[i]
+            parent = keys[i - 1] if i else None
+            if admit((table, k), parent is None or parent in entries or parent in taken):
+                ok.append(i)
+                taken.add(k)
+            else:
+                refused.append(i)
+        self.refused += len(refused)
+        return ok, refused
 
     def _touch(self, table: Table, keys: list[bytes]) -> None:
         """Keys an engine stores again are in use (it computed them itself): most recently used.
         (Called before the new keys get entries, so only the present ones are found.)"""
-        lru, get = self._lru[table.slot_bytes], table.entries.get
+        get = table.entries.get
+        pol = self._policies.get(table.slot_bytes)
+        if pol is not None:
+            for k in keys:
+                e = get(k)
+                if e is not None and e.in_lru:
+                    pol.on_access((table, k))
+            return
+        lru = self._lru[table.slot_bytes]
         for k in keys:
             e = get(k)
             if e is not None and e.in_lru:
@@ -242,7 +329,21 @@ class Index:
         now = time.time()
         unpin = self.unpin
         shown: list[Entry] = []
-        for e in entries:
+        pol = self._policies.get(entries[0].table.slot_bytes) if entries else None
+        for e in entries if pol is not None else ():
+            if e.dead:  # cleared while copied: admitted, never placed
+                self._release_admission(pol, e)
+            else:
+                e.ready = True
+                e.stored_at = now
+                e.table.visible[e.key] = e
+                shown.append(e)
+                pol.on_insert((e.table, e.key), None)
+                e.in_lru = True
+            e.pins -= 1
+            if e.pins == 0 and e.dead:
+                self._free(e.table.slot_bytes, [e.slot])
+        for e in entries if pol is None else ():
             if not e.dead:
                 e.ready = True
                 e.stored_at = now
@@ -265,10 +366,21 @@ class Index:
         self.resident += done
         return done
 
+    @staticmethod
+    def _release_admission(pol: EvictionPolicy, e: Entry) -> None:
+        """``e`` was admitted but never placed: the policy forgets it, unless its key was stored again
+        since (a CLEAR came in between) and the policy tracks that newer entry."""
+        cur = e.table.entries.get(e.key)
+        if cur is None or cur is e or not cur.in_lru:
+            pol.on_remove((e.table, e.key))
+
     def abort(self, entries: list[Entry]) -> None:
         """The store failed: forget the entries and remember the keys as failed."""
         now = time.time()
+        pol = self._policies.get(entries[0].table.slot_bytes) if entries else None
         for e in entries:
+            if pol is not None:
+                self._release_admission(pol, e)
             if not e.dead:
                 del e.table.entries[e.key]
                 e.dead = True
@@ -284,8 +396,7 @@ class Index:
         if t.visible.pop(e.key, None) is not None:
             e.run.broken()
         if e.in_lru:
-            del self._lru[t.slot_bytes][e]
-            e.in_lru = False
+            self._untrack(e)
         e.dead = True
         if e.ready:
             self.resident -= 1
@@ -294,8 +405,21 @@ class Index:
             self._free(t.slot_bytes, [e.slot])
 
     # --- eviction / clearing ----------------------------------------------------------------------------
+    def _untrack(self, e: Entry) -> None:
+        """``e`` leaves for a reason of the index's own (CLEAR, corrupt, its chunk drained)."""
+        pol = self._policies.get(e.table.slot_bytes)
+        if pol is not None:
+            pol.on_remove((e.table, e.key))
+        else:
+            del self._lru[e.table.slot_bytes][e]
+        e.in_lru = False
+
     def evict(self, slot_bytes: int, n: int) -> int:
-        """Free up to ``n`` slots of this size, least recently used first, skipping pinned blocks."""
+        """Free up to ``n`` slots of this size, least recently used first (or the policy's victims),
+        skipping pinned blocks."""
+        pol = self._policies.get(slot_bytes)
+        if pol is not None:
+            return self._evict_victims(pol, slot_bytes, n)
         lru = self._lru.get(slot_bytes)
         if not lru:
             return 0
@@ -313,6 +437,33 @@ class Index:
             e.dead = True
             freed.append(e.slot)
             self._remember(self.evicted, (t.namespace, e.key), now)
+        self.resident -= len(freed)
+        self._free(slot_bytes, freed)
+        self.evictions += len(freed)
+        return len(freed)
+
+    def _evict_victims(self, pol: EvictionPolicy, slot_bytes: int, n: int) -> int:
+        """``evict`` with a policy: a pinned victim stays (untracked) and is handed back by ``unpin``."""
+        freed: list[int] = []
+        now = time.time()
+        while len(freed) < n:
+            key = pol.victim()
+            if key is None:
+                break
+            t, k = key
+            e = t.entries.get(k)
+            if e is None or not e.in_lru:  # a policy bug: never evict what it does not hold
+                log.error("eviction policy %s named a block it does not hold; skipped", pol.name)
+                continue
+            e.in_lru = False
+            if e.pins:
+                continue
+            del t.entries[k]
+            del t.visible[k]
+            e.run.broken()
+            e.dead = True
+            freed.append(e.slot)
+            self._remember(self.evicted, (t.namespace, k), now)
         self.resident -= len(freed)
         self._free(slot_bytes, freed)
         self.evictions += len(freed)
@@ -359,7 +510,6 @@ class Index:
         """Evict up to ``RECLAIM_BUDGET`` unpinned entries of the draining chunk."""
         slots = self.pool.carved_slots(d.chunk)
         get = self._slot_entry.get
-        lru = self._lru[d.slot_bytes]
         now = time.time()
         freed: list[int] = []
         i = d.cursor
@@ -375,8 +525,7 @@ class Index:
                 e.run.broken()
                 self.resident -= 1
             if e.in_lru:
-                del lru[e]
-                e.in_lru = False
+                self._untrack(e)
             e.dead = True
             freed.append(e.slot)
             self._remember(self.evicted, (t.namespace, e.key), now)
@@ -395,8 +544,11 @@ class Index:
             else:
                 d.cursor = 0  # look again on a later store
 
-    def clear(self, namespace: str = "") -> int:
-        """Unlink every entry of one namespace (or all). Returns the blocks that were resident."""
+    def clear(self, namespace: str = "", in_use: Collection[str] | None = None) -> int:
+        """Unlink every entry of one namespace (or all) and forget the cleared namespaces no engine
+        uses (``in_use``: those some engine is registered in; None: forget none), so that their world size and layouts
+        bind nobody. Returns the blocks that were resident. One pass over the miss history whatever
+        the number of namespaces (once per namespace stalled the loop for seconds)."""
         names = [namespace] if namespace else list(self.namespaces)
         removed = 0
         for name in names:
@@ -405,22 +557,26 @@ class Index:
                 continue
             for t in ns.tables.values():
                 free: list[int] = []
-                lru = self._lru[t.slot_bytes]
                 for e in t.entries.values():
                     if e.ready:
                         removed += 1
                         e.run.broken()
                     if e.in_lru:
-                        del lru[e]
-                        e.in_lru = False
+                        self._untrack(e)
                     e.dead = True
                     if e.pins == 0:
                         free.append(e.slot)
                 t.entries.clear()
                 t.visible.clear()
                 self._free(t.slot_bytes, free)
-            self.evicted = OrderedDict((k, v) for k, v in self.evicted.items() if k[0] != name)
-            self.failed = OrderedDict((k, v) for k, v in self.failed.items() if k[0] != name)
+            if in_use is not None and name not in in_use:
+                self.forget_if_idle(name)
+        if namespace:
+            self.evicted = OrderedDict((k, v) for k, v in self.evicted.items() if k[0] != namespace)
+            self.failed = OrderedDict((k, v) for k, v in self.failed.items() if k[0] != namespace)
+        else:
+            self.evicted.clear()
+            self.failed.clear()
         self.resident -= removed
         return removed
 

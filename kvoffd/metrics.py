@@ -101,6 +101,9 @@ class Metrics:
                                        "Host<->device copy ceiling measured at start (0: not measured)",
                                        ["direction"], registry=r)
         self.evicted_blocks = Counter("kvoffd_evicted_blocks", "Blocks evicted (LRU) to make room", registry=r)
+        self.admission_refused = Counter("kvoffd_admission_refused_blocks", "New blocks of a STORE the "
+                                         "admission policy refused (--eviction-policy): not stored, not copied",
+                                         registry=r)
         self.dropped_stores = Counter("kvoffd_dropped_stores", "Blocks a STORE could not keep, by reason",
                                       ["reason"], registry=r)
         self.failed_jobs = Counter("kvoffd_failed_jobs", "Jobs whose copy failed", ["direction"], registry=r)

@@ -116,6 +116,19 @@ class Pool:
         per_chunk = self.chunk_bytes // slot_bytes
         return per_chunk * self._usable_chunks
 
+    def slots_share(self, slot_bytes: int) -> int:
+        """How many slots of this size the pool holds for it now: its chunks plus the free usable ones,
+        or its fair share of the usable chunks if that is more (a size below its share takes chunks
+        from the others as it stores: Index._reclaim). An eviction policy's capacity."""
+        slab = self._slabs.get(slot_bytes)
+        mine = len(slab.chunks) if slab is not None else 0
+        heap = self._free_chunks
+        free = len(heap) if self._usable_chunks == self.num_chunks else sum(1 for c in heap if c < self._usable_chunks)
+        now = time.monotonic()
+        active = sum(1 for s in self._slabs.values() if s is slab or now - s.demand_at <= ACTIVE_S)
+        fair = self._usable_chunks // (active + (slab is None))
+        return (self.chunk_bytes // slot_bytes) * max(mine + free, fair)
+
     # --- allocation ---------------------------------------------------------------------------------
     def alloc(self, slot_bytes: int, n: int) -> list[int]:
         """Up to ``n`` free slot offsets of ``slot_bytes``; fewer when the pool is full (caller evicts).

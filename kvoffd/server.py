@@ -104,7 +104,7 @@ class Daemon:
         self.daemon_id = uuid.uuid4().hex
         self.started = time.time()
         self.pool = Pool(cfg.pool_size)
-        self.index = Index(self.pool)
+        self.index = Index(self.pool, cfg.eviction_policy)
         self.backends = _make_backends(cfg, self.pool)
         self.by_kind: dict[str, TransferBackend] = {}
         for b in self.backends:
@@ -547,6 +547,8 @@ class Daemon:
                 log.info("engine %s: failed %d jobs still waiting for its events", eng.engine_id, n)
         if eng.mapped.in_flight == 0:
             self._detach(eng)
+        if why != "replaced" and not any(e.namespace == eng.namespace for e in self.engines.values()):
+            self.index.forget_if_idle(eng.namespace)  # its world size and layouts bind nobody now
 
     def _detach(self, eng: Engine) -> None:
         asyncio.get_running_loop().run_in_executor(None, eng.backend.detach, eng.mapped)
@@ -732,7 +734,8 @@ class Daemon:
     def _store(self, conn: Conn, msg: P.Store) -> P.Message | None:
         eng, keys, ids = self._check_job(conn, msg)
         evicted = self.index.evictions
-        want, slot_list, present, dropped = self.index.plan(eng.table, keys)
+        plan = self.index.plan(eng.table, keys)
+        want, slot_list, present, dropped = plan.want, plan.slots, plan.present, plan.dropped
         m = self.metrics
         if self.index.evictions != evicted:
             m.evicted_blocks.inc(self.index.evictions - evicted)
@@ -740,9 +743,12 @@ class Daemon:
             m.store_noop_blocks.inc(present)
         if dropped:
             m.dropped_stores.labels("pool_full").inc(len(dropped))
+        if plan.refused:  # reported with the dropped ones: not stored, nothing copied
+            m.admission_refused.inc(len(plan.refused))
+            dropped = sorted(dropped + plan.refused)
+        code = "pool_full" if plan.dropped else "not_admitted" if plan.refused else ""
         if not want:
-            return P.Notice(seq=msg.seq, job_id=msg.job_id, ok=not dropped, failed=dropped,
-                            code="pool_full" if dropped else "")
+            return P.Notice(seq=msg.seq, job_id=msg.job_id, ok=not dropped, failed=dropped, code=code)
         t0 = time.monotonic()
         slots = np.array(slot_list, dtype=np.int64)
         try:  # the copy starts first; the per-key bookkeeping below runs while the bytes move
@@ -751,11 +757,12 @@ class Daemon:
             fut = _failed_future(e)
         entries = self.index.add_pending(eng.table, keys, want, slot_list)
         jid = self._begin_job(conn, eng, msg.job_id, "store", t0)
-        self._spawn(self._finish_store(conn, eng, msg, jid, want, entries, fut, dropped, t0))
+        self._spawn(self._finish_store(conn, eng, msg, jid, want, entries, fut, dropped, code, t0))
         return None
 
     async def _finish_store(self, conn: Conn, eng: Engine, msg: P.Store, jid: int, idx: list[int],
-                            entries: list[Entry], fut: Awaitable[None], dropped: list[int], t0: float) -> None:
+                            entries: list[Entry], fut: Awaitable[None], dropped: list[int], code: str,
+                            t0: float) -> None:
         try:
             await fut
         except asyncio.CancelledError:
@@ -777,7 +784,7 @@ class Daemon:
         # The engine may reuse its blocks from now on: tell it before the bookkeeping. Nothing can
         # interleave between the notice and the commit (same loop callback), so a lookup that follows
         # the notice sees the blocks.
-        self._notice(conn, msg.job_id, dropped, "pool_full" if dropped else "", "")
+        self._notice(conn, msg.job_id, dropped, code, "")
         self._account(Direction.STORE, len(entries), len(entries) * eng.mapped.slot_bytes, t0)
         done = self.index.commit(entries)
         if done < len(entries):
@@ -923,7 +930,7 @@ class Daemon:
             return P.Cleared(seq=msg.seq, removed_blocks=0, in_flight_jobs=0)
         in_flight = sum(1 for e in self.engines.values() if not msg.namespace or e.namespace == msg.namespace
                         for _ in range(e.mapped.in_flight))
-        removed = self.index.clear(msg.namespace)
+        removed = self.index.clear(msg.namespace, in_use={e.namespace for e in self.engines.values()})
         log.info("cleared %s: %d blocks removed, %d jobs in flight", msg.namespace or "all namespaces", removed,
                  in_flight)
         return P.Cleared(seq=msg.seq, removed_blocks=removed, in_flight_jobs=in_flight)
@@ -969,12 +976,14 @@ class Daemon:
                        "listening": not (self._guard and self._guard.paused)},
             "pool": {**self.pool.stats(), "base_address": self.pool.base_address},
             "verify": self.cfg.verify,
+            "eviction_policy": self.cfg.eviction_policy,
             "counters": {
                 "lookups": m.lookup.lookups, "lookup_hit_blocks": m.lookup.hit_blocks,
                 "lookup_miss_blocks": m.lookup.miss_blocks, "stored_blocks": c(m.stored_blocks),
                 "store_noop_blocks": c(m.store_noop_blocks), "loaded_blocks": c(m.loaded_blocks),
                 "store_bytes": c(m.transfer_bytes, "store"), "load_bytes": c(m.transfer_bytes, "load"),
                 "evicted_blocks": self.index.evictions,
+                "admission_refused_blocks": c(m.admission_refused),
                 "dropped_stores": sum(c(m.dropped_stores, r) for r in ("pool_full", "clear", "failed")),
                 "errors": sum(c(m.errors, code.value) for code in ErrorCode),
             },

@@ -61,7 +61,8 @@ def replayed(tmp_path_factory) -> tuple[dict, str, Path]:
     out, png = tmp / "result.json", tmp / "hit_ratio.png"
     env = dict(os.environ)
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "trace_replay.py"), "--trace", str(trace),
-                        "--capacities", ",".join(map(str, CAPACITIES)), "--out", str(out), "--plot", str(png)],
+                        "--capacities", ",".join(map(str, CAPACITIES)), "--out", str(out), "--plot", str(png),
+                        "--policy", "lru"],
                        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert r.returncode == 0, f"bench failed:\n{r.stdout}\n{r.stderr}"
     return json.loads(out.read_text()), r.stdout, png
@@ -69,7 +70,8 @@ def replayed(tmp_path_factory) -> tuple[dict, str, Path]:
 
 def test_schema_and_plot(replayed):
     res, _, png = replayed
-    assert set(res) == {"trace", "block_tokens", "capacities", "policies", "token_policies", "unbounded",
+    assert res["daemon_policy"] == "lru"
+    assert set(res) == {"trace", "block_tokens", "daemon_policy", "capacities", "policies", "token_policies", "unbounded",
                         "token_unbounded", "daemon_counters"}
     assert res["trace"] == "synthetic" and res["block_tokens"] == 512
     assert res["capacities"] == list(CAPACITIES)
@@ -181,3 +183,22 @@ def test_pool_geometry_holds_exactly_the_capacity():
             g = T.pool_geometry(cap, block)
             assert g.pool_bytes >= T.MIN_POOL and g.pool_bytes % T.PAGE == 0
             assert g.pool_bytes < T.POOL_CHUNK and g.pool_bytes // g.slot_bytes == cap
+
+
+def test_default_policy_daemon_agrees_with_its_simulation(tmp_path):
+    """With the default policy (guarded-doorkeeper) the bench holds the daemon to bench/policy_sim.py's
+    simulation of that policy, request for request: the run finishing is the agreement."""
+    trace = synthetic_trace(tmp_path / "synthetic.jsonl")
+    out = tmp_path / "result.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "trace_replay.py"), "--trace", str(trace),
+                        "--capacities", ",".join(map(str, CAPACITIES)), "--out", str(out)],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, f"bench failed:\n{r.stdout}\n{r.stderr}"
+    assert "agree at every capacity" in r.stdout
+    res = json.loads(out.read_text())
+    assert res["daemon_policy"] == "guarded-doorkeeper"
+    refused = [res["daemon_counters"][str(c)]["admission_refused_blocks"] for c in CAPACITIES]
+    assert refused[0] > 0  # the small pool thrashes: the doorkeeper really refused first-time blocks
+    for c in CAPACITIES:
+        d = res["daemon_counters"][str(c)]
+        assert d["bench_dropped_blocks"] == d["dropped_stores"] + d["admission_refused_blocks"]

@@ -72,7 +72,7 @@ def test_in_flight_store_is_invisible_until_complete(daemon):
 
 
 def test_lru_eviction_counters_and_pinned_blocks(make_daemon, engines):
-    d = make_daemon("8MiB")  # one 8 MiB chunk; slots of 16 KiB -> N = 512 blocks
+    d = make_daemon("8MiB", "--eviction-policy", "lru")  # one 8 MiB chunk; slots of 16 KiB -> N = 512 blocks
     eng = engines(d.address, "lru-0", namespace="lru", blocks=256, layers=2, heads=1, block_size=16, head_dim=64)
     assert eng.info["slot_bytes"] == 16384
     n = (8 << 20) // 16384
@@ -106,7 +106,7 @@ def test_lru_eviction_counters_and_pinned_blocks(make_daemon, engines):
 def test_a_block_stored_again_is_most_recently_used(make_daemon, engines):
     """An engine that stores a resident block computed it itself: the block is in use, so the no-op
     store refreshes it and eviction takes the next oldest instead."""
-    d = make_daemon("1MiB")  # 64 slots of 16 KiB
+    d = make_daemon("1MiB", "--eviction-policy", "lru")  # 64 slots of 16 KiB
     eng = engines(d.address, "touch-0", namespace="touch", blocks=128, layers=2, heads=1, block_size=16,
                   head_dim=64)
     keys = chain_keys(66, b"touch")
@@ -125,7 +125,7 @@ def test_a_block_stored_again_is_most_recently_used(make_daemon, engines):
 
 
 def test_full_pool_of_pinned_blocks_drops_stores_without_blocking(make_daemon, engines):
-    d = make_daemon("1MiB")  # 64 slots of 16 KiB
+    d = make_daemon("1MiB", "--eviction-policy", "lru")  # 64 slots of 16 KiB (lru: no refusals)
     eng = engines(d.address, "full-0", namespace="full", blocks=128, layers=2, heads=1, block_size=16, head_dim=64)
     keys = chain_keys(128, b"full")
     eng("fill", ids=list(range(128)), seed=5)

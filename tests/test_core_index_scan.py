@@ -50,7 +50,8 @@ def test_scan_agrees_with_a_probe_per_key(steps) -> None:
         if op == "store":
             keys = [k for k in keys if k != NEVER]
             t = tables[rank]
-            want, slots, _, _ = index.plan(t, keys)
+            p = index.plan(t, keys)
+            want, slots = p.want, p.slots
             entries = index.add_pending(t, keys, want, slots)
             if fail:
                 index.abort(entries)
@@ -84,7 +85,8 @@ def test_a_prompt_stored_in_chunks_is_found_whole_and_broken_runs_are_not_truste
     # three steps, each storing a chunk of this prompt followed by another request's blocks
     for lo, hi in ((0, 10), (10, 25), (25, 40)):
         keys = KEYS[lo:hi] + other[lo % 8:lo % 8 + 2]
-        want, slots, _, _ = index.plan(t, keys)
+        p = index.plan(t, keys)
+        want, slots = p.want, p.slots
         index.commit(index.add_pending(t, keys, want, slots))
     assert index.leading_hits(NS, b"".join(KEYS))[0] == 40
     # the prompt diverges from the first run after 9 of its keys, where the run goes on with others
@@ -102,7 +104,8 @@ def test_a_run_with_an_evicted_member_is_not_trusted() -> None:
     t = index.table(NS, 0, 1, SLOT, (SLOT,))
 
     def store(keys: list[bytes]) -> None:
-        want, slots, _, _ = index.plan(t, keys)
+        p = index.plan(t, keys)
+        want, slots = p.want, p.slots
         index.commit(index.add_pending(t, keys, want, slots))
 
     store(KEYS[:3])

@@ -19,7 +19,8 @@ KB = 1024
 
 def _store(index: Index, table: Table, keys: list[bytes]) -> int:
     """One STORE's bookkeeping, the copy assumed done: returns the blocks that got a slot."""
-    want, slots, _present, _dropped = index.plan(table, keys)
+    p = index.plan(table, keys)
+    want, slots = p.want, p.slots
     index.commit(index.add_pending(table, keys, want, slots))
     return len(slots)
 

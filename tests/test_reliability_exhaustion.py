@@ -25,7 +25,7 @@ SLOT = 16384
 
 
 def test_full_pool_of_leased_blocks(make_daemon):
-    d = make_daemon("1MiB", name="full")  # 64 slots of 16 KiB
+    d = make_daemon("1MiB", "--eviction-policy", "lru", name="full")  # 64 slots of 16 KiB (lru: no refusals)
     eng = ShmEngine(128, SLOT, tag="full")
     c = d.client(job_deadline_s=10.0)
     try:

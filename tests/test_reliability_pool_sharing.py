@@ -124,7 +124,7 @@ def test_a_second_model_stores_and_hits_while_the_first_keeps_the_pool_full(make
     """Model A (16 KiB blocks) fills a 256 MiB pool (4 chunks), then keeps storing; model B (32 KiB
     blocks) starts storing too. The old daemon stored 0 of B's blocks: eviction stayed within one
     block size and a chunk changed size only once entirely free."""
-    d = make_daemon("256MiB", name="share")
+    d = make_daemon("256MiB", "--eviction-policy", "lru", name="share")  # A keeps storing new blocks
     a_eng, b_eng = ShmEngine(1024, 16384, tag="shareA"), ShmEngine(512, 32768, tag="shareB")
     try:
         ca, cb = d.client(job_deadline_s=30.0), d.client(job_deadline_s=30.0)
@@ -177,7 +177,7 @@ def test_a_few_leased_blocks_hold_off_another_model_only_while_leased(make_daemo
     stores are dropped (a pinned block is never evicted) and the leased blocks still load byte for
     byte. Once the leases go, B stores at once. The old daemon kept B out for good: A's chunks never
     became entirely free."""
-    d = make_daemon("256MiB", name="lease4")
+    d = make_daemon("256MiB", "--eviction-policy", "lru", name="lease4")
     a_eng, b_eng = ShmEngine(64, MiB, tag="leaseA"), ShmEngine(16, 32768, tag="leaseB")
     try:
         ca, cb = d.client(job_deadline_s=30.0), d.client(job_deadline_s=30.0)

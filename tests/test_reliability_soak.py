@@ -85,7 +85,8 @@ def run_soak(make_daemon, total_ops: int, workers: int = 4, pool: str = "32MiB",
     assert s["pool"]["used_bytes"] == s["resident_blocks"] * SLOT, "pool bytes disagree with resident blocks"
     assert sum(ns["blocks"] for ns in s["namespaces"]) == s["resident_blocks"]
     assert cnt["stored_blocks"] - cnt["evicted_blocks"] == s["resident_blocks"]
-    assert cnt["stored_blocks"] + cnt["store_noop_blocks"] + cnt["dropped_stores"] == tot["store_keys"]
+    assert cnt["stored_blocks"] + cnt["store_noop_blocks"] + cnt["dropped_stores"] \
+        + cnt["admission_refused_blocks"] == tot["store_keys"]  # the default policy refuses some
     assert cnt["loaded_blocks"] == tot["loaded_blocks"]
     assert cnt["lookup_hit_blocks"] == tot["lookup_hits"]
     assert cnt["lookup_hit_blocks"] + cnt["lookup_miss_blocks"] == tot["lookup_keys"]
@@ -107,7 +108,8 @@ def run_soak(make_daemon, total_ops: int, workers: int = 4, pool: str = "32MiB",
            ops_per_s=round(tot["ops"] / wall), loaded_blocks=tot["loaded_blocks"],
            verified_blocks=tot["verified_blocks"], stored_blocks=cnt["stored_blocks"],
            store_noop_blocks=cnt["store_noop_blocks"], evicted_blocks=cnt["evicted_blocks"],
-           dropped_stores=cnt["dropped_stores"], lookup_hit_rate=round(tot["lookup_hits"] / tot["lookup_keys"], 3),
+           dropped_stores=cnt["dropped_stores"], admission_refused_blocks=cnt["admission_refused_blocks"],
+           lookup_hit_rate=round(tot["lookup_hits"] / tot["lookup_keys"], 3),
            unleased_load_misses=tot["load_failed"], released_leases=tot["released_leases"],
            rss_kb_first=samples[0][1]["VmRSS"], rss_kb_after_warmup_min=min(rss), rss_kb_after_warmup_max=max(rss),
            rss_spread_pct=round(100 * spread, 2), rss_anon_kb_min=min(anon), rss_anon_kb_max=max(anon),

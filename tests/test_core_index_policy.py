@@ -1,0 +1,209 @@
+"""The index with an admission/eviction policy (issue 15 point 2): a real Index over a real Pool.
+
+What is checked: a refused admission takes no slot (so the server starts no copy); a block asked for a
+second time is admitted; victims are the policy's (tail first within a request, not LRU's head
+first); pinned blocks are never evicted and are tracked again when their pin drops; and after a long
+random mix of stores (committed, aborted, cleared while in flight), lookups with leases, loads,
+discards, CLEARs and chunk reclamation between two slot sizes, the policy tracks exactly the ready
+unpinned-or-handed-back entries (``in_lru``) and never names a block that is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+
+import pytest
+
+from kvoffd.cache_policy import DEFAULT_POLICY, GuardedDoorkeeper
+from kvoffd.index import Entry, Index, Table
+from kvoffd.pool import Pool
+
+SLOT = 4096
+NS = "pol"
+
+
+def key(i: int, tag: bytes = b"k") -> bytes:
+    return hashlib.sha256(tag + i.to_bytes(8, "little")).digest()
+
+
+def small_index(slots: int, policy: str = DEFAULT_POLICY) -> tuple[Index, Table]:
+    index = Index(Pool(slots * SLOT, chunk_bytes=slots * SLOT), policy)
+    return index, index.table(NS, 0, 1, SLOT, (SLOT,))
+
+
+def store(index: Index, t: Table, keys: list[bytes]):
+    """One STORE, copied at once: plan, pending entries, commit. Returns the plan."""
+    p = index.plan(t, keys)
+    index.commit(index.add_pending(t, keys, p.want, p.slots))
+    return p
+
+
+def load(index: Index, keys: list[bytes]) -> int:
+    """LOOKUP then LOAD of the hit prefix (pin, then unpin when the copy ends): the hits."""
+    n, by_rank, _ = index.leading_hits(NS, b"".join(keys), want_entries=True)
+    for e in by_rank.get(0, []):
+        e.pins += 1
+    for e in by_rank.get(0, []):
+        index.unpin(e)
+    return n
+
+
+def test_refused_admission_takes_no_slot_and_a_second_request_is_admitted():
+    index, t = small_index(4)
+    first = [key(i) for i in range(4)]
+    assert store(index, t, first).want == [0, 1, 2, 3]  # free slots: everything with its parent is admitted
+    used = index.pool.used_bytes
+    new = [key(i) for i in range(10, 13)]
+    assert load(index, new) == 0
+    p = store(index, t, new)
+    assert (p.want, p.slots, p.refused, p.dropped) == ([], [], [0, 1, 2], [])  # nothing to copy
+    assert index.pool.used_bytes == used and not any(k in t.entries for k in new)
+    assert index.refused == 3 and index.evictions == 0
+    assert load(index, new) == 0
+    p = store(index, t, new)  # asked for again: the doorkeeper opens
+    assert p.want == [0, 1, 2] and not p.refused and len(p.slots) == 3
+    assert load(index, new) == 3 and index.evictions == 3 and index.resident == 4
+
+
+def test_lru_policy_admits_everything():
+    index, t = small_index(4, "lru")
+    store(index, t, [key(i) for i in range(4)])
+    p = store(index, t, [key(i) for i in range(10, 13)])
+    assert p.want == [0, 1, 2] and not p.refused and index.refused == 0
+
+
+def test_victims_are_the_policys_tail_first_not_lrus_head_first():
+    """A request used a, b, c, d (in key order). LRU would evict a, the head, and leave b, c, d
+    resident but unreachable; the default evicts from the tail."""
+    for policy, gone in ((DEFAULT_POLICY, 3), ("lru", 0)):
+        index, t = small_index(4, policy)
+        chain = [key(i) for i in range(4)]
+        store(index, t, chain)
+        assert load(index, chain) == 4
+        e = [key(99)]
+        for _ in range(2):  # refused on its first request by the default, admitted on its second
+            load(index, e)
+            store(index, t, e)
+        assert e[0] in t.visible and index.evictions == 1, policy
+        assert [k in t.visible for k in chain] == [i != gone for i in range(4)], policy
+        assert load(index, chain) == (3 if policy == DEFAULT_POLICY else 0)
+
+
+def test_pinned_victims_stay_and_are_tracked_again_when_unpinned():
+    index, t = small_index(4)
+    chain = [key(i) for i in range(4)]
+    store(index, t, chain)
+    load(index, chain)
+    pinned = [t.visible[k] for k in chain]
+    for e in pinned:
+        e.pins += 1  # a lease on all four
+    pol = index._policies[SLOT]
+    for _ in range(2):
+        load(index, [key(50)])
+        p = store(index, t, [key(50)])
+    assert p.dropped == [0] and not p.want  # admitted, no room: every victim was pinned
+    assert all(k in t.visible for k in chain) and index.evictions == 0
+    assert len(pol) == 0 and not any(e.in_lru for e in pinned)  # handed over, not evicted
+    for e in pinned:
+        index.unpin(e)
+    assert len(pol) == 4 and all(e.in_lru and (t, e.key) in pol for e in pinned)
+    load(index, [key(50)])
+    assert store(index, t, [key(50)]).want == [0]  # asked for again, and now a victim can go
+    assert index.evictions == 1
+
+
+def check_consistent(index: Index) -> None:
+    """The policy of each slot size tracks exactly the ready entries marked ``in_lru``."""
+    for size, pol in index._policies.items():
+        tracked = [e for ns in index.namespaces.values() for t in ns.tables.values() if t.slot_bytes == size
+                   for e in t.entries.values() if e.in_lru]
+        assert all(e.ready and not e.dead for e in tracked)
+        assert all((e.table, e.key) in pol for e in tracked)
+        assert len(pol) == len(tracked), (size, len(pol), len(tracked))
+    ready = sum(len(t.visible) for ns in index.namespaces.values() for t in ns.tables.values())
+    assert index.resident == ready
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operations_keep_the_policy_consistent(seed, caplog):
+    """Stores (some aborted, some cleared while in flight), leased lookups, loads, discards, CLEARs and
+    chunk reclamation between two slot sizes sharing 4 chunks: the policy never names a block that
+    is gone (the index would log it), and tracks exactly the entries it should after every step."""
+    rng = random.Random(seed)
+    chunk = 16 * SLOT
+    index = Index(Pool(4 * chunk, chunk_bytes=chunk), DEFAULT_POLICY)
+    tables = {"a": index.table("a", 0, 1, SLOT, (SLOT,)), "b": index.table("b", 0, 1, 2 * SLOT, (2 * SLOT,))}
+    pool_of = {"a": 400, "b": 24}  # key universe per namespace: chains of random length, so stores overlap
+    in_flight: list[list[Entry]] = []
+    leases: list[list[Entry]] = []
+    caplog.set_level(logging.ERROR, logger="kvoffd.index")
+    for step in range(3000):
+        ns = "a" if step < 400 else rng.choice("ab")  # "a" takes every chunk first; "b" reclaims its share
+        t = tables[ns]
+        start = rng.randrange(pool_of[ns])
+        keys = [key(start + i, ns.encode()) for i in range(rng.randint(1, 12))]
+        op = rng.random()
+        if op < 0.3:
+            n, by_rank, _ = index.leading_hits(ns, b"".join(keys), want_entries=True)
+            p = index.plan(t, keys)
+            in_flight.append(index.add_pending(t, keys, p.want, p.slots))
+        elif op < 0.6 and in_flight:
+            job = in_flight.pop(rng.randrange(len(in_flight)))
+            (index.abort if rng.random() < 0.1 else index.commit)(job)
+        elif op < 0.75:
+            n, by_rank, _ = index.leading_hits(ns, b"".join(keys), want_entries=True)
+            got = by_rank.get(0, [])
+            for e in got:
+                e.pins += 1
+            if rng.random() < 0.5:
+                leases.append(got)  # held for a while, as a lease
+            else:
+                for e in got:
+                    index.unpin(e)  # a load that ended
+        elif op < 0.85 and leases:
+            for e in leases.pop(rng.randrange(len(leases))):
+                index.unpin(e)
+        elif op < 0.88 and t.visible:
+            index.discard(rng.choice(list(t.visible.values())))
+        elif op < 0.89 and step > 600:
+            index.clear(rng.choice(["", "a", "b"]))
+        elif op < 0.95:
+            pool_of[ns] = rng.choice([24, 96, 400])  # shift demand between the slot sizes: reclamation
+        check_consistent(index)
+    for job in in_flight:
+        index.commit(job)
+    for lease in leases:
+        for e in lease:
+            index.unpin(e)
+    check_consistent(index)
+    assert index.reclaim_evictions > 0 and index.evictions > index.reclaim_evictions and index.refused > 0
+    assert not [r for r in caplog.records if "does not hold" in r.getMessage()]
+    for pol in index._policies.values():  # every victim left is a block the index holds
+        assert isinstance(pol, GuardedDoorkeeper)
+        while (v := pol.victim()) is not None:
+            tbl, k = v
+            assert k in tbl.visible and tbl.entries[k].in_lru
+
+
+def test_clear_all_is_one_pass_and_forgets_namespaces_no_engine_uses():
+    index = Index(Pool(64 * SLOT, chunk_bytes=64 * SLOT), DEFAULT_POLICY)
+    for i in range(600):
+        t = index.table(f"ns{i}", 0, 8 if i == 0 else 1, SLOT, (SLOT,))
+        store(index, t, [key(i)])
+    assert len(index.namespaces) == 600
+    index.clear("", in_use={"ns1"})
+    assert set(index.namespaces) == {"ns1"}  # the squatter's world size 8 binds nobody now
+    index.table("ns0", 0, 1, SLOT, (SLOT,))  # a real engine of world size 1
+    assert index.namespaces["ns0"].world_size == 1
+    check_consistent(index)
+
+
+def test_forget_if_idle_keeps_a_namespace_that_holds_entries():
+    index, t = small_index(4)
+    store(index, t, [key(1)])
+    assert not index.forget_if_idle(NS) and NS in index.namespaces
+    index.clear(NS)
+    assert NS in index.namespaces  # clear without in_use forgets nothing
+    assert index.forget_if_idle(NS) and NS not in index.namespaces
