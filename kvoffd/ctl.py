@@ -86,6 +86,9 @@ def connect(address: str, timeout_s: float) -> KvoffdClient:
     except KvoffdError as e:  # version mismatch and the like
         client.close()
         raise Unreachable(f"cannot talk to kvoffd at {address}: {e}") from None
+    if not ok and client.refusal:  # it answered, and refused us: say why, not "nobody answers"
+        client.close()
+        raise Unreachable(f"kvoffd at {address} refused this client: {client.refusal}")
     if not ok:
         client.close()
         raise Unreachable(f"cannot reach kvoffd at {address}: no answer within {timeout_s:g}s"
