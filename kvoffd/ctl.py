@@ -196,9 +196,15 @@ def emit_json(obj: Any) -> None:
 
 
 def _hit_rate(counters: dict[str, Any]) -> str:
+    """Served hit rate: blocks loaded into engines / blocks looked up (what saved a recompute), then
+    the share a LOOKUP found resident, an upper bound: a found block is not always loaded (the engine
+    already held it, or the request was looked up again before it was scheduled)."""
     hit = counters.get("lookup_hit_blocks", 0) or 0
-    miss = counters.get("lookup_miss_blocks", 0) or 0
-    return _pct(hit, hit + miss) if hit + miss else "- (no lookups yet)"
+    asked = hit + (counters.get("lookup_miss_blocks", 0) or 0)
+    if not asked:
+        return "- (no lookups yet)"
+    loaded = counters.get("loaded_blocks", 0) or 0
+    return f"{_pct(loaded, asked)} served (loaded / looked up); {_pct(hit, asked)} found by lookup"
 
 
 def cmd_status(args: argparse.Namespace, client: Any) -> int:
