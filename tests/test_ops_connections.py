@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -88,9 +89,11 @@ def test_hello_burst_never_evicts_a_busy_client(small_table):
         ctx.term()
 
 
-def test_dropped_client_is_told_what_happened(small_table):
+def test_dropped_client_is_told_what_happened(small_table, caplog):
     """A client evicted while idle (it said HELLO and nothing more) learns at once, from its next
-    request, that the daemon dropped it to make room; not "did not answer within 5.0 s"."""
+    request, that the daemon dropped it to make room; not "did not answer within 5.0 s". It logs
+    the link going down once, and once that it is back (issue 19, item 6)."""
+    caplog.set_level(logging.INFO, logger="kvoffd_client")
     idle = KvoffdClient(small_table.address, heartbeat=False, timeout_s=5.0)
     ctx = _ctx()
     socks: list[zmq.Socket] = []
@@ -105,6 +108,9 @@ def test_dropped_client_is_told_what_happened(small_table):
         msg = str(exc.value)
         assert "to make room" in msg and "within" not in msg, msg
         assert wait_until(lambda: idle.connect(1), 10)  # and it says HELLO again by itself
+        msgs = [r.getMessage() for r in caplog.records]
+        assert sum("link lost" in m and "to make room" in m for m in msgs) == 1, msgs
+        assert sum("is back (same daemon" in m for m in msgs) == 1, msgs
     finally:
         idle.close()
         for s in socks:
@@ -193,3 +199,27 @@ def test_client_and_kvoffctl_report_a_version_mismatch(tmp_path, caplog):
             c.close()
         proc.terminate()
         proc.wait(20)
+
+
+def test_client_logs_the_daemon_going_away_and_coming_back_once_each(tmp_path, caplog):
+    """Issue 19, item 6: nothing was logged when the daemon went away, only "restarted" on return."""
+    caplog.set_level(logging.INFO, logger="kvoffd_client")
+    address = f"ipc://{tmp_path}/d.sock"
+    d1 = start_daemon(address, "32MiB")
+    d2 = None
+    c = KvoffdClient(address, timeout_s=5)  # with its heartbeat thread, as in an engine
+    try:
+        assert c.connect(10)
+        d1.stop(signal.SIGKILL)
+        assert wait_until(lambda: any("went away" in r.getMessage() for r in caplog.records), 10)
+        d2 = start_daemon(address, "32MiB")
+        assert wait_until(lambda: any("kvoffd restarted" in r.getMessage() for r in caplog.records), 10)
+        msgs = [(r.levelname, r.getMessage()) for r in caplog.records]
+        assert sum("went away" in m for _, m in msgs) == 1, msgs
+        assert sum("kvoffd restarted" in m for _, m in msgs) == 1, msgs
+        assert all(lvl == "WARNING" for lvl, m in msgs if "went away" in m or "restarted" in m), msgs
+    finally:
+        c.close()
+        if d2 is not None:
+            d2.stop()
+        d1.stop()
