@@ -457,8 +457,8 @@ class Daemon:
         if now - self._version_warned < VERSION_WARN_EVERY_S:
             return
         log.warning("client pid %d (%.60s) speaks protocol v%d, this daemon v%d: its HELLO is refused; upgrade "
-                    "the older side (%d such HELLOs refused in the last %.0f s)", msg.pid, msg.client, msg.version,
-                    P.PROTOCOL_VERSION, self._version_refused, min(now - self._version_warned, VERSION_WARN_EVERY_S))
+                    "the older side (%d HELLOs of another version refused since the last such warning)", msg.pid,
+                    msg.client, msg.version, P.PROTOCOL_VERSION, self._version_refused)
         self._version_warned = now
         self._version_refused = 0
 
