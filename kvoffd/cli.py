@@ -8,7 +8,7 @@ import signal
 import sys
 
 from kvoffd import sdnotify
-from kvoffd.config import ConfigError, format_size, load_config
+from kvoffd.config import ConfigError, check_pool_fits, format_size, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,10 +19,13 @@ def main(argv: list[str] | None = None) -> int:
         return doctor_main(argv[1:])
     try:
         cfg = load_config(argv)
+        pool_warning = check_pool_fits(cfg.pool_size)
     except ConfigError as e:
         print(f"kvoffd: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if pool_warning:
+        logging.getLogger("kvoffd").warning("%s", pool_warning)
     from kvoffd.fdbudget import raise_nofile_limit
 
     before, after = raise_nofile_limit()  # before the daemon sizes its descriptor budget
@@ -37,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             daemon = Daemon(cfg)
             daemon.bind()
-        except (AddressInUse, OSError, RuntimeError) as e:
+        except (AddressInUse, OSError, RuntimeError, MemoryError) as e:
             logging.getLogger("kvoffd").error("cannot start: %s", e)
             return 1
         loop = asyncio.get_running_loop()

@@ -47,12 +47,37 @@ def default_address() -> str:
     return f"ipc://{os.path.join(runtime_dir(), 'kvoffd.sock')}"
 
 
-def default_pool_size() -> int:
+def physical_ram() -> int | None:
+    """Bytes of RAM in this host (None where the OS does not say)."""
     try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
-        ram = 16 << 30
-    return min(4 << 30, ram // 4)
+        return None
+
+
+def default_pool_size() -> int:
+    return min(4 << 30, (physical_ram() or 16 << 30) // 4)
+
+
+#: a pool above this share of RAM starts, with a warning: the engines, vLLM and the OS need the rest
+POOL_RAM_WARN_FRACTION = 0.9
+
+
+def check_pool_fits(pool_size: int, ram: int | None = None) -> str:
+    """Refuse a pool larger than physical RAM (it can only fail, or swap a pinned pool: one clear
+    line instead of the kernel's bare "Cannot allocate memory"); above POOL_RAM_WARN_FRACTION of
+    it, return a warning to log. Separate from load_config, which also validates deploy files on
+    hosts smaller than the ones they are for."""
+    ram = physical_ram() if ram is None else ram
+    if not ram:
+        return ""
+    if pool_size > ram:
+        raise ConfigError(f"--pool-size {format_size(pool_size)} is larger than this host's RAM "
+                          f"({format_size(ram)}); choose a smaller pool (kvoffd doctor --pool-size SIZE checks one)")
+    if pool_size > POOL_RAM_WARN_FRACTION * ram:
+        return (f"--pool-size {format_size(pool_size)} is {100 * pool_size / ram:.0f}% of this host's RAM "
+                f"({format_size(ram)}): little is left for the engines and the OS")
+    return ""
 
 
 def _host_port(text: str, what: str) -> tuple[str, int]:

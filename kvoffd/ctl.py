@@ -86,6 +86,9 @@ def connect(address: str, timeout_s: float) -> KvoffdClient:
     except KvoffdError as e:  # version mismatch and the like
         client.close()
         raise Unreachable(f"cannot talk to kvoffd at {address}: {e}") from None
+    if not ok and client.refusal:  # it answered, and refused us: say why, not "nobody answers"
+        client.close()
+        raise Unreachable(f"kvoffd at {address} refused this client: {client.refusal}")
     if not ok:
         client.close()
         raise Unreachable(f"cannot reach kvoffd at {address}: no answer within {timeout_s:g}s"
@@ -193,9 +196,15 @@ def emit_json(obj: Any) -> None:
 
 
 def _hit_rate(counters: dict[str, Any]) -> str:
+    """Served hit rate: blocks loaded into engines / blocks looked up (what saved a recompute), then
+    the share a LOOKUP found resident, an upper bound: a found block is not always loaded (the engine
+    already held it, or the request was looked up again before it was scheduled)."""
     hit = counters.get("lookup_hit_blocks", 0) or 0
-    miss = counters.get("lookup_miss_blocks", 0) or 0
-    return _pct(hit, hit + miss) if hit + miss else "- (no lookups yet)"
+    asked = hit + (counters.get("lookup_miss_blocks", 0) or 0)
+    if not asked:
+        return "- (no lookups yet)"
+    loaded = counters.get("loaded_blocks", 0) or 0
+    return f"{_pct(loaded, asked)} served (loaded / looked up); {_pct(hit, asked)} found by lookup"
 
 
 def cmd_status(args: argparse.Namespace, client: Any) -> int:

@@ -51,6 +51,7 @@ class Conn:
     registering: int = 0  # REGISTERs being mapped: counted against the engine bound (pipelined ones too)
     leased_keys: int = 0  # entries its leases pin (bounded: MAX_LEASED_KEYS_PER_CONN)
     watched: bool = False  # registered with the PidWatcher
+    active: bool = False  # sent anything after HELLO: a connection that never did is evicted first
 
 
 @dataclass

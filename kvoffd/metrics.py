@@ -69,7 +69,8 @@ class _LookupCounters(Collector):
     def collect(self) -> Iterable[CounterMetricFamily]:
         c = self._c
         yield CounterMetricFamily("kvoffd_lookups", "LOOKUP requests answered", value=c.lookups)
-        blocks = CounterMetricFamily("kvoffd_lookup_blocks", "Blocks asked for by LOOKUP, by result",
+        blocks = CounterMetricFamily("kvoffd_lookup_blocks", "Blocks asked for by LOOKUP, by result (hit: found "
+                                     "resident when asked, not necessarily loaded; see kvoffd_loaded_blocks_total)",
                                      labels=["result"])
         blocks.add_metric(["hit"], c.hit_blocks)
         blocks.add_metric(["miss"], c.miss_blocks)
@@ -88,7 +89,8 @@ class Metrics:
         self.stored_blocks = Counter("kvoffd_stored_blocks", "Blocks copied into the pool", registry=r)
         self.store_noop_blocks = Counter("kvoffd_store_noop_blocks",
                                          "Blocks a STORE named that were already resident (no copy)", registry=r)
-        self.loaded_blocks = Counter("kvoffd_loaded_blocks", "Blocks copied back into an engine", registry=r)
+        self.loaded_blocks = Counter("kvoffd_loaded_blocks", "Blocks copied back into an engine: the hits "
+                                     "served", registry=r)
         self.transfer_bytes = Counter("kvoffd_transfer_bytes", "Bytes moved, by direction", ["direction"],
                                       registry=r)
         self.transfer_seconds = Histogram("kvoffd_transfer_seconds", "Job latency from accepted to complete",

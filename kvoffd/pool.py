@@ -24,6 +24,7 @@ usable chunks are handed out.
 
 from __future__ import annotations
 
+import errno
 import heapq
 import logging
 import mmap
@@ -31,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from kvoffd.config import format_size
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +79,21 @@ class SlabStats:
     used_slots: int
 
 
+def _mem_line() -> str:
+    """``23.4 GiB, 21.0 GiB available`` from /proc/meminfo (what an operator compares a pool with)."""
+    info: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "MemAvailable"):
+                    info[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return "unknown"
+    total = format_size(info["MemTotal"]) if "MemTotal" in info else "unknown"
+    return f"{total}, {format_size(info['MemAvailable'])} available" if "MemAvailable" in info else total
+
+
 class Pool:
     def __init__(self, nbytes: int, chunk_bytes: int = DEFAULT_CHUNK):
         if nbytes < chunk_bytes:
@@ -83,7 +101,7 @@ class Pool:
         self.chunk_bytes = chunk_bytes
         self.num_chunks = nbytes // chunk_bytes
         self.nbytes = self.num_chunks * chunk_bytes
-        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map = self._reserve(self.nbytes)
         self.buffer = np.frombuffer(self._map, dtype=np.uint8)
         self.base_address = self.buffer.ctypes.data
         self._chunks = [_Chunk(i) for i in range(self.num_chunks)]
@@ -92,6 +110,19 @@ class Pool:
         self._slabs: dict[int, _Slab] = {}
         self.pinned_bytes = 0
         self.reclaimed_chunks = 0  # chunks handed from one slot size to another by a drain
+
+    @staticmethod
+    def _reserve(nbytes: int) -> mmap.mmap:
+        """The pool's address space. The kernel's refusal (overcommit, RLIMIT_AS, a cgroup) becomes one
+        line naming the pool and the memory, not a bare "Cannot allocate memory"."""
+        try:
+            return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as e:
+            if e.errno != errno.ENOMEM:
+                raise
+            raise MemoryError(f"cannot reserve a pool of {format_size(nbytes)}: the kernel refused the memory "
+                              f"(RAM {_mem_line()}); choose a smaller --pool-size (kvoffd doctor --pool-size "
+                              "SIZE checks one)") from None
 
     # --- capacity ---------------------------------------------------------------------------------
     def set_usable_bytes(self, nbytes: int) -> None:

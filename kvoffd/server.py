@@ -63,7 +63,15 @@ _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 
 HEARTBEAT_S = 2.0
 IDLE_CONN_S = 600.0
-MAX_CONNS = 4096
+#: client connections known at once. KVOFFD_TEST_MAX_CONNS lowers it, for tests only (a burst past the
+#: bound then needs hundreds of sockets, not thousands).
+MAX_CONNS = int(os.environ.get("KVOFFD_TEST_MAX_CONNS", "4096"))
+QUIET_CONN_S = 3 * HEARTBEAT_S  # a connection silent this long is no longer protected from eviction
+#: why the daemon dropped a connection, told in reply to its next message (the last 4 x MAX_CONNS)
+DROPPED_SILENT = "the daemon dropped this connection after it was silent a while; send HELLO again"
+DROPPED_FOR_ROOM = (f"the daemon dropped this connection to make room ({MAX_CONNS} connections open, and this "
+                    "one had sent nothing after HELLO or was silent); send HELLO again")
+VERSION_WARN_EVERY_S = 60.0  # HELLOs of another protocol version: one WARNING per interval
 HOUSEKEEPING_S = 0.1
 HARD_FRAME_LIMIT = 2 * P.MAX_FRAME_BYTES  # libzmq drops the peer above this; between the two: ERROR
 RCVHWM = 100  # messages queued per peer; bounds a flooding client's memory
@@ -119,6 +127,9 @@ class Daemon:
         self._tasks: set[asyncio.Task] = set()
         self._pids: PidWatcher | None = None
         self._last_reap = 0.0
+        self._dropped: dict[bytes, str] = {}  # connections dropped by the daemon -> why (bounded)
+        self._version_warned = -VERSION_WARN_EVERY_S  # monotonic time of the last version WARNING
+        self._version_refused = 0  # HELLOs of another version refused since that WARNING
         self.metrics = Metrics(__version__, self._live_state)
         self.ready = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -381,9 +392,11 @@ class Daemon:
             if msg.op is P.Op.HELLO:
                 reply = self._hello(ident, msg)
             elif conn is None:
-                raise ProtocolError(ErrorCode.HELLO_REQUIRED, "send HELLO first", seq=msg.seq)
+                raise ProtocolError(ErrorCode.HELLO_REQUIRED, self._dropped.pop(ident, "send HELLO first"),
+                                    seq=msg.seq)
             else:
                 conn.last_seen = time.monotonic()
+                conn.active = True
                 if msg.op is P.Op.REGISTER:
                     self._spawn(self._register(conn, msg))
                     return
@@ -410,6 +423,7 @@ class Daemon:
 
     def _hello(self, ident: bytes, msg: P.Hello) -> P.Message:
         if msg.version != P.PROTOCOL_VERSION:
+            self._warn_version(msg)
             raise ProtocolError(ErrorCode.VERSION_MISMATCH, f"this daemon speaks protocol v{P.PROTOCOL_VERSION}, "
                                 f"the client v{msg.version}; upgrade the older side", seq=msg.seq)
         if self._auth_token is not None and not hmac.compare_digest(msg.token.encode(), self._auth_token):
@@ -419,6 +433,10 @@ class Daemon:
         if conn is None:
             if len(self.conns) >= MAX_CONNS:
                 self._reap_idle_conns(force=True)
+            if len(self.conns) >= MAX_CONNS:
+                raise ProtocolError(ErrorCode.TOO_MANY, f"all {MAX_CONNS} connections are in use by clients that "
+                                    "hold engines, jobs or leases or spoke recently; try again later", seq=msg.seq)
+            self._dropped.pop(ident, None)
             conn = self.conns[ident] = Conn(ident=ident, pid=msg.pid, client=msg.client)
             if self._pids is None:
                 self._pids = PidWatcher(asyncio.get_running_loop(), self._on_pid_exit)
@@ -430,6 +448,19 @@ class Daemon:
                                  "max_jobs": MAX_JOBS_PER_CONN, "key_size": P.KEY_SIZE},
                          heartbeat_s=HEARTBEAT_S,
                          fd_socket=self.fd_handover.path if self.fd_handover is not None else "")
+
+    def _warn_version(self, msg: P.Hello) -> None:
+        """A client of another protocol version: a WARNING an operator sees (the client is told too),
+        at most one per VERSION_WARN_EVERY_S (it retries its HELLO every second)."""
+        self._version_refused += 1
+        now = time.monotonic()
+        if now - self._version_warned < VERSION_WARN_EVERY_S:
+            return
+        log.warning("client pid %d (%.60s) speaks protocol v%d, this daemon v%d: its HELLO is refused; upgrade "
+                    "the older side (%d HELLOs of another version refused since the last such warning)", msg.pid,
+                    msg.client, msg.version, P.PROTOCOL_VERSION, self._version_refused)
+        self._version_warned = now
+        self._version_refused = 0
 
     async def _register(self, conn: Conn, msg: P.Register) -> None:
         conn.registering += 1
@@ -601,18 +632,33 @@ class Daemon:
     def _reap_idle_conns(self, force: bool = False) -> None:
         """Forget connections that hold nothing and said nothing for a while (ZeroMQ does not tell
         the daemon when a peer goes). Clients heartbeat every few seconds, so a live one is never
-        idle this long; when the table is full, the longest-idle empty ones go first."""
+        idle this long. When the table is full (``force``), room is made by evicting connections
+        that never sent anything after HELLO, then the longest-silent of those silent past
+        QUIET_CONN_S; never one that holds engines, jobs or leases, or spoke recently. The "oldest
+        idle" alone is the wrong victim: ZeroMQ queues each peer fairly, so in a burst of HELLOs
+        the busy client's last message is older than every newcomer's HELLO."""
         now = time.monotonic()
-        empty = [c for c in self.conns.values() if not c.engines and not c.jobs and not c.leases]
+        empty = [c for c in self.conns.values() if not (c.engines or c.jobs or c.leases or c.registering)]
         limit = IDLE_CONN_S
         if force or len(self.conns) > MAX_CONNS // 2:
-            limit = min(limit, 3 * HEARTBEAT_S)
+            limit = min(limit, QUIET_CONN_S)
         for c in empty:
             if now - c.last_seen > limit:
-                self._close_conn(c)
-        if force and len(self.conns) >= MAX_CONNS:
-            for c in sorted(empty, key=lambda c: c.last_seen)[: len(self.conns) - MAX_CONNS + 1]:
-                self._close_conn(c)
+                self._forget_conn(c, DROPPED_SILENT)
+        if not force or len(self.conns) < MAX_CONNS:
+            return
+        victims = [c for c in empty if c.ident in self.conns and (not c.active or now - c.last_seen > QUIET_CONN_S)]
+        victims.sort(key=lambda c: (c.active, c.last_seen))
+        for c in victims[: len(self.conns) - MAX_CONNS + 1]:
+            self._forget_conn(c, DROPPED_FOR_ROOM)
+
+    def _forget_conn(self, conn: Conn, why: str) -> None:
+        """Close a connection the daemon gave up on, remembering why: its next message is answered
+        ``hello_required`` with this reason, so the client can say what happened."""
+        self._close_conn(conn)
+        self._dropped[conn.ident] = why
+        if len(self._dropped) > 4 * MAX_CONNS:
+            del self._dropped[next(iter(self._dropped))]
 
     # ------------------------------------------------------------------------------------------------
     # lookups and leases

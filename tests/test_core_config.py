@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import os
+import resource
 import stat
 import subprocess
 import sys
 
 import pytest
 
-from kvoffd.config import ConfigError, default_address, load_config, parse_size
+from kvoffd.config import (
+    ConfigError,
+    check_pool_fits,
+    default_address,
+    format_size,
+    load_config,
+    parse_size,
+    physical_ram,
+)
 
 
 def test_sizes_with_units():
@@ -121,3 +130,46 @@ def test_stopping_an_old_daemon_keeps_a_newer_daemons_socket(make_daemon):
     assert a.stop() == 0
     assert os.path.exists(path) and os.path.exists(path + ".fd")
     assert b.client().ping(timeout_s=5) >= 0
+
+
+def test_pool_larger_than_ram_is_refused_at_start_with_one_line(tmp_path):
+    """Issue 19 item 7: a pool larger than RAM failed with a bare "Cannot allocate memory" (or, with
+    overcommit, started and swapped). It is a configuration error, named with both sizes."""
+    ram = physical_ram()
+    assert ram
+    r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", f"ipc://{tmp_path}/d.sock",
+                        "--metrics-address", "off", "--pool-size", str(2 * ram)], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvoffd: "), r.stderr
+    assert "larger than this host's RAM" in lines[0] and format_size(ram) in lines[0], lines[0]
+    assert format_size(2 * ram) in lines[0], lines[0]
+
+
+def test_pool_near_ram_warns_and_a_small_one_does_not():
+    assert check_pool_fits(50 << 20, ram=100 << 20) == ""
+    warning = check_pool_fits(95 << 20, ram=100 << 20)
+    assert "95% of this host's RAM" in warning and "100.0 MiB" in warning, warning
+    assert check_pool_fits(100 << 20, ram=100 << 20)  # all of it: a warning, not a refusal
+    with pytest.raises(ConfigError, match="larger than this host's RAM"):
+        check_pool_fits((100 << 20) + 1, ram=100 << 20)
+
+
+def test_pool_the_kernel_refuses_fails_with_one_clear_line(tmp_path):
+    """Within RAM, but the kernel still refuses the mapping (here RLIMIT_AS; a cgroup or strict
+    overcommit in production): one line naming the pool and the host's memory, no traceback."""
+
+    def limit_address_space():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    ram = physical_ram()
+    if not ram or ram < (5 << 30):
+        pytest.skip("needs a host with more than 4 GiB of RAM (the pool must fit RAM to pass the config check)")
+    r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", f"ipc://{tmp_path}/d.sock",
+                        "--metrics-address", "off", "--backend", "cpu", "--pool-size", "4GiB"],
+                       capture_output=True, text=True, timeout=60, preexec_fn=limit_address_space)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    line = next(ln for ln in r.stderr.splitlines() if "cannot start" in ln)
+    assert "cannot reserve a pool of 4.0 GiB" in line and "RAM " in line and "available" in line, line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,3 +32,21 @@ def test_make_run_then_kvoffctl_status(tmp_path):
         os.killpg(make.pid, signal.SIGTERM)
         out = make.communicate(timeout=30)[0]
     assert "serving on ipc://" in out
+
+
+def test_make_says_what_it_does_when_systemd_analyze_is_missing(tmp_path):
+    """Issue 19 item 7: `make test` silently ran `apt-get install systemd` when systemd-analyze was
+    missing. Now it says so; with NO_APT=1 it only prints the command (and never runs apt-get)."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("needs make")
+    bin_dir = tmp_path / "bin"  # a PATH with the shell's tools but no systemd-analyze and no apt-get
+    bin_dir.mkdir()
+    for tool in ("sh", "id"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    env = {**os.environ, "PATH": str(bin_dir)}
+    r = subprocess.run([make, "--no-print-directory", "check-systemd", "NO_APT=1"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "systemd-analyze is missing" in r.stdout and "apt-get install systemd" in r.stdout, r.stdout
+    assert "running apt-get" not in r.stdout

@@ -39,7 +39,8 @@ def test_status_stats_engines_namespaces(loaded):
     r = ctl(d.address, "status")
     assert r.returncode == 0, r.stderr
     assert "daemon" in r.stdout and "ping" in r.stdout and "hit rate" in r.stdout
-    assert "100.0%" in r.stdout  # one lookup, 6 of 6 blocks hit
+    # one lookup found 6 of 6 blocks, but none was loaded: the served rate says so (issue 19, item 2)
+    assert "0.0% served" in r.stdout and "100.0% found by lookup" in r.stdout, r.stdout
     r = ctl(d.address, "stats")
     assert r.returncode == 0, r.stderr
     assert "stored_blocks" in r.stdout and "capacity" in r.stdout
@@ -55,6 +56,19 @@ def test_status_stats_engines_namespaces(loaded):
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith(NS))
     assert line.split()[2] == "6"
     assert [n["namespace"] for n in json.loads(ctl(d.address, "--json", "namespaces").stdout)] == [NS]
+
+
+def test_status_hit_rate_counts_loaded_blocks(loaded):
+    """A hit is "served" once its block is loaded into an engine, not when a LOOKUP found it: two
+    lookups of 6 resident blocks and one load of 3 of them is 25% served, 100% found."""
+    d, eng, keys = loaded
+    assert eng.lookup(keys)["hits"] == 6
+    assert eng.load(2, keys[:3], [8, 9, 10])["ok"]
+    r = ctl(d.address, "status")
+    assert r.returncode == 0, r.stderr
+    assert "25.0% served" in r.stdout and "100.0% found by lookup" in r.stdout, r.stdout
+    st = json.loads(ctl(d.address, "--json", "stats").stdout)["counters"]
+    assert (st["loaded_blocks"], st["lookup_hit_blocks"], st["lookup_miss_blocks"]) == (3, 12, 0)
 
 
 def test_explain_resident_and_never_seen(loaded):

@@ -204,6 +204,29 @@ def test_dashboard_and_alerts_query_only_exported_metrics(daemon):
         assert need in used, f"the dashboard or alerts do not show {need}"
 
 
+_SERVED = re.compile(r"rate\(kvoffd_loaded_blocks_total(\{[^}]*\})?\[[^]]+\](?: offset \w+)?\)\)\s*/\s*"
+                     r"clamp_min\(sum by \(instance\) \(rate\(kvoffd_lookup_blocks_total(\{[^}]*\})?\[")
+
+
+def test_hit_rate_panels_and_alert_use_served_blocks():
+    """Issue 19, item 2: a block a LOOKUP found is not a block served (vLLM may already hold it, or
+    ask again before scheduling the request: 187 found vs 150 loaded in one run). The hit-rate stat
+    and the alert divide loaded blocks by blocks looked up; the over-time panel shows both, named."""
+    exprs = _expressions()
+    by_where: dict[str, list[str]] = {}
+    for where, e in exprs:
+        by_where.setdefault(where, []).append(e)
+    stat = by_where["Hit rate (blocks served)"]
+    assert len(stat) == 1 and _SERVED.search(stat[0]) and 'result="hit"' not in stat[0], stat
+    alert = by_where["alert KvoffdHitRateDropped"]
+    assert len(alert) == 1 and len(_SERVED.findall(alert[0])) == 2 and 'result="hit"' not in alert[0], alert
+    over_time = by_where["Hit rate over time"]
+    assert any(_SERVED.search(e) for e in over_time) and any('result="hit"' in e for e in over_time), over_time
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    assert "served" in doc and "kvoffd_loaded_blocks_total" in doc.split("## Transfers")[0], \
+        "docs/metrics.md's hit-rate query must be the served one"
+
+
 def test_every_exported_metric_is_documented(daemon):
     doc = (ROOT / "docs" / "metrics.md").read_text()
     documented = set(re.findall(r"`(kvoffd_[a-z0-9_]+)`", doc))

@@ -19,7 +19,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffd_client.vllm.common import KvoffdMetadata, KvoffdPromMetrics, KvoffdStats, Settings, log
+from kvoffd_client.vllm.common import (
+    KvoffdMetadata,
+    KvoffdPromMetrics,
+    KvoffdStats,
+    Settings,
+    log,
+    route_client_logs,
+)
 from kvoffd_client.vllm.identity import UnsupportedConfig, cache_identity, worker_rank
 
 if TYPE_CHECKING:
@@ -49,6 +56,7 @@ class KvoffdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
+        route_client_logs()  # vLLM has configured its logging by now
         ktc = self._kv_transfer_config
         self.settings = Settings.from_extra(ktc.kv_connector_extra_config)
         if ktc.kv_load_failure_policy != "recompute":
