@@ -340,7 +340,9 @@ def _short(f: bytes | list[bytes]) -> str:
 
 
 def _fuzz(make_daemon, engines, n_frames: int, name: str) -> None:
-    d = make_daemon("256MiB", "--log-level", "warning", name=name)  # a 64 MiB chunk per slot size
+    # a 64 MiB chunk per slot size; the engine timeout outlasts Hypothesis's shrinking, during which
+    # the fuzzing peer says nothing (on a loaded machine that passed the 10 s default: hello_required)
+    d = make_daemon("256MiB", "--log-level", "warning", "--engine-timeout", "3600", name=name)
     target = engines(d.address, FOREIGN, namespace="fz-victim", blocks=32)
     vkeys = chain_keys(16, b"fz-victim")
     target("fill", ids=list(range(32)), seed=3)
