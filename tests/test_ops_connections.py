@@ -163,7 +163,8 @@ def test_full_table_of_live_clients_refuses_newcomers(small_table):
 # protocol version mismatch
 
 
-def test_version_mismatch_is_a_rate_limited_warning_in_the_daemon_log(daemon):
+def test_version_mismatch_is_a_rate_limited_warning_in_the_daemon_log(make_daemon):
+    daemon = make_daemon("16MiB", name="version")  # its own: the warning is once a minute per daemon
     p = RawPeer(daemon.address)
     try:
         for seq in range(1, 6):

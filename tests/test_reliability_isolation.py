@@ -22,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import zmq
@@ -230,13 +231,17 @@ def _fake_daemon(path: str) -> zmq.Socket:
     return sock
 
 
-def _serve_hello(fake: zmq.Socket, timeout_ms: int) -> bytes | None:
-    """Answer one HELLO like a daemon would; the client's routing id, or None when no HELLO came."""
-    if not fake.poll(timeout_ms):
-        return None
-    ident, body = fake.recv_multipart()
-    fake.send_multipart([ident, P.encode(P.HelloOk(seq=P.decode(body).seq, daemon_id="fake"))])
-    return ident
+def _serve_hello(fake: zmq.Socket, client: KvoffdClient, timeout_s: float) -> bytes | None:
+    """Drive the client (its HELLO goes out only once the connection is up: IMMEDIATE) and answer its
+    HELLO like a daemon would; the client's routing id, or None when no HELLO came in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        client._pump(0)
+        if fake.poll(20):
+            ident, body = fake.recv_multipart()
+            fake.send_multipart([ident, P.encode(P.HelloOk(seq=P.decode(body).seq, daemon_id="fake"))])
+            return ident
+    return None
 
 
 @pytest.mark.parametrize("squat", ["directory_of_nobody", "socket_of_nobody", "directory_writable_by_all"])
@@ -255,8 +260,7 @@ def test_client_never_talks_to_a_socket_another_user_controls(tmp_path, squat):
         d.chmod(0o777)
     c = KvoffdClient(f"ipc://{path}", heartbeat=False, timeout_s=1.0)
     try:
-        c._pump(0)  # the moment a HELLO would go out
-        assert _serve_hello(fake, 1000) is None, "the client said HELLO to a socket another user controls"
+        assert _serve_hello(fake, c, 2.0) is None, "the client said HELLO to a socket another user controls"
         assert not c.connect(0.5)
     finally:
         c.close()
@@ -268,8 +272,7 @@ def test_client_drops_a_peer_that_sends_oversized_frames(tmp_path):
     fake = _fake_daemon(path)  # trusted: root's socket in root's 0700 directory
     c = KvoffdClient(f"ipc://{path}", heartbeat=False, timeout_s=5.0)
     try:
-        c._pump(0)
-        ident = _serve_hello(fake, 5000)
+        ident = _serve_hello(fake, c, 10.0)
         assert ident is not None and c.connect(5.0)
         fake.send_multipart([ident, b"\x00" * (64 << 20)])
         assert wait_until(lambda: not c.connected, 10), "the client took a 64 MiB frame"
