@@ -56,11 +56,7 @@ def simulate(trace: T.Trace, policy: EvictionPolicy, capacity: int) -> T.Tally:
     t = T.Tally()
     for r in trace.requests:
         ids = r.hash_ids
-        h = 0
-        for b in ids:
-            if b not in resident:
-                break
-            h += 1
+        h = T.leading_hits(ids, resident)
         t.hits.append(h)
         policy.on_lookup_miss(ids[h:])
         for b in ids[:h]:

@@ -82,7 +82,7 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -184,17 +184,23 @@ class Tally:
         return got / max(1, trace.input_tokens)
 
 
+def leading_hits(ids: list[int], resident: Container[int]) -> int:
+    """How many of a request's blocks, from the first, are resident: a prefix cache's hit."""
+    h = 0
+    for b in ids:
+        if b not in resident:
+            break
+        h += 1
+    return h
+
+
 def simulate_lru(trace: Trace, capacity: int) -> Tally:
     """kvoffd's LRU, step for step (see the module docstring)."""
     lru: OrderedDict[int, None] = OrderedDict()  # oldest first
     t = Tally()
     for r in trace.requests:
         ids = r.hash_ids
-        h = 0
-        for b in ids:
-            if b not in lru:
-                break
-            h += 1
+        h = leading_hits(ids, lru)
         t.hits.append(h)
         for b in ids[:h]:  # the LOAD's unpin, in key order
             lru.move_to_end(b)
@@ -243,11 +249,7 @@ def simulate_optimum(trace: Trace, capacity: int) -> Tally:
     t = Tally()
     for i, r in enumerate(trace.requests):
         ids = r.hash_ids
-        h = 0
-        for b in ids:
-            if b not in resident:
-                break
-            h += 1
+        h = leading_hits(ids, resident)
         t.hits.append(h)
         for depth, (b, nu) in enumerate(zip(ids, nxt[i], strict=True)):
             if b in resident:
