@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from kvoffd_client import protocol as P  # noqa: E402
 from kvoffd_client.client import KvoffdClient  # noqa: E402
-from kvoffd_client.handles import describe_layout, share_cpu_kv_caches  # noqa: E402
+from kvoffd_client.memory.cpu_fd import share_cpu_kv_caches  # noqa: E402
+from kvoffd_client.memory.layout import describe_layout  # noqa: E402
 
 
 def echo_server(address: str) -> None:

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvoffd_client.client import KvoffdClient  # noqa: E402
-from kvoffd_client.handles import describe_layout, share_cpu_kv_caches  # noqa: E402
+from kvoffd_client.memory.cpu_fd import share_cpu_kv_caches  # noqa: E402
+from kvoffd_client.memory.layout import describe_layout  # noqa: E402
 
 LAYERS, HEADS, BLOCK, HEAD_DIM = 32, 8, 16, 128
 

@@ -1,7 +1,7 @@
 """Every admission/eviction policy at every capacity on a Mooncake-format trace (issue 15 point 2).
 
-Drives each policy (``kvoffd.cache_policy.EvictionPolicy``: the default and LRU from
-kvoffd/cache_policy.py, the others from bench/policy_zoo.py) through the daemon's call sequence, per
+Drives each policy (``kvoffd.cache.policy.EvictionPolicy``: the default and LRU from
+kvoffd/cache/policy.py, the others from bench/policy_zoo.py) through the daemon's call sequence, per
 request: LOOKUP (hits = leading resident blocks; ``on_lookup_miss`` with the rest), LOAD
 (``on_access`` per hit block, in key order), STORE (``on_access`` per named resident key, then
 ``admit`` per new key in key order, ``victim`` per slot needed, ``on_insert`` per placed block; keys
@@ -40,7 +40,7 @@ for p in (ROOT.parent, ROOT):
 import trace_replay as T  # noqa: E402
 from policy_zoo import zoo  # noqa: E402
 
-from kvoffd.cache_policy import DEFAULT_POLICY, LRU, EvictionPolicy  # noqa: E402
+from kvoffd.cache.policy import DEFAULT_POLICY, LRU, EvictionPolicy  # noqa: E402
 
 CAPACITIES = (500, 1000, 2000, 4000, 8000, 16000, 18000)
 PARTS = ("all", "first_half", "second_half")

@@ -1,6 +1,6 @@
-"""The policies tried against kvoffd/cache_policy.py's default (issue 15 point 2), same interface.
+"""The policies tried against kvoffd/cache/policy.py's default (issue 15 point 2), same interface.
 
-Research code for bench/policy_sim.py: each class follows ``kvoffd.cache_policy.EvictionPolicy``
+Research code for bench/policy_sim.py: each class follows ``kvoffd.cache.policy.EvictionPolicy``
 (see that module for the order of the calls). They lost on the conversation trace (docs/benchmarks.md
 has every figure), so the daemon does not ship them. Textbook versions, adapted only where the
 prefix cache differs from a page cache: ``parent_present=False`` is refused by the prefix-aware ones.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from kvoffd.cache_policy import AdaptiveDoorkeeper, GuardedDoorkeeper, Key
+from kvoffd.cache.policy import AdaptiveDoorkeeper, GuardedDoorkeeper, Key
 
 
 class _Base:

@@ -9,7 +9,7 @@ read back from its STATS (resident blocks once it has evicted) rather than assum
 
 Next to the daemon the bench computes, on the same trace and in pure Python:
 
-* **lru** — the daemon's own policy, modelled exactly (kvoffd/index.py): a LOOKUP touches nothing; a
+* **lru** — the daemon's own policy, modelled exactly (kvoffd/cache/index.py): a LOOKUP touches nothing; a
   LOAD's blocks become most recently used, in key order, when it ends; a STORE first marks the keys
   it names that are already resident as most recently used, then evicts the least recently used
   blocks it needs room for, and appends its new blocks in key order (keys that still find no room
@@ -31,7 +31,7 @@ Next to the daemon the bench computes, on the same trace and in pure Python:
 
 ``--policy`` picks the daemon's ``--eviction-policy`` (default: the daemon's default). For ``lru`` the
 daemon is checked against the exact LRU model above; for any other policy against
-bench/policy_sim.py's simulation of that same policy (kvoffd/cache_policy.py, driven in the daemon's
+bench/policy_sim.py's simulation of that same policy (kvoffd/cache/policy.py, driven in the daemon's
 call order, on the daemon's own 32-byte keys so that a sampling policy samples the same blocks), at
 the capacity the daemon held: per-request hits, stored, no-op, evicted and dropped blocks must all be
 equal. A refused admission is reported in the STORE's notice (``not_admitted``) and counted in
@@ -88,19 +88,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "tests", ROOT / "bench"):
+for p in (ROOT, ROOT / "tests" / "support", ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
 from kvtest import DaemonProc, start_daemon  # noqa: E402
 from reliability_util import ShmEngine  # noqa: E402
 
-from kvoffd.cache_policy import DEFAULT_POLICY, POLICIES, make_policy  # noqa: E402
+from kvoffd.cache.policy import DEFAULT_POLICY, POLICIES, make_policy  # noqa: E402
 from kvoffd_client.client import KvoffdClient  # noqa: E402
 
 BLOCK_TOKENS = 512
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-POOL_CHUNK = 64 << 20  # kvoffd.pool.DEFAULT_CHUNK: a pool smaller than this is one chunk
+POOL_CHUNK = 64 << 20  # kvoffd.cache.pool.DEFAULT_CHUNK: a pool smaller than this is one chunk
 PAGE = 4096
 MIN_POOL = 1 << 20  # the daemon refuses a smaller --pool-size
 SLOT_ALIGN = 64  # ShmEngine: slot bytes divisible by layers (2) x key size (32)
@@ -298,7 +298,7 @@ def simulate_unbounded(trace: Trace) -> Tally:
 class PoolGeometry:
     slot_bytes: int
     pool_bytes: int
-    expected_blocks: int  # what kvoffd/pool.py's carving gives today; STATS has the last word
+    expected_blocks: int  # what kvoffd/cache/pool.py's carving gives today; STATS has the last word
 
 
 def pool_geometry(capacity: int, block_bytes: int) -> PoolGeometry:

@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
 from standin import Engine, Spec  # noqa: E402
 
-from kvoffd.pinning import Pinner  # noqa: E402
-from kvoffd.pool import Pool  # noqa: E402
+from kvoffd.cache.pool import Pool  # noqa: E402
 from kvoffd.transfer.base import Direction, MappedMemory  # noqa: E402
 from kvoffd.transfer.cuda import CudaBackend  # noqa: E402
+from kvoffd.transfer.pinning import Pinner  # noqa: E402
 from kvoffd_client.protocol import parse_layout  # noqa: E402
 
 GiB = 1 << 30
@@ -231,7 +231,7 @@ async def bench_matmul(backend: CudaBackend, m: MappedMemory, eng: Engine, a_ids
 
 async def bench_two_gpus(backend: CudaBackend, pool: Pool, args: argparse.Namespace) -> None:
     """Engines on GPU 0 and GPU 1, both storing and loading at once into the one pool."""
-    from kvoffd.transfer import cudart
+    from kvoffd.transfer import cuda_driver as cudart
 
     if cudart.driver().device_count() < 2:
         row("two GPUs", "skipped", "one GPU visible")

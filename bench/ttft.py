@@ -8,7 +8,7 @@ A Llama-3-8B-shaped decoder (32 layers, 32 query heads, 8 KV heads, head dim 128
 14336, vocab 128256, bf16, random weights) written in plain torch with
 ``scaled_dot_product_attention``, its KV cache in a vLLM-shaped paged buffer: ONE int8 allocation
 viewed as [blocks, layers, K|V, 16 tokens, KV heads, head dim] (block-contiguous: one 2 MiB run per
-block), exported to the daemon exactly as the connector does (kvoffd_client.handles_cuda, or
+block), exported to the daemon exactly as the connector does (kvoffd_client.memory.cuda_ipc, or
 handles.share_cpu_kv_caches on CPU). Every block table is a random permutation, as vLLM's free
 list hands blocks out.
 
@@ -63,7 +63,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 
 GiB = 1 << 30
 NAMESPACE = "ttft-bench"
@@ -409,17 +409,17 @@ class PagedKV:
 
     def share(self, tag: str) -> None:
         """Make the buffer reachable by the daemon (CUDA IPC, or /dev/shm on CPU) and describe it."""
-        from kvoffd_client.handles import describe_layout
+        from kvoffd_client.memory.layout import describe_layout
 
         views = self.layer_views()
         self.layout = describe_layout(views, self.num_blocks)
         if self.buf.device.type == "cuda":
-            from kvoffd_client.handles_cuda import export_kv_caches
+            from kvoffd_client.memory.cuda_ipc import export_kv_caches
 
             self.export = export_kv_caches(views, self.num_blocks, layout=self.layout)
             self.memory = self.export.memory
         else:
-            from kvoffd_client.handles import share_cpu_kv_caches
+            from kvoffd_client.memory.cpu_fd import share_cpu_kv_caches
 
             self.memory = share_cpu_kv_caches({"kv_buffer": self.buf}, tag=tag)
             self._derive()  # the buffer now lives in the shared file
@@ -428,7 +428,7 @@ class PagedKV:
 
     def release(self) -> None:
         if self.memory is not None and self.memory.get("kind") == "cpu_shm":
-            from kvoffd_client.handles import release_cpu_kv_caches
+            from kvoffd_client.memory.cpu_fd import release_cpu_kv_caches
 
             release_cpu_kv_caches(self.memory)
 
@@ -625,7 +625,7 @@ class InProcessCopy:
             import inspect
             from types import SimpleNamespace
 
-            from kvoffd.transfer import cudart
+            from kvoffd.transfer import cuda_driver as cudart
             from kvoffd.transfer.base import MappedMemory
             from kvoffd.transfer.cuda import CudaBackend
             from kvoffd_client.protocol import parse_layout
@@ -943,7 +943,7 @@ class Procs:
 
 
 def start_daemon(args: argparse.Namespace, address: str) -> Any:
-    """``python -m kvoffd`` through tests/kvtest.py's helper: it returns once the pool is usable (pinned)."""
+    """``python -m kvoffd`` through tests/support/kvtest.py's helper: it returns once the pool is usable (pinned)."""
     from kvtest import start_daemon as _start
 
     return _start(address, args.pool_size, "--backend", args.backend, "--log-level", "info")

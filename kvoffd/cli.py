@@ -14,7 +14,7 @@ from kvoffd.config import ConfigError, check_pool_fits, format_size, load_config
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["doctor"]:
-        from kvoffd.doctor import main as doctor_main
+        from kvoffd.ops.doctor import main as doctor_main
 
         return doctor_main(argv[1:])
     try:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if pool_warning:
         logging.getLogger("kvoffd").warning("%s", pool_warning)
-    from kvoffd.fdbudget import raise_nofile_limit
+    from kvoffd.server.fdbudget import raise_nofile_limit
 
     before, after = raise_nofile_limit()  # before the daemon sizes its descriptor budget
     logging.getLogger("kvoffd").info("file descriptor limit %d (soft limit was %d)", after, before)
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
     except ImportError:
         uvloop = None
-    from kvoffd.server import AddressInUse, Daemon
+    from kvoffd.server.loop import AddressInUse, Daemon
 
     async def run() -> int:
         try:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         http = None
         hp = cfg.metrics_host_port
         if hp is not None:
-            from kvoffd.http import start_http
+            from kvoffd.server.http import start_http
 
             try:
                 http = await start_http(daemon, *hp)

@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from kvoffd.cache_policy import DEFAULT_POLICY, POLICIES
+from kvoffd.cache.policy import DEFAULT_POLICY, POLICIES
 from kvoffd_client.paths import default_auth_token_file, runtime_dir
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
@@ -133,7 +133,7 @@ class Config:
     copy_threads: int = 0  # CPU copy threads (0: min(4, cores))
     verify: bool = False  # per-block checksums (integrity mode)
     auth_token_file: str = field(default_factory=default_auth_token_file)  # tcp:// clients must send it
-    eviction_policy: str = DEFAULT_POLICY  # admission/eviction of the pool (kvoffd/cache_policy.py)
+    eviction_policy: str = DEFAULT_POLICY  # admission/eviction of the pool (kvoffd/cache/policy.py)
 
     @property
     def metrics_host_port(self) -> tuple[str, int] | None:

@@ -1,4 +1,4 @@
-"""kvoffd/cache_policy.py: admission and eviction behave as documented, and the default beats LRU where
+"""kvoffd/cache/policy.py: admission and eviction behave as documented, and the default beats LRU where
 it should (through bench/policy_sim.py's driver, which replays the daemon's call order)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import policy_sim as S  # noqa: E402
 import synth_trace  # noqa: E402
 import trace_replay as T  # noqa: E402
 
-from kvoffd.cache_policy import (  # noqa: E402
+from kvoffd.cache.policy import (  # noqa: E402
     DEFAULT_POLICY,
     LRU,
     AdaptiveDoorkeeper,

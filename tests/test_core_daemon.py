@@ -49,7 +49,8 @@ def test_in_flight_store_is_invisible_until_complete(daemon):
     """A large store and a lookup sent back to back: the lookup is answered before the copy ends."""
     import torch
 
-    from kvoffd_client.handles import describe_layout, share_cpu_kv_caches
+    from kvoffd_client.memory.cpu_fd import share_cpu_kv_caches
+    from kvoffd_client.memory.layout import describe_layout
 
     nb = 64
     raw = torch.zeros(2 * nb * (1 << 20), dtype=torch.int8)  # 2 layers x 64 blocks x 1 MiB
@@ -168,7 +169,8 @@ def test_engine_timeout_unregisters_silent_engines(make_daemon):
     import torch
 
     from kvoffd_client.client import KvoffdClient
-    from kvoffd_client.handles import describe_layout, share_cpu_kv_caches
+    from kvoffd_client.memory.cpu_fd import share_cpu_kv_caches
+    from kvoffd_client.memory.layout import describe_layout
 
     d = make_daemon("16MiB", "--engine-timeout", "0.5")
     kv = {"l0": torch.zeros(8, 1, 16, 64)}
@@ -208,7 +210,8 @@ def test_client_fails_jobs_and_reregisters_when_the_daemon_restarts(make_daemon,
     import torch
 
     from kvoffd_client.client import DaemonUnavailable, KvoffdClient
-    from kvoffd_client.handles import describe_layout, share_cpu_kv_caches
+    from kvoffd_client.memory.cpu_fd import share_cpu_kv_caches
+    from kvoffd_client.memory.layout import describe_layout
 
     d = make_daemon("16MiB", name="restart")
     raw = torch.zeros(2, 16, 1, 16, 64)
@@ -251,7 +254,8 @@ def test_a_job_past_its_deadline_is_refused_not_run(make_daemon):
 
     from kvoffd_client import protocol as P
     from kvoffd_client.client import KvoffdClient, KvoffdError
-    from kvoffd_client.handles import describe_layout, share_cpu_kv_caches
+    from kvoffd_client.memory.cpu_fd import share_cpu_kv_caches
+    from kvoffd_client.memory.layout import describe_layout
 
     d = make_daemon("16MiB", name="expiry")
     raw = torch.zeros(2, 8, 1, 16, 64)

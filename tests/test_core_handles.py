@@ -30,7 +30,8 @@ def test_views_held_by_layers_move_and_the_daemon_copies_what_they_compute(make_
     import torch
 
     from kvoffd_client.client import KvoffdClient
-    from kvoffd_client.handles import describe_layout, release_cpu_kv_caches, share_cpu_kv_caches
+    from kvoffd_client.memory.cpu_fd import release_cpu_kv_caches, share_cpu_kv_caches
+    from kvoffd_client.memory.layout import describe_layout
 
     kv, layers = _mla_like()
     d = make_daemon("16MiB", name="views")
@@ -62,7 +63,7 @@ def test_a_view_the_connector_cannot_see_refuses_the_move() -> None:
     """Unprovable (a tensor nobody told us about still uses the allocation): refuse, leave vLLM as it was."""
     import os
 
-    from kvoffd_client.handles import StaleViewError, share_cpu_kv_caches
+    from kvoffd_client.memory.cpu_fd import StaleViewError, share_cpu_kv_caches
 
     kv, layers = _mla_like()
     hidden = kv["l0"].view(-1)[:10]  # e.g. a backend's private view the connector cannot find

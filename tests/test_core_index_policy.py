@@ -16,9 +16,9 @@ import random
 
 import pytest
 
-from kvoffd.cache_policy import DEFAULT_POLICY, GuardedDoorkeeper
-from kvoffd.index import Entry, Index, Table
-from kvoffd.pool import Pool
+from kvoffd.cache.index import Entry, Index, Table
+from kvoffd.cache.policy import DEFAULT_POLICY, GuardedDoorkeeper
+from kvoffd.cache.pool import Pool
 
 SLOT = 4096
 NS = "pol"
@@ -138,7 +138,7 @@ def test_random_operations_keep_the_policy_consistent(seed, caplog):
     pool_of = {"a": 400, "b": 24}  # key universe per namespace: chains of random length, so stores overlap
     in_flight: list[list[Entry]] = []
     leases: list[list[Entry]] = []
-    caplog.set_level(logging.ERROR, logger="kvoffd.index")
+    caplog.set_level(logging.ERROR, logger="kvoffd.cache.index")
     for step in range(3000):
         ns = "a" if step < 400 else rng.choice("ab")  # "a" takes every chunk first; "b" reclaims its share
         t = tables[ns]

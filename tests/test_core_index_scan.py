@@ -14,8 +14,8 @@ from itertools import takewhile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvoffd.index import Index
-from kvoffd.pool import Pool
+from kvoffd.cache.index import Index
+from kvoffd.cache.pool import Pool
 
 KEYS = [hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(40)]
 NEVER = hashlib.sha256(b"never stored").digest()

@@ -11,8 +11,8 @@ import tracemalloc
 
 from kvtest import chain_keys
 
-from kvoffd.index import RECLAIM_BUDGET, Index, Table
-from kvoffd.pool import Pool
+from kvoffd.cache.index import RECLAIM_BUDGET, Index, Table
+from kvoffd.cache.pool import Pool
 
 KB = 1024
 

@@ -205,7 +205,7 @@ def test_client_and_kvoffctl_report_a_version_mismatch(tmp_path, caplog):
             assert "version" in str(exc.value), exc.value
         errors = [r.getMessage() for r in caplog.records if "speaks protocol v2" in r.getMessage()]
         assert len(errors) == 1, errors  # logged once, though HELLO was refused more than once
-        r = subprocess.run([sys.executable, "-m", "kvoffd.ctl", "--address", address, "--timeout", "10", "status"],
+        r = subprocess.run([sys.executable, "-m", "kvoffd.ops.ctl", "--address", address, "--timeout", "10", "status"],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 3, r
         assert "speaks protocol v2" in r.stderr and "the client v1" in r.stderr, r.stderr

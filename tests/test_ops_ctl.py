@@ -18,7 +18,7 @@ NS = "ops-ctl"
 
 
 def ctl(address: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvoffd.ctl", "--address", address, *args],
+    return subprocess.run([sys.executable, "-m", "kvoffd.ops.ctl", "--address", address, *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -143,7 +143,7 @@ def test_default_address_comes_from_env(loaded, monkeypatch):
     env = {"KVOFFD_ADDRESS": d.address, "PATH": "/usr/bin:/bin"}
     if "PYTHONPATH" in os.environ:  # (where kvoffd runs from a checkout, not an install)
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    r = subprocess.run([sys.executable, "-m", "kvoffd.ctl", "status"], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-m", "kvoffd.ops.ctl", "status"], capture_output=True, text=True, env=env,
                        timeout=30)
     assert r.returncode == 0, r.stderr
     assert d.address in r.stdout

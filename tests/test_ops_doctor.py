@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffd import doctor
-from kvoffd.doctor import FAIL, PASS, SKIP, WARN, Context
+from kvoffd.ops import doctor
+from kvoffd.ops.doctor import FAIL, PASS, SKIP, WARN, Context
 
 GPU_CHECKS = ("gpus", "cuda-ipc", "bandwidth")
 

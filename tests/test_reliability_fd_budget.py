@@ -7,7 +7,7 @@ daemon survives, refuses what is over its budget (new connections while the floo
 with ``too_many``), keeps serving the clients it has, and accepts again once the flood is gone.
 
 The CI variants run the daemon with RLIMIT_NOFILE soft = hard = 1024 (its start cannot raise it) and
-a flood of a few thousand attempts from a separate process (tests/fd_flood.py). The 50,000-attempt
+a flood of a few thousand attempts from a separate process (tests/support/fd_flood.py). The 50,000-attempt
 drill at the default limit is marked ``slow``.
 """
 
@@ -41,7 +41,7 @@ def _start(tmp_path, limit: int | None, name: str = "fd"):
 
 
 def _flood(target: str, attempts: int, hold: int, linger: bool = False) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "tests" / "fd_flood.py"), target, str(attempts), str(hold),
+    return subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "fd_flood.py"), target, str(attempts), str(hold),
                              *(["linger"] if linger else [])],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
 

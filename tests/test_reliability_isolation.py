@@ -29,11 +29,11 @@ import zmq
 from kvtest import ROOT, chain_keys, start_daemon, wait_until
 from reliability_util import RawPeer, anyone_maps, fd_count, maps_mention, record, wire_memory
 
-from kvoffd.fdserver import MAX_PENDING_PER_PID
+from kvoffd.server.fdserver import MAX_PENDING_PER_PID
 from kvoffd_client import protocol as P
 from kvoffd_client.client import KvoffdClient
 from kvoffd_client.fdpass import FdRefused, send_fd
-from kvoffd_client.handles import create_sealed_memfd
+from kvoffd_client.memory.cpu_fd import create_sealed_memfd
 
 NOBODY = 65534
 

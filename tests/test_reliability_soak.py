@@ -6,7 +6,7 @@ checked byte for byte against the content its key must have; at the end the pool
 be exact (bytes used == resident blocks x slot size; no lease, pin or job left) and the daemon's RSS
 must have stayed flat (within 2 %) after warm-up.
 
-One operation = one block named in one request (see tests/reliability_util.py: soak_worker).
+One operation = one block named in one request (see tests/support/reliability_util.py: soak_worker).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def run_soak(make_daemon, total_ops: int, workers: int = 4, pool: str = "32MiB",
     d = make_daemon(pool, "--log-level", "info", name=name)
     pid = d.proc.pid
     per = total_ops // workers + 1
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "reliability_util.py"), "soak",
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "reliability_util.py"), "soak",
                                "--address", d.address, "--engine-id", f"{name}-{i}", "--ops", str(per),
                                "--seed", str(i), "--keys", str(keys), "--batch", str(batch),
                                "--slot-bytes", str(SLOT), "--salt", name, "--namespace", name, "--hold"],

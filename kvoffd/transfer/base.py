@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvoffd.pool import Pool
+from kvoffd.cache.pool import Pool
 from kvoffd_client.protocol import Segment
 
 

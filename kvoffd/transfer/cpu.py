@@ -1,7 +1,7 @@
 """CPU backend: engine KV memory in a sealed memfd the engine hands over, copied with batched kernel memcpy.
 
-The connector moves vLLM's CPU KV allocation into an anonymous memfd (see kvoffd_client.handles) and
-passes its descriptor over the daemon's fd socket (kvoffd.fdserver); the daemon maps it, so both
+The connector moves vLLM's CPU KV allocation into an anonymous memfd (see kvoffd_client.memory) and
+passes its descriptor over the daemon's fd socket (kvoffd.server.fdserver); the daemon maps it, so both
 processes address the same pages and nothing is copied at registration. The daemon never opens
 engine memory by name: it maps only what a client could hand it (docs/security.md). The descriptor
 is closed as soon as it is mapped (a raw libc mmap, not mmap.mmap, which would keep a dup), so an
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kvoffd.pool import Pool
+from kvoffd.cache.pool import Pool
 from kvoffd.transfer.base import (
     AttachError,
     Direction,

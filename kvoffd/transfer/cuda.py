@@ -36,9 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from kvoffd.pinning import Pinner
-from kvoffd.pool import Pool
-from kvoffd.transfer import cudart
+from kvoffd.cache.pool import Pool
+from kvoffd.transfer import cuda_driver as cudart
 from kvoffd.transfer.base import (
     AttachError,
     Direction,
@@ -50,6 +49,7 @@ from kvoffd.transfer.base import (
     pool_chunks,
     run_descriptors,
 )
+from kvoffd.transfer.pinning import Pinner
 from kvoffd_client.protocol import Segment
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def _cuda_ok() -> bool:
     try:
-        from kvoffd.transfer import cudart
+        from kvoffd.transfer import cuda_driver as cudart
 
         return cudart.available()
     except Exception:  # noqa: BLE001 - any failure to probe the driver means "no usable GPU": skip

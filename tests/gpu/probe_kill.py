@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def main() -> None:
     from standin import Engine, Spec
 
-    from kvoffd.transfer import cudart
+    from kvoffd.transfer import cuda_driver as cudart
 
     mode = sys.argv[1] if len(sys.argv) > 1 else "host"
     drv = cudart.driver()

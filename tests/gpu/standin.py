@@ -2,7 +2,7 @@
 
 It allocates the KV cache the way vLLM does (vllm-api.md §4.1: one int8 buffer, per-layer strided
 views [B, H, N, 2*D]) in either a layer-major (LBHNC, per-layer runs) or a block-outermost (BLHNC,
-one run per block) layout, exports it with kvoffd_client.handles_cuda, and obeys commands sent
+one run per block) layout, exports it with kvoffd_client.memory.cuda_ipc, and obeys commands sent
 over a multiprocessing pipe. It either talks to the daemon itself (``client`` commands, through
 KvoffdClient) or lets its parent drive a backend directly.
 """
@@ -66,7 +66,7 @@ def engine_main(conn: Any, spec: Spec, address: str | None = None) -> None:
     import torch
 
     torch.cuda.set_device(spec.device)
-    from kvoffd_client.handles_cuda import export_kv_caches
+    from kvoffd_client.memory.cuda_ipc import export_kv_caches
 
     buf, views = make_kv(spec)
     names = list(views)

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from kvoffd.pool import Pool
+from kvoffd.cache.pool import Pool
 from kvoffd.transfer.base import Direction, MappedMemory
 
 S, L = Direction.STORE, Direction.LOAD
@@ -76,7 +76,7 @@ def test_import_without_cuda_is_cheap():
 
 
 def test_driver_bindings():
-    from kvoffd.transfer import cudart
+    from kvoffd.transfer import cuda_driver as cudart
 
     drv = cudart.driver()
     assert drv.device_count() >= 1
@@ -206,7 +206,7 @@ def test_bad_memory_is_refused(backend):
 def test_two_gpus_share_the_pool(pool, backend):
     from standin import Engine
 
-    from kvoffd.transfer import cudart
+    from kvoffd.transfer import cuda_driver as cudart
 
     if cudart.driver().device_count() < 2:
         pytest.skip("needs two GPUs")

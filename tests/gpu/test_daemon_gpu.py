@@ -149,7 +149,7 @@ def test_engine_killed_mid_transfer(daemon):
 
 
 def _two_gpus() -> bool:
-    from kvoffd.transfer import cudart
+    from kvoffd.transfer import cuda_driver as cudart
 
     return cudart.driver().device_count() >= 2
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from kvoffd.pinning import Pinner
-from kvoffd.pool import Pool
+from kvoffd.cache.pool import Pool
+from kvoffd.transfer.pinning import Pinner
 
 
 def test_pinner_pins_everything_and_grows_capacity():
@@ -36,7 +36,7 @@ def test_pinner_pins_everything_and_grows_capacity():
 
 
 def test_pinner_gives_up_cleanly_without_cuda(monkeypatch):
-    from kvoffd.transfer import cudart
+    from kvoffd.transfer import cuda_driver as cudart
 
     def boom():
         raise cudart.CudaUnavailable("no driver (test)")

@@ -158,7 +158,7 @@ def test_a_miss_logs_its_keys_at_debug_for_kvoffctl_explain(daemon) -> None:
         cmd = line[line.index("(kvoffctl ") + 1:-1].split()
         assert cmd[:4] == ["kvoffctl", "explain", "--namespace", "units-miss-log"]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        out = subprocess.run([sys.executable, "-m", "kvoffd.ctl", "--address", daemon.address, "--json",
+        out = subprocess.run([sys.executable, "-m", "kvoffd.ops.ctl", "--address", daemon.address, "--json",
                               *cmd[1:]], capture_output=True, text=True, timeout=60, env=env)
         assert out.returncode == 0, out.stderr
         import json

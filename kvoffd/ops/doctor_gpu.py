@@ -1,8 +1,8 @@
 """The GPU half of ``kvoffd doctor``, run in a child process.
 
 Why a child: initialising CUDA can hang, abort or print driver noise on a broken host, and a CUDA
-context must not exist in the process that later forks. The parent (kvoffd/doctor.py) runs
-``python -m kvoffd.doctor_gpu probe`` with a deadline and reads one JSON document from its stdout;
+context must not exist in the process that later forks. The parent (kvoffd/ops/doctor.py) runs
+``python -m kvoffd.ops.doctor_gpu probe`` with a deadline and reads one JSON document from its stdout;
 whatever happens here, the parent reports it as a check result, never as a traceback.
 
 The IPC check is the real thing kvoffd does with an engine: a *separate process* (``export``) makes a
@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from kvoffd.doctor import _read
+from kvoffd.ops.doctor import _read
 
 PATTERN = 0x5A
 IPC_BYTES = 1 << 20
@@ -90,7 +90,7 @@ def export(device: int) -> None:
 
 
 def _ipc_check(lib: ctypes.CDLL, device: int, timeout_s: float) -> dict[str, Any]:
-    child = subprocess.Popen([sys.executable, "-m", "kvoffd.doctor_gpu", "export", str(device)],
+    child = subprocess.Popen([sys.executable, "-m", "kvoffd.ops.doctor_gpu", "export", str(device)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = _readline(child, timeout_s)
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s = float(argv[3]) if len(argv) > 3 else 60.0
         sys.stdout.write(json.dumps(probe(bw, ipc, timeout_s)) + "\n")
         return 0
-    sys.stderr.write("usage: python -m kvoffd.doctor_gpu probe [BYTES] [IPC 0|1] [TIMEOUT] | export DEVICE\n")
+    sys.stderr.write("usage: python -m kvoffd.ops.doctor_gpu probe [BYTES] [IPC 0|1] [TIMEOUT] | export DEVICE\n")
     return 2
 
 

@@ -51,7 +51,7 @@ def _log_group_coverage(kv_caches: dict[str, torch.Tensor], identity: CacheIdent
     """
     if identity.num_groups < 2:
         return
-    from kvoffd_client.handles import describe_layout
+    from kvoffd_client.memory.layout import describe_layout
 
     def nbytes(tensors: dict[str, torch.Tensor]) -> int:
         return sum(length for _, _, length in describe_layout(tensors, num_blocks)["segments"]) if tensors else 0
@@ -111,12 +111,13 @@ class KvoffdWorker:
         try:
             _log_group_coverage(kv_caches, self.identity, self.num_blocks)
             if first.device.type == "cpu":
-                from kvoffd_client.handles import describe_layout, share_cpu_kv_caches
+                from kvoffd_client.memory.cpu_fd import share_cpu_kv_caches
+                from kvoffd_client.memory.layout import describe_layout
 
                 layout = describe_layout(kv_caches, self.num_blocks)
                 self.memory = share_cpu_kv_caches(kv_caches, tag=self.engine_id, holders=self._layers())
             elif first.device.type == "cuda":
-                from kvoffd_client.handles_cuda import export_kv_caches
+                from kvoffd_client.memory.cuda_ipc import export_kv_caches
 
                 self._cuda = export_kv_caches(kv_caches, self.num_blocks)
                 self.memory, layout = self._cuda.memory, self._cuda.layout
@@ -303,7 +304,7 @@ class KvoffdWorker:
                     pass  # the daemon drops the engine anyway when this connection closes
             self._shutdown_client()
         if self.memory is not None and self.memory.get("kind") == "cpu_fd":
-            from kvoffd_client.handles import release_cpu_kv_caches
+            from kvoffd_client.memory.cpu_fd import release_cpu_kv_caches
 
             release_cpu_kv_caches(self.memory)
             self.memory = None

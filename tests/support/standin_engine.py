@@ -23,7 +23,8 @@ import sys
 import torch
 
 from kvoffd_client.client import KvoffdClient
-from kvoffd_client.handles import describe_layout, share_cpu_kv_caches
+from kvoffd_client.memory.cpu_fd import share_cpu_kv_caches
+from kvoffd_client.memory.layout import describe_layout
 
 
 def allocate(num_blocks: int, layers: int, heads: int, block_size: int, head_dim: int, dtype: torch.dtype

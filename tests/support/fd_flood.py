@@ -1,6 +1,6 @@
 """A connection flood, run as its own process by tests/test_reliability_fd_budget.py.
 
-``python tests/fd_flood.py ipc:///path/kvoffd.sock|tcp://127.0.0.1:PORT ATTEMPTS HOLD [linger]`` opens
+``python tests/support/fd_flood.py ipc:///path/kvoffd.sock|tcp://127.0.0.1:PORT ATTEMPTS HOLD [linger]`` opens
 up to ATTEMPTS bare stream connections that never send a byte, holding at most HOLD open at once (the
 oldest is closed to make room), and prints one JSON line: how many connected and how many were
 refused. With ``linger`` it then keeps the last HOLD open until its stdin closes. Its own process, so the flood neither shares the GIL with the client being measured nor

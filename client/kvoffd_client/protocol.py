@@ -266,7 +266,7 @@ class Lookup(Message, tag="lookup"):
 
     With ``lease_ms`` > 0 the hits are pinned against eviction for that long, or until a LOAD
     naming the lease consumes them, or a RELEASE drops them. The daemon checks ``keys`` mostly
-    without splitting them (kvoffd/index.py, ``Run``).
+    without splitting them (kvoffd/cache/index.py, ``Run``).
     """
 
     namespace: Name = ""

@@ -1,14 +1,14 @@
 """Helpers for the reliability drills (tests/test_reliability_*.py), and the soak worker process.
 
 Everything talks to a real daemon over real sockets. Engine memory here is a numpy view of a sealed
-memfd made the way the connector makes it (``kvoffd_client.handles.create_sealed_memfd``), without
+memfd made the way the connector makes it (``kvoffd_client.memory.cpu_fd.create_sealed_memfd``), without
 torch, so a worker process starts in well under a second and fills and checks blocks at memory speed.
 
 Block contents are a pure function of the block's key (:func:`block_content`): any process can check
 any block it loads without asking who stored it, and a stale block (an old key's bytes in a reused
 slot) or a misplaced one (another key's bytes) can never pass the check.
 
-Run as a script it is the soak worker: ``python tests/reliability_util.py soak --address ...``.
+Run as a script it is the soak worker: ``python tests/support/reliability_util.py soak --address ...``.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ import msgpack
 import numpy as np
 import zmq
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT / "tests") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tests"))
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "tests" / "support") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from kvoffd_client import protocol as P  # noqa: E402
 from kvoffd_client.client import KvoffdClient  # noqa: E402
 from kvoffd_client.fdpass import send_fd  # noqa: E402
-from kvoffd_client.handles import create_sealed_memfd  # noqa: E402
+from kvoffd_client.memory.cpu_fd import create_sealed_memfd  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # process measurements
@@ -157,7 +157,7 @@ def block_content(keys: Sequence[bytes], slot_bytes: int) -> np.ndarray:
 class ShmEngine:
     """KV memory of one engine: ``layers`` per-layer regions of ``num_blocks`` blocks in one sealed memfd.
 
-    Made the way the connector makes it (kvoffd_client.handles.create_sealed_memfd); ``memory`` is the
+    Made the way the connector makes it (kvoffd_client.memory.cpu_fd.create_sealed_memfd); ``memory`` is the
     connector's form (with the descriptor): KvoffdClient.register and RawPeer hand the descriptor to the
     daemon's fd socket and send the token. A block occupies one run per layer (like vLLM's per-layer LBHNC
     views), so the daemon handles a multi-segment layout; its pool slot is the layers' runs back to back.

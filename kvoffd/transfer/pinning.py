@@ -35,8 +35,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvoffd.pool import Pool
-from kvoffd.transfer import cudart
+from kvoffd.cache.pool import Pool
+from kvoffd.transfer import cuda_driver as cudart
 
 log = logging.getLogger(__name__)
 

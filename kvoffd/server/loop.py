@@ -26,8 +26,14 @@ import numpy as np
 import zmq
 
 from kvoffd import __version__, sdnotify
+from kvoffd.cache.index import Entry, Index
+from kvoffd.cache.pool import MIN_SLOT_BYTES, Pool
 from kvoffd.config import Config
-from kvoffd.engines import (
+from kvoffd.metrics import Metrics
+from kvoffd.runtime import ensure_private_dir, load_or_create_token
+from kvoffd.server.fdbudget import HANDSHAKE_IVL_MS, LISTEN_BACKLOG, FdBudget, ListenerGuard, open_listener
+from kvoffd.server.fdserver import FdServer, fd_socket_path, remove_stale_socket
+from kvoffd.server.sessions import (
     MAX_ENGINES_PER_CONN,
     MAX_EXPLAIN_KEYS,
     MAX_JOBS_PER_CONN,
@@ -44,12 +50,6 @@ from kvoffd.engines import (
     Lease,
     PidWatcher,
 )
-from kvoffd.fdbudget import HANDSHAKE_IVL_MS, LISTEN_BACKLOG, FdBudget, ListenerGuard, open_listener
-from kvoffd.fdserver import FdServer, fd_socket_path, remove_stale_socket
-from kvoffd.index import Entry, Index
-from kvoffd.metrics import Metrics
-from kvoffd.pool import MIN_SLOT_BYTES, Pool
-from kvoffd.runtime import ensure_private_dir, load_or_create_token
 from kvoffd.transfer.base import AttachError, Direction, JobExpired, TransferBackend, past
 from kvoffd.transfer.cpu import CpuBackend
 from kvoffd_client import protocol as P

@@ -5,7 +5,7 @@ The index owns the blocks (slots, pins, visibility); a policy only decides *whic
 OrderedDict operations in C, no scans), and a policy's memory is bounded by its capacity (ghost lists
 are a fixed multiple of it), so the same policy can sit in front of a DRAM pool or a disk tier.
 
-How the index drives a policy (the order ``bench/policy_sim.py`` replays; kvoffd/index.py with
+How the index drives a policy (the order ``bench/policy_sim.py`` replays; kvoffd/cache/index.py with
 ``--eviction-policy``; the index passes no keys to ``on_lookup_miss``, which no policy here reads):
 
 * LOOKUP: ``on_lookup_miss(keys)`` with the keys past the hit prefix, on every LOOKUP (empty when
@@ -24,11 +24,11 @@ dropped, as it does a block that finds no room).
 ``victim()`` hands a key over: the policy forgets it at once (it may remember it in a ghost list). An
 index that cannot evict that key (pinned by a LOAD or a lease) keeps it and gives it back with
 ``on_access(key)`` when the pin drops: a key the policy does not track is then tracked again as just
-used, as kvoffd/index.py puts skipped pinned entries back as most recently used today.
+used, as kvoffd/cache/index.py puts skipped pinned entries back as most recently used today.
 
 Policies:
 
-* :class:`LRU` — what kvoffd does today (kvoffd/index.py), as a policy: admits everything.
+* :class:`LRU` — what kvoffd does today (kvoffd/cache/index.py), as a policy: admits everything.
 * :class:`AdaptiveDoorkeeper` — admits a block on its second request; a probation segment for
   first-time blocks is sized by ghost hits.
 * :class:`GuardedDoorkeeper` — the default: the adaptive doorkeeper, turned into plain LRU while a

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvoffd import procfs
-from kvoffd.index import Entry, Table
+from kvoffd.cache.index import Entry, Table
 from kvoffd.transfer.base import MappedMemory, TransferBackend
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvoffd_client.client import KvoffdClient
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def chain_keys(n: int, salt: bytes = b"", parent: bytes = b"root") -> list[bytes]:
@@ -109,11 +109,11 @@ def start_daemon(address: str, pool_size: str = "256MiB", *extra: str, env: dict
 
 
 class Engine:
-    """A stand-in engine worker in its own process (tests/standin_engine.py)."""
+    """A stand-in engine worker in its own process (tests/support/standin_engine.py)."""
 
     def __init__(self, address: str, engine_id: str, wrapper: Sequence[str] = (), **kw: object):
         """``wrapper``: a command the engine runs under (e.g. ``unshare --pid --fork``)."""
-        args = [*wrapper, sys.executable, str(ROOT / "tests" / "standin_engine.py"), "--address", address,
+        args = [*wrapper, sys.executable, str(ROOT / "tests" / "support" / "standin_engine.py"), "--address", address,
                 "--engine-id", engine_id]
         for k, v in kw.items():
             args += ["--" + k.replace("_", "-"), str(v)]

@@ -7,7 +7,7 @@ found and, when it is not a pass, the fix. The exit code is 1 when any check fai
 ``--strict`` when any warns), so the doctor can gate a deployment.
 
 It must run anywhere, above all on a machine without a GPU: GPU work happens in a child process
-(kvoffd/doctor_gpu.py) with a deadline, and a check that breaks is reported as a result line, never
+(kvoffd/ops/doctor_gpu.py) with a deadline, and a check that breaks is reported as a result line, never
 a traceback.
 """
 
@@ -246,7 +246,7 @@ def check_daemon(ctx: Context) -> Result:
     if ctx.address.startswith("ipc://") and not os.path.exists(ctx.address[len("ipc://"):]):
         return Result("daemon", SKIP, f"no daemon socket at {ctx.address} (not started yet)")
     try:
-        from kvoffd import ctl
+        from kvoffd.ops import ctl
     except ImportError as e:
         return Result("daemon", SKIP, f"cannot load the client library to ask the daemon ({e})")
     try:
@@ -267,7 +267,7 @@ def check_daemon(ctx: Context) -> Result:
 
 
 def _run_gpu_probe(ctx: Context) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "kvoffd.doctor_gpu", "probe", str(ctx.bandwidth_bytes), "1" if ctx.ipc else "0",
+    cmd = [sys.executable, "-m", "kvoffd.ops.doctor_gpu", "probe", str(ctx.bandwidth_bytes), "1" if ctx.ipc else "0",
            str(ctx.gpu_timeout_s / 2)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=ctx.gpu_timeout_s)

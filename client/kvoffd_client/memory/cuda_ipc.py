@@ -157,7 +157,7 @@ def export_kv_caches(tensors: dict[str, Any], num_blocks: int, *, layout: dict[s
     """Describe vLLM's GPU KV tensors for REGISTER (kind ``cuda_ipc``).
 
     Every tensor must live in one allocation (vLLM's single int8 buffer). ``layout`` defaults to
-    ``kvoffd_client.handles.describe_layout(tensors, num_blocks)``, whose segment offsets count from
+    ``kvoffd_client.memory.cpu_fd.describe_layout(tensors, num_blocks)``, whose segment offsets count from
     the start of the shared storage; that start is the region exported here.
     """
     ts = list(tensors.values())
@@ -173,7 +173,7 @@ def export_kv_caches(tensors: dict[str, Any], num_blocks: int, *, layout: dict[s
     region_ptr, storage = next(iter(storages.items()))
     handle, offset, alloc_size = export_allocation(region_ptr)
     if layout is None:
-        from kvoffd_client.handles import describe_layout
+        from kvoffd_client.memory.layout import describe_layout
 
         layout = describe_layout(tensors, num_blocks)
     ring = EventRing(dev, num_events)

@@ -3,7 +3,7 @@
 A few dozen lines on asyncio streams instead of a web framework: three GET routes, no bodies in,
 served by the same loop as everything else (a scrape reads counters; it never waits on a copy).
 Connections are capped (HTTP_MAX_CONNS) and short-lived (HTTP_TIMEOUT_S): any local user can reach
-this port, and each connection costs the daemon a file descriptor (kvoffd/fdbudget.py).
+this port, and each connection costs the daemon a file descriptor (kvoffd/server/fdbudget.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvoffd.fdbudget import HTTP_BACKLOG, HTTP_MAX_CONNS, HTTP_TIMEOUT_S
-from kvoffd.server import Daemon
+from kvoffd.server.fdbudget import HTTP_BACKLOG, HTTP_MAX_CONNS, HTTP_TIMEOUT_S
+from kvoffd.server.loop import Daemon
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Rules it keeps (docs/architecture.md):
   * an entry is visible to LOOKUP/LOAD only once its copy completed (``ready``);
   * a pinned entry (read by a LOAD, or held by a lease) is never evicted nor overwritten;
   * ready entries sit in their slot size's LRU list; eviction is O(1) per block and skips pinned ones;
-  * with a policy other than ``lru`` (``--eviction-policy``, kvoffd/cache_policy.py), one policy per
+  * with a policy other than ``lru`` (``--eviction-policy``, kvoffd/cache/policy.py), one policy per
     slot size replaces that list: it is asked ``admit`` for each new key of a STORE (a refused key
     gets no slot and no copy) and ``victim()`` for each slot needed, and told every other event in
     the order its module docstring gives. ``Entry.in_lru`` then means "tracked by the policy";
@@ -26,8 +26,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from itertools import takewhile
 
-from kvoffd.cache_policy import LRU, EvictionPolicy, make_policy
-from kvoffd.pool import Pool
+from kvoffd.cache.policy import LRU, EvictionPolicy, make_policy
+from kvoffd.cache.pool import Pool
 from kvoffd_client.protocol import KEY_SIZE, split_keys
 
 _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoffctl explain`

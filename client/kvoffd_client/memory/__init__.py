@@ -1,0 +1,1 @@
+"""How an engine shares its KV memory with the daemon; module names are the protocol's memory kinds."""

@@ -1,0 +1,1 @@
+"""Operator tools: kvoffctl and kvoffd doctor, clients of the daemon like any other."""
