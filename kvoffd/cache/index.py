@@ -12,7 +12,10 @@ Rules it keeps (docs/architecture.md):
     policies existed (bench/trace_replay.py checks it against an exact model);
   * CLEAR unlinks entries at once; a slot still being copied is freed when its job ends;
   * a slot size below its fair share of the pool takes a chunk from the one furthest above it,
-    evicting that chunk's unpinned entries a bounded number per store (``_reclaim``).
+    evicting that chunk's unpinned entries a bounded number per store (``_reclaim``);
+  * observers (``IndexObserver``: a persistent slot table, a lower tier, an event stream) are told of
+    every entry that becomes visible and of every slot before it goes back to the pool, in the same
+    loop callback, so what they keep can never disagree with the index for longer than that callback.
 
 Everything here runs on the event loop thread; nothing blocks.
 """
@@ -22,9 +25,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
+from typing import Protocol
 
 from kvoffd.cache.policy import LRU, EvictionPolicy, make_policy
 from kvoffd.cache.pool import Pool
@@ -122,6 +126,25 @@ class StorePlan:
     refused: list[int]  # refused by the admission policy: no slot, no copy
 
 
+class IndexObserver(Protocol):
+    """Something that mirrors the index (warm-restart slot records, a lower tier, KV events).
+
+    One seam for all of them, so that none needs a branch in the server: the index calls these on the
+    loop thread, synchronously, at the two moments that matter. Observers must not block and must not
+    call back into the index from inside a call.
+    """
+
+    def committed(self, entries: Sequence[Entry]) -> None:
+        """``entries`` just became visible: their copy completed and their bytes are in their slots."""
+
+    def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+        """The slots of ``entries`` go back to the pool right after this call and may be reused at once.
+
+        The entries are already dead (evicted, cleared, discarded, drained, or a failed store's); their
+        bytes are still in place during the call and only then. ``e.ready`` tells a committed one.
+        """
+
+
 class Index:
     """Pins are lazy with respect to the LRU: pinning is ``entry.pins += 1`` and nothing else (callers
     do it inline: lookups with leases pin thousands of blocks per step); eviction skips pinned entries
@@ -142,6 +165,7 @@ class Index:
         self.evictions = 0  # all evicted entries, including reclaim_evictions
         self.reclaim_evictions = 0  # evicted to hand their chunk to another slot size
         self.refused = 0  # new blocks the admission policy refused (never copied)
+        self.observers: list[IndexObserver] = []
 
     # --- namespaces -------------------------------------------------------------------------------------
     def check_table(self, namespace: str, rank: int, world_size: int, layout: tuple[int, ...]) -> None:
@@ -320,8 +344,13 @@ class Index:
     def _free(self, slot_bytes: int, slots: list[int]) -> None:
         """Give slots back to the pool (their entries are gone for good)."""
         owner = self._slot_entry
-        for s in slots:
-            del owner[s]
+        if self.observers:
+            gone = [owner.pop(s) for s in slots]
+            for o in self.observers:
+                o.freeing(slot_bytes, gone)
+        else:
+            for s in slots:
+                del owner[s]
         self.pool.free(slot_bytes, slots)
 
     def commit(self, entries: list[Entry]) -> int:
@@ -364,6 +393,8 @@ class Index:
                     e.run, e.run_at = run, i
         done = len(shown)
         self.resident += done
+        for o in self.observers if shown else ():
+            o.committed(shown)
         return done
 
     @staticmethod

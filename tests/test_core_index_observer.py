@@ -1,0 +1,101 @@
+"""The index's one seam for what mirrors it (warm-restart records, a lower tier, KV events).
+
+A real Index over a real Pool, with LRU and with the default policy: an observer hears every entry that
+becomes visible, and every slot before it goes back to the pool — while the slot still holds the
+block's bytes and before anything else can take it — for each way a slot is given back (eviction,
+CLEAR, a failed store, a corrupt entry discarded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import pytest
+
+from kvoffd.cache.index import Entry, Index
+from kvoffd.cache.policy import DEFAULT_POLICY
+from kvoffd.cache.pool import Pool
+
+SLOT = 4096
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(i.to_bytes(8, "little")).digest()
+
+
+class Recorder:
+    """Keeps what it is told, and what the slot held at that moment."""
+
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.shown: list[bytes] = []
+        self.freed: list[tuple[bytes, bool, bytes]] = []  # key, was ready, first bytes of its slot
+
+    def committed(self, entries: Sequence[Entry]) -> None:
+        self.shown += [e.key for e in entries]
+
+    def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+        assert slot_bytes == SLOT
+        for e in entries:
+            assert e.dead
+            self.freed.append((e.key, e.ready, bytes(self.pool.view(e.slot, 8))))
+
+
+def _index(policy: str) -> tuple[Index, Recorder]:
+    index = Index(Pool(4 * SLOT, chunk_bytes=4 * SLOT), policy)
+    rec = Recorder(index.pool)
+    index.observers.append(rec)
+    return index, rec
+
+
+def _store(index: Index, keys: list[bytes], ok: bool = True) -> list[Entry]:
+    t = index.table("obs", 0, 1, SLOT, (SLOT,))
+    p = index.plan(t, keys)
+    entries = index.add_pending(t, keys, p.want, p.slots)
+    for e in entries:  # the "copy": each slot holds its key's first bytes
+        index.pool.view(e.slot, 8)[:] = memoryview(e.key[:8])
+    if ok:
+        index.commit(entries)
+    else:
+        index.abort(entries)
+    return entries
+
+
+@pytest.mark.parametrize("policy", ["lru", DEFAULT_POLICY])
+def test_observer_hears_commits_and_every_free_while_the_bytes_are_still_there(policy):
+    index, rec = _index(policy)
+    first = [key(i) for i in range(4)]
+    _store(index, first)
+    assert rec.shown == first
+    assert rec.freed == []
+
+    # A LOOKUP of the next chain makes the default policy admit it (second request); LRU admits anyway.
+    more = [key(i) for i in range(10, 12)]
+    index.leading_hits("obs", b"".join(more))
+    _store(index, more)
+    index.leading_hits("obs", b"".join(more))
+    _store(index, more)
+    evicted = [k for k, ready, head in rec.freed]
+    assert len(evicted) == 2 and set(evicted) <= set(first)
+    assert all(ready and head == k[:8] for k, ready, head in rec.freed)  # bytes intact when told
+    assert rec.shown[4:] == more
+
+    # A failed store: its slots come back unready (nothing was committed).
+    rec.freed.clear()
+    index.clear("obs")
+    cleared = {k for k, _, _ in rec.freed}
+    assert cleared == (set(first) - set(evicted)) | set(more)
+    rec.freed.clear()
+    failed = _store(index, [key(20)], ok=False)
+    assert [(k, ready) for k, ready, _ in rec.freed] == [(failed[0].key, False)]
+
+
+def test_a_discarded_entry_is_freed_once_its_last_hold_drops():
+    index, rec = _index("lru")
+    (e,) = _store(index, [key(1)])
+    e.pins += 1  # a LOAD reads it
+    index.discard(e)
+    assert rec.freed == []  # still being read: the slot is not given back yet
+    index.unpin(e)
+    assert [k for k, _, _ in rec.freed] == [key(1)]
