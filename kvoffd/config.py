@@ -134,6 +134,9 @@ class Config:
     verify: bool = False  # per-block checksums (integrity mode)
     auth_token_file: str = field(default_factory=default_auth_token_file)  # tcp:// clients must send it
     eviction_policy: str = DEFAULT_POLICY  # admission/eviction of the pool (kvoffd/cache/policy.py)
+    pool_path: str = ""  # the persistent pool's file ("": beside the socket if memory-backed, else /dev/shm;
+    #                      "none": private memory, lost with the process) (kvoffd/cache/pool_file.py)
+    cold: bool = False  # start with an empty pool even if the previous daemon's can be adopted
 
     @property
     def metrics_host_port(self) -> tuple[str, int] | None:
@@ -157,6 +160,10 @@ _FLAGS = [
                              "HELLO (created at first start). Default: <runtime dir>/auth-token"),
     ("eviction_policy", str, f"Admission and eviction of the pool's blocks: {', '.join(sorted(POLICIES))}. "
                              f"Default: {DEFAULT_POLICY} (docs/benchmarks.md, trace replay)"),
+    ("pool_path", str, "File the pool lives in, on a memory-backed filesystem (tmpfs, hugetlbfs), so that a "
+                       "restarted daemon adopts its blocks; 'none' keeps the pool in private memory, lost with "
+                       "the process. Default: kvoffd.pool beside the socket if that directory is memory-backed, "
+                       "else /dev/shm/kvoffd-<uid>-<address hash>.pool"),
 ]
 
 
@@ -172,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Allow a tcp:// address that other hosts can reach (off by default)")
     p.add_argument("--verify", action="store_true", default=None,
                    help="Integrity mode: checksum each block on store and verify it on load")
+    p.add_argument("--cold", action="store_true", default=None,
+                   help="Start with an empty pool, even if the previous daemon's could be adopted")
     return p
 
 
@@ -179,7 +188,7 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     env = os.environ if environ is None else environ
     args = build_parser().parse_args(argv)
     raw: dict[str, object] = {}
-    for name in [f[0] for f in _FLAGS] + ["allow_remote", "verify"]:
+    for name in [f[0] for f in _FLAGS] + ["allow_remote", "verify", "cold"]:
         v = getattr(args, name)
         if v is None:
             v = env.get("KVOFFD_" + name.upper())
@@ -205,7 +214,9 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
             cfg.auth_token_file = str(raw["auth_token_file"])
         if "eviction_policy" in raw:
             cfg.eviction_policy = str(raw["eviction_policy"]).lower()
-        for flag in ("allow_remote", "verify"):
+        if "pool_path" in raw:
+            cfg.pool_path = str(raw["pool_path"])
+        for flag in ("allow_remote", "verify", "cold"):
             if flag in raw:
                 v = raw[flag]
                 setattr(cfg, flag, v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on"))
@@ -224,6 +235,14 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         raise ConfigError("--copy-threads must be between 0 and 256")
     if cfg.pool_size < (1 << 20):
         raise ConfigError("--pool-size must be at least 1MiB")
+    from kvoffd.cache.pool import pool_geometry  # here: the pool module imports format_size from this one
+
+    try:
+        pool_geometry(cfg.pool_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.pool_path and cfg.pool_path != "none" and not os.path.isabs(cfg.pool_path):
+        raise ConfigError(f"--pool-path must be an absolute path or 'none', got {cfg.pool_path!r}")
     cfg.address = check_address(cfg.address, cfg.allow_remote)
     cfg.metrics_host_port  # noqa: B018 - validates
     return cfg

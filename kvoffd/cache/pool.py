@@ -16,8 +16,14 @@ is free may take a whole chunk from another slot size that holds more than its f
 pinned) while the pool keeps it closed to new slots (``begin_drain``); when its last slot is given
 back it goes straight to the slot size that asked for it.
 
-The allocation is an anonymous private mapping (huge pages where the kernel gives them): it costs
-nothing until touched, so the daemon is ready at once whatever the pool size. A backend that needs
+The memory is either a region of a shared file mapping that outlives the process (the persistent pool,
+kvoffd/cache/pool_file.py: a warm restart adopts its slots with ``adopt_slots``) or an anonymous
+private mapping (huge pages where the kernel gives them, ``--pool-path none``). Either costs nothing
+until touched, so the daemon is ready at once whatever the pool size.
+
+The size asked for is the size served: a pool is a whole number of chunks, or (below one chunk) one
+chunk of exactly its size, and any other size is refused with one line (``pool_geometry``) rather
+than silently rounded down (100 MiB used to give 64 MiB). A backend that needs
 the memory pinned (CUDA) makes chunks usable as it pins them (``set_usable_bytes``); until then only
 usable chunks are handed out.
 """
@@ -94,15 +100,34 @@ def _mem_line() -> str:
     return f"{total}, {format_size(info['MemAvailable'])} available" if "MemAvailable" in info else total
 
 
+def pool_geometry(nbytes: int, chunk_bytes: int = DEFAULT_CHUNK) -> tuple[int, int]:
+    """(chunk bytes, chunks) of a pool of exactly ``nbytes``; ValueError, in one line an operator can act
+    on, for a size that is not whole chunks (or, below one chunk, not whole pages)."""
+    if nbytes <= 0:
+        raise ValueError(f"a pool of {nbytes} bytes")
+    if nbytes < chunk_bytes:
+        if nbytes % mmap.PAGESIZE:
+            raise ValueError(f"--pool-size {nbytes} bytes is not a whole number of {mmap.PAGESIZE}-byte pages; "
+                             f"use {nbytes - nbytes % mmap.PAGESIZE or mmap.PAGESIZE} or "
+                             f"{nbytes - nbytes % mmap.PAGESIZE + mmap.PAGESIZE}")
+        return nbytes, 1
+    if nbytes % chunk_bytes:
+        down = nbytes - nbytes % chunk_bytes
+        raise ValueError(f"--pool-size {format_size(nbytes)} is not a whole number of {format_size(chunk_bytes)} "
+                         f"chunks; use {format_size(down)} or {format_size(down + chunk_bytes)}")
+    return chunk_bytes, nbytes // chunk_bytes
+
+
 class Pool:
-    def __init__(self, nbytes: int, chunk_bytes: int = DEFAULT_CHUNK):
-        if nbytes < chunk_bytes:
-            chunk_bytes = max(mmap.PAGESIZE, nbytes - nbytes % mmap.PAGESIZE)
-        self.chunk_bytes = chunk_bytes
-        self.num_chunks = nbytes // chunk_bytes
-        self.nbytes = self.num_chunks * chunk_bytes
-        self._map = self._reserve(self.nbytes)
-        self.buffer = np.frombuffer(self._map, dtype=np.uint8)
+    def __init__(self, nbytes: int, chunk_bytes: int = DEFAULT_CHUNK, mapping: mmap.mmap | None = None,
+                 offset: int = 0):
+        """``mapping``: a shared file mapping holding the pool at ``offset`` (the persistent pool);
+        None: private anonymous memory reserved here. ValueError for a size ``pool_geometry`` refuses."""
+        self.chunk_bytes, self.num_chunks = pool_geometry(nbytes, chunk_bytes)
+        self.nbytes = nbytes
+        self.persistent = mapping is not None  # must never be remapped privately (kvoffd/transfer/pinning.py)
+        self._map = mapping if mapping is not None else self._reserve(self.nbytes)
+        self.buffer = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=offset)
         self.base_address = self.buffer.ctypes.data
         self._chunks = [_Chunk(i) for i in range(self.num_chunks)]
         self._free_chunks: list[int] = list(range(self.num_chunks))  # a min-heap: low chunks first
@@ -329,6 +354,41 @@ class Pool:
 
     def draining(self, chunk: int) -> bool:
         return self._chunks[chunk].drain_for != 0
+
+    def adopt_slots(self, slot_bytes: int, offsets: np.ndarray) -> None:
+        """Mark ``offsets`` (slots of ``slot_bytes``, sorted, each chunk free so far) as held: the slots a
+        warm restart found committed. Each chunk is rebuilt as if carved up to its last held slot, the
+        gaps being its free list. ValueError (and nothing changed) for slots that cannot be this pool's."""
+        cb = self.chunk_bytes
+        if not 0 < slot_bytes <= cb or not len(offsets):
+            raise ValueError(f"no slots of {slot_bytes} bytes to adopt")
+        chunk = offsets // cb
+        inner = offsets - chunk * cb
+        if (inner % slot_bytes).any() or offsets[-1] + slot_bytes > self.nbytes or (np.diff(offsets) <= 0).any():
+            raise ValueError(f"slots of {slot_bytes} bytes at offsets that are not this pool's")
+        wanted = np.unique(chunk)
+        if any(self._chunks[c].slot_bytes for c in wanted.tolist()):
+            raise ValueError("slots adopted into a chunk already in use")
+        slab = self._slabs.get(slot_bytes)
+        if slab is None:
+            slab = self._slabs[slot_bytes] = _Slab(slot_bytes)
+        per = cb // slot_bytes
+        bounds = np.searchsorted(chunk, wanted, side="right")
+        start = 0
+        for c, end in zip(wanted.tolist(), bounds.tolist(), strict=True):
+            held = set((inner[start:end] // slot_bytes).tolist())
+            ch = self._chunks[c]
+            self._adopt(ch, slab)
+            ch.carved = max(held) + 1
+            ch.live = len(held)
+            ch.free = [c * cb + i * slot_bytes for i in range(ch.carved - 1, -1, -1) if i not in held]
+            if not ch.free and ch.carved == per:
+                del slab.room[c]
+            start = end
+        slab.used += len(offsets)
+        taken = set(wanted.tolist())
+        self._free_chunks = [c for c in self._free_chunks if c not in taken]
+        heapq.heapify(self._free_chunks)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self.buffer[offset: offset + nbytes]

@@ -27,6 +27,7 @@ import zmq
 
 from kvoffd import __version__, sdnotify
 from kvoffd.cache.index import Entry, Index
+from kvoffd.cache.persist import keeper, open_pool
 from kvoffd.cache.pool import MIN_SLOT_BYTES, Pool
 from kvoffd.config import Config
 from kvoffd.metrics import Metrics
@@ -111,8 +112,9 @@ class Daemon:
         self.cfg = cfg
         self.daemon_id = uuid.uuid4().hex
         self.started = time.time()
-        self.pool = Pool(cfg.pool_size)
+        self.pool, pool_file = open_pool(cfg.pool_size, cfg.pool_path, cfg.address, cfg.cold)
         self.index = Index(self.pool, cfg.eviction_policy)
+        self.persist = keeper(pool_file, self.pool, self.index)  # adopts the previous daemon's blocks
         self.backends = _make_backends(cfg, self.pool)
         self.by_kind: dict[str, TransferBackend] = {}
         for b in self.backends:
@@ -240,6 +242,7 @@ class Daemon:
             self.bind()
         for b in self.backends:
             b.start()
+        self.persist.start(loop)
         if self.fd_handover is not None:
             self.fd_handover.start(loop)
         fd = self.sock.getsockopt(zmq.FD)
@@ -279,6 +282,7 @@ class Daemon:
             self._pids.close()
         for b in self.backends:
             b.close()
+        await self.persist.close()  # seals what is left: the next daemon adopts it
         if self.fd_handover is not None:
             self.fd_handover.close()
         if self.sock is not None:
@@ -868,7 +872,8 @@ class Daemon:
         t0 = time.monotonic()
         ids = ids[ok_idx] if failed else ids
         fut: Awaitable[None] | None = None
-        if not self.cfg.verify:  # start the copy now, not one loop turn later in the job's task
+        # start the copy now, not one loop turn later in the job's task, unless checksums come first
+        if not (self.cfg.verify or self.persist.must_check(entries)):
             try:
                 fut = eng.backend.submit(Direction.LOAD, eng.mapped, ids, slots, msg.event, msg.expires_ns)
             except Exception as e:
@@ -884,9 +889,9 @@ class Daemon:
         try:
             if fut is not None:
                 await fut
-            elif self.cfg.verify:
-                sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, entries)
-                bad = [j for j, (e, c) in enumerate(zip(entries, sums, strict=True)) if e.checksum != c]
+            else:  # --verify, or adopted blocks not checked yet since a warm restart
+                bad = await asyncio.get_running_loop().run_in_executor(None, self._corrupt, entries)
+                self.persist.checked(entries)
                 if bad:
                     log.error("engine %s: %d blocks failed their checksum; reporting them failed", eng.engine_id,
                               len(bad))
@@ -911,6 +916,7 @@ class Daemon:
             text = str(e)[:200]
         else:
             self._account(Direction.LOAD, len(ids), len(ids) * eng.mapped.slot_bytes, t0)
+            self.persist.touched(entries)  # last-use stamps, for the next daemon's LRU order
         self._end_job(conn, eng, msg.job_id, jid)
         self._notice(conn, msg.job_id, failed, code, text)  # first: the engine is waiting on it
         for e in entries:
@@ -936,6 +942,13 @@ class Daemon:
         """crc32 of each slot (--verify). Runs in an executor: zlib releases the GIL on big buffers."""
         buf = self.pool.buffer
         return [zlib.crc32(buf[e.slot:e.slot + e.table.slot_bytes]) for e in entries]
+
+    def _corrupt(self, entries: list[Entry]) -> list[int]:
+        """Positions of the entries whose bytes fail their checksum (in an executor): all of them with
+        --verify, else the adopted ones not checked yet."""
+        if not self.cfg.verify:
+            return self.persist.corrupt(entries)
+        return [j for j, (e, c) in enumerate(zip(entries, self._checksums(entries), strict=True)) if e.checksum != c]
 
     def _begin_job(self, conn: Conn, eng: Engine, job_id: int, direction: str, t0: float) -> int:
         """An accepted job: counted in flight (and aged) from now until its notice."""
@@ -1022,6 +1035,7 @@ class Daemon:
                        "listening": not (self._guard and self._guard.paused)},
             "pool": {**self.pool.stats(), "base_address": self.pool.base_address},
             "verify": self.cfg.verify,
+            "persistence": self.persist.stats(),
             "eviction_policy": self.cfg.eviction_policy,
             "counters": {
                 "lookups": m.lookup.lookups, "lookup_hit_blocks": m.lookup.hit_blocks,

@@ -178,8 +178,8 @@ class Pinner:
     def _remap(self) -> None:
         """Swap the pool's untouched mapping for a private one at the same address (huge pages)."""
         pool = self.pool
-        if self._libc is None or pool.used_bytes or pool.pinned_bytes:
-            return
+        if self._libc is None or pool.used_bytes or pool.pinned_bytes or pool.persistent:
+            return  # a persistent pool's shared mapping is the point: never swapped for private memory
         r = self._libc.mmap(pool.base_address, pool.nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
                             mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED, -1, 0)
         if r != pool.base_address:

@@ -87,11 +87,15 @@ def _pool_usable(c: KvoffdClient) -> bool:
 def start_daemon(address: str, pool_size: str = "256MiB", *extra: str, env: dict | None = None,
                  preexec_fn=None) -> DaemonProc:
     """``preexec_fn`` runs in the daemon's process before it starts (e.g. to lower its RLIMIT_NOFILE)."""
+    env = dict(os.environ if env is None else env)
+    # A test's pool lives in private memory unless it passes --pool-path (tests/test_warm_restart.py):
+    # a persistent pool per test would be left in /dev/shm.
+    env.setdefault("KVOFFD_POOL_PATH", "none")
     fd, log_path = tempfile.mkstemp(prefix="kvoffd-test-", suffix=".log")
     with os.fdopen(fd, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", pool_size,
                                  "--metrics-address", "127.0.0.1:0", "--log-level", "debug", *extra],
-                                stdout=subprocess.DEVNULL, stderr=log, env=env or os.environ.copy(), cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=ROOT,
                                 preexec_fn=preexec_fn)
     d = DaemonProc(address, proc, log_path)
     c = KvoffdClient(address, heartbeat=False)

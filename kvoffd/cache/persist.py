@@ -1,0 +1,370 @@
+"""Warm restart: the index's mirror in the pool file, and adoption of a previous daemon's blocks.
+
+``Persistence`` is an ``IndexObserver`` (kvoffd/cache/index.py) of a pool that lives in a file
+(kvoffd/cache/pool_file.py), keeping its slot records (kvoffd/cache/slots_table.py) true:
+
+* **committed** blocks are queued for sealing. A sealer thread computes each slot's crc32 off the
+  event loop (zlib releases the GIL on large buffers: stores are never slowed by it) and hands the
+  sums back to the loop, which writes the records of the blocks still alive. A block committed but
+  not yet sealed when the process dies is simply not adopted (absent, never wrong); on SIGTERM what
+  is left is sealed within ``SEAL_ON_STOP_S``.
+* **freeing** slots have their records invalidated before the pool may hand them out again.
+* blocks read by a LOAD are **touched**: their last-use stamps are rewritten every ``FLUSH_S``
+  (batched, on the loop), so the next daemon rebuilds the LRU order.
+
+``adopt`` (at start, before the daemon serves) rebuilds the pool's slabs and the index from the sealed
+records: the blocks are visible at once. Their bytes are verified lazily: the first LOAD of an
+adopted block checks its crc32 first (the ``--verify`` machinery of kvoffd/server/loop.py), and a
+background pass checks the rest; a mismatch drops that block only (a counted miss). The end of that
+pass is "full adoption" (``stats()['verified_s']``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import weakref
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvoffd.cache.adopt import adopt_records
+from kvoffd.cache.index import Entry, Index, Table
+from kvoffd.cache.pool import Pool, pool_geometry
+from kvoffd.cache.pool_file import (
+    NS_AREA_BYTES,
+    Layout,
+    PoolFile,
+    PoolFileError,
+    default_pool_path,
+    open_pool_file,
+)
+from kvoffd.cache.slots_table import NamespaceFacts, NamespaceTable, RankFacts, SlotRecords
+
+log = logging.getLogger(__name__)
+
+SEAL_ON_STOP_S = 5.0  # SIGTERM: sealing what is left may take this long (docker stop waits 10 s)
+FLUSH_S = 1.0  # touched stamps and the header's "updated" are written this often
+VERIFY_SLICE = 64  # adopted blocks checked per background task
+
+
+def _crc(buf: np.ndarray, e: Entry) -> int:
+    return zlib.crc32(buf[e.slot:e.slot + e.table.slot_bytes])
+
+
+class Persistence:
+    """The pool file's keeper (one per daemon; only when the pool lives in a file)."""
+
+    def __init__(self, pf: PoolFile, pool: Pool, index: Index, verify_threads: int = 0):
+        self.pf, self.pool, self.index = pf, pool, index
+        lay = pf.layout
+        words = np.frombuffer(pf.map, dtype=np.uint64, count=lay.num_records * 8, offset=lay.records_offset)
+        self.records = SlotRecords(words.reshape(-1, 8), lay)
+        self.namespaces = NamespaceTable(memoryview(pf.map)[lay.ns_offset:lay.ns_offset + 2 * NS_AREA_BYTES])
+        self._ids: weakref.WeakKeyDictionary[Table, int] = weakref.WeakKeyDictionary()
+        self.unverified: set[Entry] = set()
+        self._queue: deque[list[Entry]] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._verify = ThreadPoolExecutor(verify_threads or max(1, min(8, (os.cpu_count() or 2) // 2)),
+                                          thread_name_prefix="kvoffd-verify")
+        self._touched: list[Entry] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.adopted = 0
+        self.adopted_bytes = 0
+        self.adopted_from = 0.0  # when the previous daemon last stamped the pool
+        self.adopt_s = 0.0
+        self.verified_s = 0.0  # from start to the end of the background pass
+        self.verify_failures = 0
+        self.sealed = 0
+        self.unsealed_at_stop = 0
+        self._t0 = time.monotonic()
+
+    # --- start ------------------------------------------------------------------------------------------
+    def adopt(self) -> None:
+        """Take over the previous daemon's blocks (none if the file was made new). Never raises for
+        a damaged file: what cannot be trusted is not adopted, with one log line."""
+        prev = self.pf.previous
+        self.pf.write_header()
+        if prev is None:
+            return
+        self.adopted_from = prev.updated
+        self.namespaces.load()
+        t0 = time.monotonic()
+        try:
+            result = adopt_records(self.records.scan(), self.namespaces.by_id, self.pool, self.index)
+        except (ValueError, KeyError) as e:  # a bug or a damaged table: cold, not a crash loop
+            log.error("pool file %s: cannot adopt its blocks (%s); starting cold", self.pf.path, e)
+            self.records.words[:, 0] = 0
+            self.namespaces.keep_only(set())
+            return
+        for t, i in result.table_ids.items():
+            self._ids[t] = i
+        self.namespaces.keep_only(set(result.table_ids.values()))
+        self.records.invalidate(result.dropped_records)
+        self.unverified = set(result.entries)
+        self.adopted = len(result.entries)
+        self.adopted_bytes = sum(e.table.slot_bytes for e in result.entries)
+        self.adopt_s = time.monotonic() - t0
+        log.info("pool file %s: adopted %d blocks (%.1f MiB) of %d namespaces in %.3f s, written until %s by pid "
+                 "%d; %d records not adopted%s", self.pf.path, self.adopted, self.adopted_bytes / (1 << 20),
+                 len(set(result.table_ids.values())), self.adopt_s, time.strftime(
+                     "%Y-%m-%d %H:%M:%S", time.localtime(prev.updated)), prev.pid, result.not_adopted,
+                 f" ({result.why})" if result.why else "")
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The sealer thread, the background verification of adopted blocks, the periodic flush."""
+        self._loop = loop
+        self._thread = threading.Thread(target=self._seal_work, name="kvoffd-seal", daemon=True)
+        self._thread.start()
+        pending = list(self.unverified)
+        if not pending:
+            self.verified_s = time.monotonic() - self._t0
+        for i in range(0, len(pending), VERIFY_SLICE):
+            part = pending[i:i + VERIFY_SLICE]
+            fut = self._verify.submit(self._sums, part)
+            fut.add_done_callback(lambda f, part=part: self._post(self._verified, part, f))
+        self._timer = loop.call_later(FLUSH_S, self._flush)
+
+    # --- the observer ------------------------------------------------------------------------------------
+    def committed(self, entries: Sequence[Entry]) -> None:
+        with self._cond:
+            self._queue.append(list(entries))
+            self._cond.notify()
+
+    def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+        if self.unverified:
+            for e in entries:
+                self.unverified.discard(e)
+        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+        idx = self.records.index_of(slots, slot_bytes)
+        self.records.invalidate(idx[idx >= 0])
+
+    def touched(self, entries: Sequence[Entry]) -> None:
+        """Read by a LOAD: their stamps move at the next flush."""
+        self._touched += entries
+
+    # --- lazy verification ---------------------------------------------------------------------------------
+    def must_check(self, entries: Sequence[Entry]) -> bool:
+        u = self.unverified
+        return bool(u) and any(e in u for e in entries)
+
+    def corrupt(self, entries: Sequence[Entry]) -> list[int]:
+        """Positions of the adopted, unverified ``entries`` whose bytes fail their checksum. Runs in an
+        executor (the entries are pinned by their LOAD: their slots cannot change meanwhile)."""
+        buf, u = self.pool.buffer, self.unverified
+        return [j for j, e in enumerate(entries) if e in u and _crc(buf, e) != e.checksum]
+
+    def checked(self, entries: Sequence[Entry]) -> None:
+        """Back on the loop after ``corrupt``: these need no more checking."""
+        for e in entries:
+            self.unverified.discard(e)
+        self._maybe_verified()
+
+    def _verified(self, part: list[Entry], sums: list[int]) -> None:
+        for e, c in zip(part, sums, strict=True):
+            if e not in self.unverified:
+                continue  # loaded (and checked) or freed meanwhile
+            self.unverified.discard(e)
+            if c != e.checksum and not e.dead:
+                self.verify_failures += 1
+                log.error("adopted block of namespace %s rank %d at slot %d fails its checksum; dropped",
+                          e.table.namespace, e.table.rank, e.slot)
+                self.index.discard(e)
+        self._maybe_verified()
+
+    def _maybe_verified(self) -> None:
+        if not self.unverified and not self.verified_s and self.adopted:
+            self.verified_s = time.monotonic() - self._t0
+            log.info("adopted blocks verified %.2f s after start (%d failed their checksum)", self.verified_s,
+                     self.verify_failures)
+
+    # --- sealing --------------------------------------------------------------------------------------------
+    def _sums(self, entries: list[Entry]) -> list[int]:
+        buf = self.pool.buffer
+        return [e.checksum if e.checksum >= 0 else -1 if e.dead else _crc(buf, e) for e in entries]
+
+    def _seal_work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch = self._queue.popleft()
+                self._busy = True
+            sums = self._sums(batch)
+            self._post(self._write_sealed, batch, sums)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _post(self, fn, part: list[Entry], result) -> None:
+        """Hand a thread's result to the loop (dropped if the loop is gone: the records stay unwritten)."""
+        if hasattr(result, "result"):
+            try:
+                result = result.result()
+            except Exception:
+                log.exception("checksum task failed")
+                return
+        try:
+            self._loop.call_soon_threadsafe(fn, part, result)
+        except RuntimeError:
+            pass
+
+    def _write_sealed(self, batch: list[Entry], sums: list[int]) -> None:
+        by_table: dict[Table, list[tuple[Entry, int]]] = {}
+        for e, c in zip(batch, sums, strict=True):
+            if not e.dead and c >= 0:
+                by_table.setdefault(e.table, []).append((e, c))
+        for t, got in by_table.items():
+            ns_id = self._ns_id(t)
+            if ns_id is None:
+                continue
+            slots = np.fromiter((e.slot for e, _ in got), dtype=np.int64, count=len(got))
+            idx = self.records.index_of(slots, t.slot_bytes)
+            keep = idx >= 0
+            mine = [g for g, k in zip(got, keep.tolist(), strict=True) if k]
+            if not mine:
+                continue
+            for e, c in mine:
+                e.checksum = c
+            self.records.seal(idx[keep], ns_id, t.rank, b"".join(e.key for e, _ in mine),
+                              np.fromiter((e.stored_at for e, _ in mine), dtype=np.float64, count=len(mine)),
+                              np.fromiter((c for _, c in mine), dtype=np.int64, count=len(mine)), t.slot_bytes)
+            self.sealed += len(mine)
+
+    def _ns_id(self, t: Table) -> int | None:
+        got = self._ids.get(t)
+        if got is None:
+            ns = self.index.namespaces.get(t.namespace)
+            if ns is None or ns.tables.get(t.rank) is not t:
+                return None
+            facts = NamespaceFacts(t.namespace, ns.world_size, {t.rank: RankFacts(t.slot_bytes, ns.layouts[t.rank])})
+            got = self.namespaces.id_for(facts)
+            if got is not None:
+                self._ids[t] = got
+        return got
+
+    # --- periodic and stop ---------------------------------------------------------------------------------
+    def _flush(self) -> None:
+        self._flush_touches()
+        self.pf.write_header()
+        if self._loop is not None and not self._stopping:
+            self._timer = self._loop.call_later(FLUSH_S, self._flush)
+
+    def _flush_touches(self) -> None:
+        touched, self._touched = self._touched, []
+        by_size: dict[int, set[int]] = {}
+        for e in touched:
+            if not e.dead:
+                by_size.setdefault(e.table.slot_bytes, set()).add(e.slot)
+        now = time.time()
+        for size, slots in by_size.items():
+            idx = self.records.index_of(np.fromiter(slots, dtype=np.int64, count=len(slots)), size)
+            self.records.touch(idx[idx >= 0], now)
+
+    async def close(self) -> None:
+        """SIGTERM: seal what is queued (at most ``SEAL_ON_STOP_S``), write the last stamps, unlock."""
+        loop = asyncio.get_running_loop()
+        if self._timer is not None:
+            self._timer.cancel()
+
+        def drain() -> int:
+            deadline = time.monotonic() + SEAL_ON_STOP_S
+            with self._cond:
+                while (self._queue or self._busy) and time.monotonic() < deadline:
+                    self._cond.wait(0.05)
+                left = sum(len(b) for b in self._queue)
+                self._queue.clear()
+                self._stopping = True
+                self._cond.notify_all()
+            return left
+
+        self.unsealed_at_stop = await loop.run_in_executor(None, drain)
+        await asyncio.sleep(0)  # the sealer's last results, posted to this loop
+        self._verify.shutdown(wait=False, cancel_futures=True)
+        self._flush_touches()
+        self.pf.write_header()
+        self.pf.close()
+        log.info("pool file %s kept: %d blocks sealed, %d left unsealed (not adopted by the next daemon)",
+                 self.pf.path, self.sealed, self.unsealed_at_stop)
+
+    def stats(self) -> dict:
+        return {"path": self.pf.path, "adopted_blocks": self.adopted, "adopted_bytes": self.adopted_bytes,
+                "adopted_from": self.adopted_from, "adopt_s": round(self.adopt_s, 6),
+                "verified_s": round(self.verified_s, 6), "unverified_blocks": len(self.unverified),
+                "verify_failures": self.verify_failures, "sealed_blocks": self.sealed,
+                "unsealed_blocks": sum(len(b) for b in self._queue)}
+
+
+class Volatile:
+    """The pool in private memory (``--pool-path none``, or no room for a file): nothing survives the
+    process, and the daemon calls this instead of a ``Persistence`` without a branch."""
+
+    unverified: set[Entry] = set()
+
+    def adopt(self) -> None:
+        pass
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        pass
+
+    def must_check(self, entries: Sequence[Entry]) -> bool:
+        return False
+
+    def corrupt(self, entries: Sequence[Entry]) -> list[int]:
+        return []
+
+    def checked(self, entries: Sequence[Entry]) -> None:
+        pass
+
+    def touched(self, entries: Sequence[Entry]) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"path": "", "adopted_blocks": 0}
+
+
+def open_pool(size: int, path: str, address: str, cold: bool) -> tuple[Pool, PoolFile | None]:
+    """The daemon's pool: in its file (``path``; "" for the default beside the socket or in
+    /dev/shm; "none" for private memory). A file that cannot be used gives one warning and private
+    memory: the daemon works, its cache just does not survive it."""
+    chunk, _ = pool_geometry(size)
+    if path == "none":
+        return Pool(size, chunk), None
+    path = path or default_pool_path(address)
+    layout = Layout.of(size, chunk)
+    try:
+        pf, why = open_pool_file(path, layout, cold)
+    except PoolFileError as e:
+        log.warning("%s; the pool is kept in private memory and will not survive a restart", e)
+        return Pool(size, chunk), None
+    if why == "--cold":
+        log.info("pool file %s: starting cold (--cold)", path)
+    elif why:
+        log.warning("pool file %s not adopted: %s; starting cold", path, why)
+    return Pool(size, chunk, mapping=pf.map, offset=layout.data_offset), pf
+
+
+def keeper(pf: PoolFile | None, pool: Pool, index: Index) -> Persistence | Volatile:
+    """The pool file's keeper, having adopted the previous daemon's blocks and joined the index's
+    observers (a ``Volatile`` for a pool in private memory)."""
+    if pf is None:
+        return Volatile()
+    p = Persistence(pf, pool, index)
+    p.adopt()
+    index.observers.append(p)
+    return p

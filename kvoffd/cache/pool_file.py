@@ -1,0 +1,259 @@
+"""The pool's file: a pool that outlives the daemon (a restart, an upgrade, a crash).
+
+Why a file on a memory-backed filesystem (tmpfs or hugetlbfs) mapped MAP_SHARED, and not a memfd in
+systemd's descriptor store: a file works the same under systemd, in a container (a memory-backed
+volume that outlives the container) and by hand, an operator can see it (``ls -l``, ``kvoffd doctor``)
+and remove it, and nothing has to hand a descriptor over between two processes. Its pages belong to
+the filesystem, so they survive the process that wrote them; a host reboot empties them.
+
+SIGBUS: a write to a tmpfs page the filesystem has no room for kills the writer. The file is
+therefore allocated whole when it is made (``posix_fallocate``), after checking the filesystem's free
+space, so no later store can fault on a full filesystem. If that cannot be done the daemon keeps its
+pool in private memory and says so in one line: it works, it just does not survive a restart.
+
+The file (one ``Layout``): a 4 KiB header, two namespace-table areas (kvoffd/cache/slots_table.py),
+the slot records, then the pool's data, 2 MiB-aligned (a huge page). The header says what made the
+file (format version, pool and chunk sizes, page size, records per chunk); an adopter that finds
+anything else starts cold.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+
+from kvoffd.config import format_size
+from kvoffd_client.paths import runtime_dir
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MAGIC = b"KVOFFDPL"
+HEADER_BYTES = 4096
+NS_AREA_BYTES = 256 << 10  # one copy of the namespace table (there are two: one is always whole)
+RECORD_BYTES = 64
+RECORDS_PER_CHUNK = 4096  # slots of >= chunk/4096 (16 KiB in 64 MiB chunks) are all persisted
+ALIGN = 2 << 20
+# statfs f_type of the filesystems whose pages are memory: tmpfs/shmem, hugetlbfs, ramfs
+MEMORY_FS = {0x01021994: "tmpfs", 0x958458F6: "hugetlbfs", 0x858458F6: "ramfs"}
+_HEADER = struct.Struct("<8sIIQQIQdddQ")  # magic, version, page, pool, chunk, records/chunk, data_off,
+#                                           created, updated (last written), adopted_from, writer pid
+
+
+class PoolFileError(RuntimeError):
+    """The pool cannot live in this file (the daemon then uses private memory and says why)."""
+
+
+def fs_type(path: str) -> str:
+    """``tmpfs``, ``hugetlbfs``, ``ramfs``, or ``other`` for the filesystem holding ``path``."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field (a long)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.statfs(os.fsencode(path), buf) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), path)
+    return MEMORY_FS.get(ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF, "other")
+
+
+def default_pool_path(address: str) -> str:
+    """Beside the socket when its directory is memory-backed (``/run/...``), else in /dev/shm, named
+    by the uid and the address so two daemons of one host never share a pool. Never a disk
+    filesystem: a pool there would be written back to disk."""
+    sock_dir = os.path.dirname(address[6:]) if address.startswith("ipc://") else runtime_dir()
+    try:
+        if fs_type(sock_dir) != "other":
+            return os.path.join(sock_dir, "kvoffd.pool")
+    except OSError:
+        pass
+    tag = hashlib.sha256(address.encode()).hexdigest()[:12]
+    return f"/dev/shm/kvoffd-{os.getuid()}-{tag}.pool"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each part of the file lies, for a pool of ``pool_bytes`` in ``chunk_bytes`` chunks."""
+
+    pool_bytes: int
+    chunk_bytes: int
+    records_per_chunk: int
+
+    @classmethod
+    def of(cls, pool_bytes: int, chunk_bytes: int) -> Layout:
+        from kvoffd.cache.pool import MIN_SLOT_BYTES
+
+        return cls(pool_bytes, chunk_bytes, min(RECORDS_PER_CHUNK, chunk_bytes // MIN_SLOT_BYTES))
+
+    @property
+    def num_chunks(self) -> int:
+        return self.pool_bytes // self.chunk_bytes
+
+    ns_offset = HEADER_BYTES
+
+    @property
+    def records_offset(self) -> int:
+        return HEADER_BYTES + 2 * NS_AREA_BYTES
+
+    @property
+    def num_records(self) -> int:
+        return self.num_chunks * self.records_per_chunk
+
+    @property
+    def data_offset(self) -> int:
+        end = self.records_offset + self.num_records * RECORD_BYTES
+        return -(-end // ALIGN) * ALIGN
+
+    @property
+    def file_bytes(self) -> int:
+        return -(-(self.data_offset + self.pool_bytes) // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Header:
+    version: int
+    page_size: int
+    pool_bytes: int
+    chunk_bytes: int
+    records_per_chunk: int
+    data_offset: int
+    created: float
+    updated: float
+    adopted_from: float  # when the pool's first daemon created it (survives adoptions)
+    pid: int
+
+    def pack(self) -> bytes:
+        body = _HEADER.pack(MAGIC, self.version, self.page_size, self.pool_bytes, self.chunk_bytes,
+                            self.records_per_chunk, self.data_offset, self.created, self.updated,
+                            self.adopted_from, self.pid)
+        return body + struct.pack("<I", zlib.crc32(body))
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Header | None:
+        """None for anything that is not a whole header of this format's family."""
+        n = _HEADER.size
+        if len(raw) < n + 4 or struct.unpack_from("<I", raw, n)[0] != zlib.crc32(raw[:n]):
+            return None
+        magic, *fields = _HEADER.unpack_from(raw)
+        return cls(*fields) if magic == MAGIC else None
+
+    def mismatch(self, layout: Layout, file_bytes: int) -> str:
+        """Why a pool of ``layout`` cannot adopt this file ("" if it can)."""
+        want = (FORMAT_VERSION, mmap.PAGESIZE, layout.pool_bytes, layout.chunk_bytes, layout.records_per_chunk,
+                layout.data_offset)
+        have = (self.version, self.page_size, self.pool_bytes, self.chunk_bytes, self.records_per_chunk,
+                self.data_offset)
+        names = ("format version", "page size", "pool size", "chunk size", "records per chunk", "data offset")
+        for name, h, w in zip(names, have, want, strict=True):
+            if h != w:
+                shown = (format_size(h), format_size(w)) if name in ("pool size", "chunk size") else (h, w)
+                return f"its {name} is {shown[0]}, this daemon's {shown[1]}"
+        if file_bytes != layout.file_bytes:
+            return f"it is {file_bytes} bytes long, not {layout.file_bytes}"
+        return ""
+
+
+class PoolFile:
+    """The open, locked, mapped file. ``previous`` is the header found (None: made new or reset)."""
+
+    def __init__(self, path: str, fd: int, mapping: mmap.mmap, layout: Layout, previous: Header | None):
+        self.path, self.fd, self.map, self.layout, self.previous = path, fd, mapping, layout, previous
+        self.created = previous.adopted_from if previous else time.time()
+
+    def write_header(self) -> None:
+        """Stamp the header (at start, every few seconds, at stop): ``updated`` says from when the
+        blocks of an adopted pool are."""
+        lay = self.layout
+        h = Header(FORMAT_VERSION, mmap.PAGESIZE, lay.pool_bytes, lay.chunk_bytes, lay.records_per_chunk,
+                   lay.data_offset, self.created, time.time(), self.created, os.getpid())
+        raw = h.pack()
+        self.map[:len(raw)] = raw
+
+    def close(self) -> None:
+        """Closes the descriptor (and with it the lock); the mapping belongs to the pool."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def open_pool_file(path: str, layout: Layout, cold: bool) -> tuple[PoolFile, str]:
+    """Open (or make) the pool file, locked for this daemon alone. Returns it and, when a previous
+    pool was found and not adopted, the one line saying why. PoolFileError when it cannot be used."""
+    kind = _check_dir(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise PoolFileError(f"cannot open {path}: {e.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PoolFileError(f"{path} is in use by another kvoffd (give each daemon its own --pool-path)") from None
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise PoolFileError(f"{path} is not a 0600 file of this user (uid {st.st_uid}, mode "
+                                f"{st.st_mode & 0o777:o}); remove it or choose another --pool-path")
+        previous, why = _read_previous(fd, st.st_size, layout)
+        if cold and previous is not None:
+            previous, why = None, "--cold"
+        if previous is None:
+            _reset(fd, path, layout, kind, had=st.st_size)
+        elif st.st_blocks * 512 < layout.file_bytes:
+            _allocate(fd, path, layout, kind)  # allocated whole: no store may SIGBUS on a full filesystem
+        mapping = mmap.mmap(fd, layout.file_bytes, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.close(fd)
+        raise
+    return PoolFile(path, fd, mapping, layout, previous), why
+
+
+def _check_dir(path: str) -> str:
+    d = os.path.dirname(path) or "."
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        kind = fs_type(d)
+    except OSError as e:
+        raise PoolFileError(f"cannot use {d} for the pool: {e.strerror}") from None
+    if kind == "other":
+        raise PoolFileError(f"{d} is not memory-backed (tmpfs or hugetlbfs): a pool there would be written to "
+                            "disk; use /dev/shm or a tmpfs mount for --pool-path")
+    return kind
+
+
+def _read_previous(fd: int, size: int, layout: Layout) -> tuple[Header | None, str]:
+    if size == 0:
+        return None, ""
+    head = Header.unpack(os.pread(fd, HEADER_BYTES, 0))
+    if head is None:
+        return None, "its header is not a kvoffd pool header (damaged or another format)"
+    why = head.mismatch(layout, size)
+    return (None, why) if why else (head, "")
+
+
+def _reset(fd: int, path: str, layout: Layout, kind: str, had: int) -> None:
+    """An empty pool of this layout: every old page dropped (so no old record survives), then
+    allocated whole."""
+    os.ftruncate(fd, 0)
+    os.ftruncate(fd, layout.file_bytes)
+    _allocate(fd, path, layout, kind)
+
+
+def _allocate(fd: int, path: str, layout: Layout, kind: str) -> None:
+    st = os.fstatvfs(fd)
+    free = st.f_bavail * st.f_frsize
+    need = layout.file_bytes - os.fstat(fd).st_blocks * 512
+    if need > free:
+        os.ftruncate(fd, 0)
+        raise PoolFileError(f"{os.path.dirname(path)} ({kind}) has {format_size(free)} free, the pool file needs "
+                            f"{format_size(need)} more; enlarge it (e.g. a bigger /dev/shm) or lower --pool-size")
+    try:
+        os.posix_fallocate(fd, 0, layout.file_bytes)
+    except OSError as e:
+        os.ftruncate(fd, 0)
+        why = "the filesystem is full" if e.errno == errno.ENOSPC else e.strerror
+        raise PoolFileError(f"cannot allocate the {format_size(layout.file_bytes)} pool file {path}: {why}") from None

@@ -1,0 +1,219 @@
+"""The persistent pool's metadata: one record per slot, and the namespaces' registration facts.
+
+Records: ``records_per_chunk`` 64-byte records per chunk; slot ``i`` of a chunk has record ``i`` of
+that chunk when ``i < records_per_chunk`` (every slot of 16 KiB or more in 64 MiB chunks; smaller
+slots beyond the first 4096 of a chunk are simply not persisted: a miss after a restart, never a
+wrong byte). So per-slot metadata stays under 0.4% of the pool whatever the slot size.
+
+A record is eight little-endian 64-bit words::
+
+    0: state (32 bits: SEALED or 0) | namespace id (16) | rank (16)
+    1-4: the block's key (32 bytes)
+    5: last-use stamp (a float64's bits)
+    6: crc32 of the slot's bytes (32) | slot size (32)
+    7: check: a mix of words 0-6 (catches a damaged record)
+
+Crash consistency (the process may die between any two instructions): a record is written only for a
+block whose copy completed and whose content checksum was computed (``seal``), in three steps: word 0
+to 0, words 1-7, then word 0 with the state. It is invalidated (word 0 to 0, one aligned store) before
+its slot goes back to the pool (``invalidate``). A record whose state is not SEALED, or whose check
+does not match, is ignored at adoption. Everything is numpy, vectorised over a batch of slots.
+
+Namespace table: a JSON document (namespace id -> name, world size, each rank's slot size and layout)
+written to the older of two areas with a generation number and a crc32, so one copy is whole whatever
+instant the process dies at.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvoffd.cache.pool_file import NS_AREA_BYTES, Layout
+
+log = logging.getLogger(__name__)
+
+SEALED = 0x5EA1ED01
+_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5,
+                 0x85EBCA77C2B2AE63, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53], dtype=np.uint64)
+_NS_HEAD = struct.Struct("<4sQII")  # magic, generation, length, crc32
+_NS_MAGIC = b"KVNS"
+MAX_NAMESPACE_IDS = 0xFFFF
+
+
+def _check(words: np.ndarray) -> np.ndarray:
+    """Word 7 of records whose words 0-6 are ``words`` (n, 7): multiply-xor mixing, vectorised."""
+    with np.errstate(over="ignore"):
+        m = words * _MIX
+        m ^= m >> np.uint64(29)
+        return np.bitwise_xor.reduce(m, axis=1) ^ np.uint64(0xA5A5A5A5A5A5A5A5)
+
+
+@dataclass
+class Found:
+    """The sealed records of one scan, as parallel arrays (record order)."""
+
+    ns_id: np.ndarray
+    rank: np.ndarray
+    keys: np.ndarray  # (n, 32) uint8
+    stamp: np.ndarray
+    crc: np.ndarray
+    slot_bytes: np.ndarray
+    offset: np.ndarray  # the slot's offset in the pool
+    record: np.ndarray  # the record's index
+
+
+class SlotRecords:
+    """The record table of one pool file, seen as an (n, 8) uint64 array."""
+
+    def __init__(self, words: np.ndarray, layout: Layout):
+        self.words = words
+        self.layout = layout
+        self._cb = layout.chunk_bytes
+        self._per = layout.records_per_chunk
+
+    def index_of(self, slots: np.ndarray, slot_bytes: int) -> np.ndarray:
+        """Record index of each slot; -1 for a slot with no record (beyond the chunk's first ones)."""
+        chunk, inner = np.divmod(slots, self._cb)
+        i = inner // slot_bytes
+        return np.where(i < self._per, chunk * self._per + i, -1)
+
+    def seal(self, idx: np.ndarray, ns_id: int, rank: int, keys: bytes, stamps: np.ndarray, crcs: np.ndarray,
+             slot_bytes: int) -> None:
+        """Write sealed records at ``idx`` (all >= 0): blocks of one table, keys concatenated."""
+        n = len(idx)
+        body = np.empty((n, 7), dtype=np.uint64)
+        body[:, 0] = np.uint64(SEALED | (ns_id << 32) | (rank << 48))
+        body[:, 1:5] = np.frombuffer(keys, dtype=np.uint64).reshape(n, 4)
+        body[:, 5] = stamps.astype(np.float64).view(np.uint64)
+        body[:, 6] = crcs.astype(np.uint64) | np.uint64(slot_bytes << 32)
+        w = self.words
+        w[idx, 0] = 0
+        w[idx, 1:7] = body[:, 1:]
+        w[idx, 7] = _check(body)
+        w[idx, 0] = body[:, 0]
+
+    def invalidate(self, idx: np.ndarray) -> None:
+        self.words[idx, 0] = 0
+
+    def touch(self, idx: np.ndarray, stamp: float) -> None:
+        """New last-use stamps for the sealed records among ``idx`` (the others stay as they are)."""
+        w = self.words
+        idx = idx[(w[idx, 0] & np.uint64(0xFFFFFFFF)) == SEALED]
+        if not len(idx):
+            return
+        body = w[idx, :7].copy()
+        body[:, 5] = np.float64(stamp).view(np.uint64)
+        first = body[:, 0].copy()
+        w[idx, 0] = 0
+        w[idx, 5] = body[:, 5]
+        w[idx, 7] = _check(body)
+        w[idx, 0] = first
+
+    def scan(self) -> Found:
+        """Every whole, sealed record (a torn or damaged one fails its check and is left out)."""
+        w = self.words
+        sealed = np.flatnonzero((w[:, 0] & np.uint64(0xFFFFFFFF)) == SEALED)
+        rec = w[sealed]
+        ok = rec[:, 7] == _check(rec[:, :7])
+        rec, idx = rec[ok], sealed[ok]
+        slot_bytes = (rec[:, 6] >> np.uint64(32)).astype(np.int64)
+        chunk, i = np.divmod(idx.astype(np.int64), self._per)
+        return Found(ns_id=((rec[:, 0] >> np.uint64(32)) & np.uint64(0xFFFF)).astype(np.int64),
+                     rank=(rec[:, 0] >> np.uint64(48)).astype(np.int64),
+                     keys=rec[:, 1:5].copy().view(np.uint8).reshape(-1, 32),
+                     stamp=rec[:, 5].copy().view(np.float64),
+                     crc=(rec[:, 6] & np.uint64(0xFFFFFFFF)).astype(np.int64),
+                     slot_bytes=slot_bytes,
+                     offset=chunk * self._cb + i * np.maximum(slot_bytes, 1), record=idx.astype(np.int64))
+
+
+@dataclass
+class RankFacts:
+    slot_bytes: int
+    layout: tuple[int, ...]
+
+
+@dataclass
+class NamespaceFacts:
+    """What a namespace was registered with: a re-registering engine must match it."""
+
+    name: str
+    world_size: int
+    ranks: dict[int, RankFacts] = field(default_factory=dict)
+
+
+class NamespaceTable:
+    """Namespace ids and facts, kept in the file's two namespace areas."""
+
+    def __init__(self, area: memoryview):
+        self.area = area  # 2 * NS_AREA_BYTES
+        self.by_id: dict[int, NamespaceFacts] = {}
+        self.generation = 0
+
+    def load(self) -> None:
+        """The newest whole copy (none whole: no namespaces, so no record is adopted)."""
+        best = None
+        for a in (0, 1):
+            raw = self.area[a * NS_AREA_BYTES:(a + 1) * NS_AREA_BYTES]
+            magic, gen, length, crc = _NS_HEAD.unpack_from(raw)
+            body = bytes(raw[_NS_HEAD.size:_NS_HEAD.size + length]) if length <= NS_AREA_BYTES - _NS_HEAD.size else b""
+            if magic == _NS_MAGIC and body and zlib.crc32(body) == crc and (best is None or gen > best[0]):
+                best = (gen, body)
+        if best is None:
+            return
+        self.generation = best[0]
+        try:
+            doc = json.loads(best[1])
+            for item in doc["namespaces"]:
+                ranks = {int(r): RankFacts(int(f["slot_bytes"]), tuple(int(x) for x in f["layout"]))
+                         for r, f in item["ranks"].items()}
+                self.by_id[int(item["id"])] = NamespaceFacts(str(item["name"]), int(item["world_size"]), ranks)
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("the pool's namespace table is damaged (%s); its blocks are not adopted", e)
+            self.by_id.clear()
+
+    def id_for(self, facts: NamespaceFacts) -> int | None:
+        """The id of a namespace with exactly these facts, made (and saved) if new; None when full."""
+        for i, f in self.by_id.items():
+            if f.name == facts.name and f.world_size == facts.world_size and all(
+                    f.ranks.get(r, rf) == rf for r, rf in facts.ranks.items()):
+                if any(r not in f.ranks for r in facts.ranks):
+                    f.ranks.update(facts.ranks)
+                    if not self.save():
+                        return None
+                return i
+        new = max(self.by_id, default=0) + 1
+        if new > MAX_NAMESPACE_IDS:
+            return None
+        self.by_id[new] = facts
+        if not self.save():
+            del self.by_id[new]
+            return None
+        return new
+
+    def keep_only(self, ids: set[int]) -> None:
+        """Forget the namespaces no adopted block uses (the table stays small across restarts)."""
+        self.by_id = {i: f for i, f in self.by_id.items() if i in ids}
+        self.save()
+
+    def save(self) -> bool:
+        doc = {"namespaces": [{"id": i, "name": f.name, "world_size": f.world_size,
+                               "ranks": {str(r): {"slot_bytes": rf.slot_bytes, "layout": list(rf.layout)}
+                                         for r, rf in f.ranks.items()}} for i, f in self.by_id.items()]}
+        body = json.dumps(doc, separators=(",", ":")).encode()
+        if len(body) > NS_AREA_BYTES - _NS_HEAD.size:
+            log.warning("the pool's namespace table is full (%d bytes); new namespaces are not persisted", len(body))
+            return False
+        self.generation += 1
+        a = self.generation % 2
+        base = a * NS_AREA_BYTES
+        self.area[base:base + _NS_HEAD.size] = b"\0" * _NS_HEAD.size  # invalid while written
+        self.area[base + _NS_HEAD.size:base + _NS_HEAD.size + len(body)] = body
+        self.area[base:base + _NS_HEAD.size] = _NS_HEAD.pack(_NS_MAGIC, self.generation, len(body), zlib.crc32(body))
+        return True
