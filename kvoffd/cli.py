@@ -8,7 +8,7 @@ import signal
 import sys
 
 from kvoffd import sdnotify
-from kvoffd.config import ConfigError, check_pool_fits, format_size, load_config
+from kvoffd.config import ConfigError, check_pool_fits, check_pool_geometry, format_size, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         pool_warning = check_pool_fits(cfg.pool_size)
+        check_pool_geometry(cfg.pool_size)
     except ConfigError as e:
         print(f"kvoffd: {e}", file=sys.stderr)
         return 2

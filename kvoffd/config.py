@@ -56,7 +56,9 @@ def physical_ram() -> int | None:
 
 
 def default_pool_size() -> int:
-    return min(4 << 30, (physical_ram() or 16 << 30) // 4)
+    """min(4 GiB, a quarter of RAM), in whole 64 MiB chunks (a size the pool serves exactly)."""
+    n = min(4 << 30, (physical_ram() or 16 << 30) // 4)
+    return max(64 << 20, n - n % (64 << 20))
 
 
 #: a pool above this share of RAM starts, with a warning: the engines, vLLM and the OS need the rest
@@ -69,15 +71,26 @@ def check_pool_fits(pool_size: int, ram: int | None = None) -> str:
     it, return a warning to log. Separate from load_config, which also validates deploy files on
     hosts smaller than the ones they are for."""
     ram = physical_ram() if ram is None else ram
-    if not ram:
-        return ""
-    if pool_size > ram:
+    if ram and pool_size > ram:
         raise ConfigError(f"--pool-size {format_size(pool_size)} is larger than this host's RAM "
                           f"({format_size(ram)}); choose a smaller pool (kvoffd doctor --pool-size SIZE checks one)")
+    if not ram:
+        return ""
     if pool_size > POOL_RAM_WARN_FRACTION * ram:
         return (f"--pool-size {format_size(pool_size)} is {100 * pool_size / ram:.0f}% of this host's RAM "
                 f"({format_size(ram)}): little is left for the engines and the OS")
     return ""
+
+
+def check_pool_geometry(pool_size: int) -> None:
+    """Refuse a size the pool cannot serve exactly (whole 64 MiB chunks, or whole pages below one
+    chunk) with one line naming the two nearest that it can (issue 13: 100 MiB used to give 64)."""
+    from kvoffd.cache.pool import pool_geometry  # here: the pool module imports format_size from this one
+
+    try:
+        pool_geometry(pool_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _host_port(text: str, what: str) -> tuple[str, int]:
@@ -235,12 +248,6 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         raise ConfigError("--copy-threads must be between 0 and 256")
     if cfg.pool_size < (1 << 20):
         raise ConfigError("--pool-size must be at least 1MiB")
-    from kvoffd.cache.pool import pool_geometry  # here: the pool module imports format_size from this one
-
-    try:
-        pool_geometry(cfg.pool_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     if cfg.pool_path and cfg.pool_path != "none" and not os.path.isabs(cfg.pool_path):
         raise ConfigError(f"--pool-path must be an absolute path or 'none', got {cfg.pool_path!r}")
     cfg.address = check_address(cfg.address, cfg.allow_remote)

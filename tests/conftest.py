@@ -6,6 +6,7 @@ is honest); ``make_daemon`` starts a private one for tests that need a fresh poo
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import tempfile
@@ -15,6 +16,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+# Every daemon a test starts keeps its pool in private memory unless the test passes --pool-path
+# (tests/test_warm_restart.py): the default, a persistent pool file, would be left in /dev/shm.
+os.environ.setdefault("KVOFFD_POOL_PATH", "none")
 
 from kvtest import DaemonProc, Engine, start_daemon  # noqa: E402
 

@@ -100,6 +100,14 @@ def _mem_line() -> str:
     return f"{total}, {format_size(info['MemAvailable'])} available" if "MemAvailable" in info else total
 
 
+def _exact(n: int) -> str:
+    """A size an operator can paste back: whole GiB or MiB when it is one, else bytes."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n} bytes"
+
+
 def pool_geometry(nbytes: int, chunk_bytes: int = DEFAULT_CHUNK) -> tuple[int, int]:
     """(chunk bytes, chunks) of a pool of exactly ``nbytes``; ValueError, in one line an operator can act
     on, for a size that is not whole chunks (or, below one chunk, not whole pages)."""
@@ -113,8 +121,9 @@ def pool_geometry(nbytes: int, chunk_bytes: int = DEFAULT_CHUNK) -> tuple[int, i
         return nbytes, 1
     if nbytes % chunk_bytes:
         down = nbytes - nbytes % chunk_bytes
-        raise ValueError(f"--pool-size {format_size(nbytes)} is not a whole number of {format_size(chunk_bytes)} "
-                         f"chunks; use {format_size(down)} or {format_size(down + chunk_bytes)}")
+        raise ValueError(f"--pool-size {_exact(nbytes)} is not a whole number of {_exact(chunk_bytes)} chunks; "
+                         f"use {_exact(down) if down else _exact(nbytes - nbytes % mmap.PAGESIZE)} or "
+                         f"{_exact(down + chunk_bytes)}")
     return chunk_bytes, nbytes // chunk_bytes
 
 

@@ -205,7 +205,12 @@ def open_pool_file(path: str, layout: Layout, cold: bool) -> tuple[PoolFile, str
             _reset(fd, path, layout, kind, had=st.st_size)
         elif st.st_blocks * 512 < layout.file_bytes:
             _allocate(fd, path, layout, kind)  # allocated whole: no store may SIGBUS on a full filesystem
-        mapping = mmap.mmap(fd, layout.file_bytes, flags=mmap.MAP_SHARED)
+        try:
+            mapping = mmap.mmap(fd, layout.file_bytes, flags=mmap.MAP_SHARED)
+        except OSError as e:
+            if previous is None:
+                os.ftruncate(fd, 0)  # made for nothing: give the memory back
+            raise PoolFileError(f"cannot map the {format_size(layout.file_bytes)} pool file {path}: {e.strerror}") from None
     except BaseException:
         os.close(fd)
         raise
