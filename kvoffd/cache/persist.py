@@ -126,12 +126,13 @@ class Persistence:
         self._loop = loop
         self._thread = threading.Thread(target=self._seal_work, name="kvoffd-seal", daemon=True)
         self._thread.start()
-        pending = list(self.unverified)
-        if not pending:
+        # KVOFFD_TEST_NO_VERIFY_PASS: no background pass, so a test sees the first LOAD check a block
+        pending = [] if os.environ.get("KVOFFD_TEST_NO_VERIFY_PASS") else list(self.unverified)
+        if not self.unverified:
             self.verified_s = time.monotonic() - self._t0
         for i in range(0, len(pending), VERIFY_SLICE):
             part = pending[i:i + VERIFY_SLICE]
-            fut = self._verify.submit(self._sums, part)
+            fut = self._verify.submit(self._recompute, part)
             fut.add_done_callback(lambda f, part=part: self._post(self._verified, part, f))
         self._timer = loop.call_later(FLUSH_S, self._flush)
 
@@ -187,6 +188,10 @@ class Persistence:
             self.verified_s = time.monotonic() - self._t0
             log.info("adopted blocks verified %.2f s after start (%d failed their checksum)", self.verified_s,
                      self.verify_failures)
+
+    def _recompute(self, entries: list[Entry]) -> list[int]:
+        buf = self.pool.buffer
+        return [-1 if e.dead else _crc(buf, e) for e in entries]
 
     # --- sealing --------------------------------------------------------------------------------------------
     def _sums(self, entries: list[Entry]) -> list[int]:

@@ -100,7 +100,7 @@ def _mem_line() -> str:
     return f"{total}, {format_size(info['MemAvailable'])} available" if "MemAvailable" in info else total
 
 
-def _exact(n: int) -> str:
+def exact_size(n: int) -> str:
     """A size an operator can paste back: whole GiB or MiB when it is one, else bytes."""
     for unit, shift in (("GiB", 30), ("MiB", 20)):
         if n and n % (1 << shift) == 0:
@@ -121,9 +121,9 @@ def pool_geometry(nbytes: int, chunk_bytes: int = DEFAULT_CHUNK) -> tuple[int, i
         return nbytes, 1
     if nbytes % chunk_bytes:
         down = nbytes - nbytes % chunk_bytes
-        raise ValueError(f"--pool-size {_exact(nbytes)} is not a whole number of {_exact(chunk_bytes)} chunks; "
-                         f"use {_exact(down) if down else _exact(nbytes - nbytes % mmap.PAGESIZE)} or "
-                         f"{_exact(down + chunk_bytes)}")
+        raise ValueError(f"--pool-size {exact_size(nbytes)} is not a whole number of {exact_size(chunk_bytes)} chunks; "
+                         f"use {exact_size(down) if down else exact_size(nbytes - nbytes % mmap.PAGESIZE)} or "
+                         f"{exact_size(down + chunk_bytes)}")
     return chunk_bytes, nbytes // chunk_bytes
 
 

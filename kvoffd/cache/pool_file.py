@@ -31,6 +31,7 @@ import time
 import zlib
 from dataclasses import dataclass
 
+from kvoffd.cache.pool import MIN_SLOT_BYTES, exact_size
 from kvoffd.config import format_size
 from kvoffd_client.paths import runtime_dir
 
@@ -86,8 +87,6 @@ class Layout:
 
     @classmethod
     def of(cls, pool_bytes: int, chunk_bytes: int) -> Layout:
-        from kvoffd.cache.pool import MIN_SLOT_BYTES
-
         return cls(pool_bytes, chunk_bytes, min(RECORDS_PER_CHUNK, chunk_bytes // MIN_SLOT_BYTES))
 
     @property
@@ -151,7 +150,7 @@ class Header:
         names = ("format version", "page size", "pool size", "chunk size", "records per chunk", "data offset")
         for name, h, w in zip(names, have, want, strict=True):
             if h != w:
-                shown = (format_size(h), format_size(w)) if name in ("pool size", "chunk size") else (h, w)
+                shown = (exact_size(h), exact_size(w)) if name in ("pool size", "chunk size") else (h, w)
                 return f"its {name} is {shown[0]}, this daemon's {shown[1]}"
         if file_bytes != layout.file_bytes:
             return f"it is {file_bytes} bytes long, not {layout.file_bytes}"

@@ -1,0 +1,243 @@
+"""Warm restart (issue 14): the pool lives in a file on tmpfs, and a new daemon adopts its blocks.
+
+Real daemons, a real engine process (this test process, with its memory in a sealed memfd) that keeps
+running while the daemon is stopped (SIGTERM), killed (SIGKILL, also in the middle of a large STORE)
+and started again at the same address; the client re-registers by itself. What must hold: the blocks
+stored before come back (>= 99%) and load byte-exact; a block served is never wrong, whatever
+instant the daemon died at; a pool file of another size, or ``--cold``, gives a cold pool with one
+log line; bytes flipped in the file while no daemon ran cost that block only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import signal
+import uuid
+
+import numpy as np
+import pytest
+from kvtest import chain_keys, wait_until
+from reliability_util import ShmEngine
+
+from kvoffd.cache.pool import pool_geometry
+from kvoffd.cache.pool_file import Layout, default_pool_path, fs_type
+from kvoffd_client.client import KvoffdClient
+
+NB, SLOT = 128, 256 << 10  # 32 MiB of blocks in a 64 MiB pool
+NS = "warm"
+
+
+@pytest.fixture
+def pool_path():
+    d = f"/dev/shm/kvtest-warm-{uuid.uuid4().hex[:10]}"
+    os.makedirs(d, mode=0o700)
+    yield f"{d}/kvoffd.pool"
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Rig:
+    """One engine (this process) and the daemon it uses, restarted at will."""
+
+    def __init__(self, make_daemon, pool_path: str, nb: int = NB, slot: int = SLOT, pool: str = "64MiB"):
+        self.make_daemon, self.pool_path, self.pool = make_daemon, pool_path, pool
+        self.d = self.start()
+        self.eng = ShmEngine(nb, slot, layers=2, tag="warm")
+        self.c = KvoffdClient(self.d.address, timeout_s=5.0, job_deadline_s=30.0, link_grace_s=0.5)
+        assert self.c.connect(10)
+        self.c.register("warm-0", NS, 0, 1, self.eng.memory, self.eng.layout)
+        self.job = 0
+
+    def start(self, *extra: str, pool: str | None = None):
+        return self.make_daemon(pool or self.pool, "--pool-path", self.pool_path, "--copy-threads", "1", *extra,
+                                name="warm")
+
+    def store(self, keys: list[bytes], ids: range, wait: bool = True) -> int:
+        self.job += 1
+        self.eng.fill(ids, keys)
+        self.c.submit_store("warm-0", self.job, keys, ids)
+        if wait:
+            (n,) = self.c.wait_notices({self.job}, 30)
+            assert n.ok, n
+        return self.job
+
+    def load(self, keys: list[bytes], ids: range):
+        """Load ``keys`` into poisoned blocks ``ids``: (indices served, notice)."""
+        self.eng.poison(ids)
+        self.job += 1
+        self.c.submit_load("warm-0", self.job, keys, ids)
+        (n,) = self.c.wait_notices({self.job}, 30)
+        served = [i for i in range(len(keys)) if i not in set(n.failed)]
+        return served, n
+
+    def persistence(self) -> dict:
+        return self.d.client().stats()["persistence"]
+
+    def sealed(self, n: int) -> None:
+        """Every block stored so far has its record (a crash now loses none of them)."""
+        assert wait_until(lambda: self.persistence()["sealed_blocks"] >= n, 10), self.persistence()
+
+    def restart(self, sig: int, *extra: str, pool: str | None = None):
+        self.d.proc.send_signal(sig)
+        assert self.d.proc.wait(15) is not None
+        self.d = self.start(*extra, pool=pool)
+        watcher = self.d.client()
+        assert wait_until(lambda: any(e["engine_id"] == "warm-0" for e in watcher.stats()["engines"]), 15), \
+            self.d.log()
+        return watcher
+
+    def close(self) -> None:
+        self.c.close()
+        self.eng.close()
+
+
+@pytest.fixture
+def rig(make_daemon, pool_path):
+    made: list[Rig] = []
+
+    def make(**kw) -> Rig:
+        r = Rig(make_daemon, pool_path, **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def _exact(r: Rig, keys: list[bytes], ids: range, served: list[int]) -> None:
+    ok = r.eng.matches([ids[i] for i in served], [keys[i] for i in served])
+    assert ok.all(), f"{int((~ok).sum())} of {len(served)} blocks served after the restart are not byte-exact"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_restart_keeps_the_blocks_and_the_engine_notices_only_a_gap(rig, sig):
+    r = rig()
+    keys = chain_keys(NB, b"warm")
+    r.store(keys[:64], range(64))
+    r.store(keys[64:], range(64, NB))
+    if sig == signal.SIGKILL:
+        r.sealed(NB)  # durable once sealed (milliseconds after the store); SIGTERM seals what is left
+    watcher = r.restart(sig)
+    st = watcher.stats()
+    assert st["persistence"]["adopted_blocks"] >= 0.99 * NB, st["persistence"]
+    assert watcher.lookup(NS, keys).hits >= 0.99 * NB  # answered from the adopted index at once
+    served, _ = r.load(keys, range(NB))
+    assert len(served) >= 0.99 * NB, f"only {len(served)} of {NB} blocks hit after the restart"
+    _exact(r, keys, range(NB), served)
+    assert watcher.stats()["counters"]["loaded_blocks"] == len(served)
+    # the adopted pool keeps working: new blocks stored and found next to the adopted ones
+    more = chain_keys(16, b"after")
+    r.store(more, range(16))
+    served, _ = r.load(more, range(16, 32))
+    assert len(served) == 16
+    _exact(r, more, range(16, 32), served)
+
+
+def test_sigkill_during_a_large_store_never_serves_a_wrong_byte(rig):
+    """The pool holds 256 slots: the second STORE evicts most of the first one's blocks and copies into
+    their slots while the daemon is killed. Whatever was adopted must be exact."""
+    r = rig()
+    a, b = chain_keys(NB, b"first"), chain_keys(NB, b"second")
+    r.store(a, range(NB))
+    r.sealed(NB)
+    r.eng.fill(range(NB), b)
+    r.job += 1
+    r.c.submit_store("warm-0", r.job, b, range(NB))  # in flight while the daemon dies
+    r.d.proc.send_signal(signal.SIGKILL)
+    r.d.proc.wait(10)
+    r.c.wait_notices({r.job}, 30)
+    watcher = r.restart(signal.SIGKILL)  # (already dead: starts the next one)
+    adopted = watcher.stats()["persistence"]["adopted_blocks"]
+    for keys in (a, b):
+        served, _ = r.load(keys, range(NB))
+        _exact(r, keys, range(NB), served)
+    assert adopted >= NB // 2, f"only {adopted} blocks adopted (the first store's survivors at least)"
+
+
+def test_a_pool_of_another_size_starts_cold_with_one_line(rig):
+    r = rig()
+    keys = chain_keys(32, b"size")
+    r.store(keys, range(32))
+    watcher = r.restart(signal.SIGTERM, pool="128MiB")
+    assert watcher.stats()["persistence"]["adopted_blocks"] == 0
+    assert watcher.lookup(NS, keys).hits == 0
+    lines = [ln for ln in r.d.log().splitlines() if "not adopted" in ln]
+    assert len(lines) == 1 and "pool size is 64MiB, this daemon's 128MiB" in lines[0], lines
+    r.store(keys, range(32))  # the new pool works
+    served, _ = r.load(keys, range(32, 64))
+    assert len(served) == 32
+
+
+def test_cold_starts_empty_on_purpose(rig):
+    r = rig()
+    keys = chain_keys(32, b"cold")
+    r.store(keys, range(32))
+    watcher = r.restart(signal.SIGTERM, "--cold")
+    assert watcher.stats()["persistence"]["adopted_blocks"] == 0
+    assert watcher.lookup(NS, keys).hits == 0
+    assert "starting cold (--cold)" in r.d.log()
+
+
+def _flip(pool_path: str, pool: str, slot: int) -> None:
+    """Flip bytes of the block at pool offset ``slot`` in the file, as a stray write would."""
+    from kvoffd.config import parse_size
+
+    size = parse_size(pool)
+    lay = Layout.of(size, pool_geometry(size)[0])
+    with open(pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        at = lay.data_offset + slot + 1000
+        m[at:at + 4] = bytes(255 - x for x in m[at:at + 4])
+
+
+@pytest.mark.parametrize("how", ["first_load", "background_pass"])
+def test_flipped_bytes_cost_that_block_only(rig, how, monkeypatch):
+    """``first_load``: no background pass (KVOFFD_TEST_NO_VERIFY_PASS), so the LOAD checks the block and
+    refuses it; ``background_pass``: the pass drops it before any LOAD. Every other block is served."""
+    if how == "first_load":
+        monkeypatch.setenv("KVOFFD_TEST_NO_VERIFY_PASS", "1")
+    r = rig()
+    keys = chain_keys(NB, b"flip")
+    r.store(keys, range(NB))
+    victim = 40
+    slot = int(r.d.client().explain(NS, [keys[victim]])[0]["slots"]["0"])
+    r.d.proc.send_signal(signal.SIGTERM)
+    r.d.proc.wait(15)
+    _flip(r.pool_path, r.pool, slot)
+    r.d = r.start()
+    watcher = r.d.client()
+    assert wait_until(lambda: any(e["engine_id"] == "warm-0" for e in watcher.stats()["engines"]), 15)
+    assert watcher.stats()["persistence"]["adopted_blocks"] == NB
+    if how == "background_pass":
+        assert wait_until(lambda: watcher.stats()["persistence"]["verified_s"] > 0, 30)
+        assert watcher.stats()["persistence"]["verify_failures"] == 1
+    served, n = r.load(keys, range(NB))
+    assert n.failed == [victim], n
+    if how == "first_load":
+        assert n.code == "checksum_mismatch", n
+    _exact(r, keys, range(NB), served)
+    assert watcher.lookup(NS, keys).hits == victim  # the leading blocks up to the dropped one
+
+
+def test_the_default_pool_path_is_memory_backed(tmp_path):
+    assert fs_type("/dev/shm") == "tmpfs"
+    if fs_type(str(tmp_path)) == "other":  # a socket on disk: the pool goes to /dev/shm, never beside it
+        assert default_pool_path(f"ipc://{tmp_path}/kvoffd.sock").startswith(f"/dev/shm/kvoffd-{os.getuid()}-")
+    shm_dir = "/dev/shm"
+    assert default_pool_path(f"ipc://{shm_dir}/kvoffd.sock") == f"{shm_dir}/kvoffd.pool"
+    assert default_pool_path("ipc:///a/x.sock") != default_pool_path("ipc:///b/x.sock") or fs_type("/") != "other"
+
+
+def test_a_pool_file_on_disk_or_in_use_is_refused_and_the_daemon_still_serves(make_daemon, tmp_path, pool_path):
+    if fs_type(str(tmp_path)) != "other":
+        pytest.skip("needs a disk-backed temporary directory")
+    d = make_daemon("64MiB", "--pool-path", str(tmp_path / "kvoffd.pool"), name="disk")
+    assert d.client().stats()["persistence"]["path"] == ""
+    assert "is not memory-backed" in d.log() and not (tmp_path / "kvoffd.pool").exists()
+    first = make_daemon("64MiB", "--pool-path", pool_path, name="one")
+    second = make_daemon("64MiB", "--pool-path", pool_path, name="two")
+    assert first.client().stats()["persistence"]["path"] == pool_path
+    assert second.client().stats()["persistence"]["path"] == ""
+    assert "in use by another kvoffd" in second.log()
+    np.testing.assert_equal(os.stat(pool_path).st_mode & 0o777, 0o600)
