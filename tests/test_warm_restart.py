@@ -14,6 +14,8 @@ import mmap
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import uuid
 
 import numpy as np
@@ -127,6 +129,9 @@ def test_restart_keeps_the_blocks_and_the_engine_notices_only_a_gap(rig, sig):
     assert len(served) >= 0.99 * NB, f"only {len(served)} of {NB} blocks hit after the restart"
     _exact(r, keys, range(NB), served)
     assert watcher.stats()["counters"]["loaded_blocks"] == len(served)
+    r_ctl = subprocess.run([sys.executable, "-m", "kvoffd.ops.ctl", "--address", r.d.address, "status"],
+                           capture_output=True, text=True, timeout=30)
+    assert f"adopted {st['persistence']['adopted_blocks']} blocks" in r_ctl.stdout, r_ctl.stdout
     # the adopted pool keeps working: new blocks stored and found next to the adopted ones
     more = chain_keys(16, b"after")
     r.store(more, range(16))

@@ -207,6 +207,20 @@ def _hit_rate(counters: dict[str, Any]) -> str:
     return f"{_pct(loaded, asked)} served (loaded / looked up); {_pct(hit, asked)} found by lookup"
 
 
+def _persistence(p: dict) -> str:
+    """Where the pool lives and what this daemon adopted from the previous one (issue 14)."""
+    if not p.get("path"):
+        return "pool in private memory: lost when the daemon stops"
+    line = f"pool file {p['path']}; "
+    if not p.get("adopted_blocks"):
+        return line + "started cold"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(p.get("adopted_from", 0)))
+    line += f"adopted {p['adopted_blocks']} blocks ({_size(p.get('adopted_bytes'))}) written until {when}"
+    if p.get("unverified_blocks"):
+        return line + f", {p['unverified_blocks']} not verified yet"
+    return line + f", verified {_dur(p.get('verified_s'))} after start ({p.get('verify_failures', 0)} corrupt)"
+
+
 def cmd_status(args: argparse.Namespace, client: Any) -> int:
     t0 = time.monotonic()
     rtt = _call(client.ping)
@@ -229,6 +243,7 @@ def cmd_status(args: argparse.Namespace, client: Any) -> int:
         ("pool", f"{_size(pool.get('used_bytes'))} used of {_size(pool.get('capacity_bytes'))} "
                  f"({_pct(pool.get('used_bytes'), pool.get('capacity_bytes'))}); "
                  f"{_size(pool.get('pinned_bytes'))} pinned of {_size(pool.get('total_bytes'))}"),
+        ("warm restart", _persistence(st.get("persistence") or {})),
         ("engines", n_eng),
         ("namespaces", len(st.get("namespaces", []) or [])),
         ("hit rate", _hit_rate(c)),
