@@ -246,3 +246,24 @@ def test_a_pool_file_on_disk_or_in_use_is_refused_and_the_daemon_still_serves(ma
     assert second.client().stats()["persistence"]["path"] == ""
     assert "in use by another kvoffd" in second.log()
     np.testing.assert_equal(os.stat(pool_path).st_mode & 0o777, 0o600)
+
+
+def test_doctor_reports_the_pool_file(rig, tmp_path):
+    """Space, memory backing, permissions and what the file holds, from the real entry point."""
+    r = rig()
+    r.store(chain_keys(8, b"doc"), range(8))
+    r.d.proc.send_signal(signal.SIGTERM)
+    r.d.proc.wait(15)
+
+    def doctor(path: str, size: str = "64MiB") -> str:
+        out = subprocess.run([sys.executable, "-m", "kvoffd", "doctor", "--bandwidth-size", "0", "--no-ipc",
+                              "--pool-size", size, "--pool-path", path], capture_output=True, text=True, timeout=60)
+        return next(ln for ln in out.stdout.splitlines() if "pool-file" in ln)
+
+    assert doctor(r.pool_path).startswith("PASS") and "adopted at the next start" in doctor(r.pool_path)
+    assert "will not adopt (its pool size is 64MiB, this daemon's 128MiB)" in doctor(r.pool_path, "128MiB")
+    if fs_type(str(tmp_path)) == "other":
+        assert doctor(str(tmp_path / "kvoffd.pool")).startswith("WARN") and "not memory-backed" in \
+            doctor(str(tmp_path / "kvoffd.pool"))
+    os.chmod(r.pool_path, 0o644)
+    assert "not a 0600 file of this user" in doctor(r.pool_path)

@@ -51,6 +51,7 @@ class Context:
     bandwidth_bytes: int
     ipc: bool
     gpu_timeout_s: float
+    pool_path: str = ""  # "" : the daemon's default (kvoffd/cache/pool_file.py)
     _gpu: dict[str, Any] | None = None
 
     def gpu(self) -> dict[str, Any]:
@@ -414,8 +415,15 @@ def check_bandwidth(ctx: Context) -> Result:
     return Result("bandwidth", PASS, detail)
 
 
+def check_pool(ctx: Context) -> Result:
+    """The pool file a warm restart needs (kvoffd/ops/doctor_pool.py)."""
+    from kvoffd.ops.doctor_pool import check_pool_file
+
+    return Result("pool-file", *check_pool_file(ctx))
+
+
 CHECKS: list[Callable[[Context], Result]] = [
-    check_memlock, check_shm, check_hugepages, check_memory, check_socket_dir, check_daemon,
+    check_memlock, check_shm, check_hugepages, check_memory, check_pool, check_socket_dir, check_daemon,
     check_gpus, check_ipc, check_bandwidth,
 ]
 
@@ -454,6 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None,
                    help="daemon address whose socket directory to check (default: $KVOFFD_ADDRESS, else the "
                         "daemon's default)")
+    p.add_argument("--pool-path", default=None,
+                   help="pool file to check (default: $KVOFFD_POOL_PATH, else the daemon's default)")
     p.add_argument("--bandwidth-size", default="256MiB",
                    help="bytes per copy in the bandwidth check; 0 skips it (default 256MiB)")
     p.add_argument("--no-ipc", action="store_true", help="skip the CUDA IPC check")
@@ -477,7 +487,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     ctx = Context(pool_size=pool, pool_size_source=src,
                   address=args.address or os.environ.get("KVOFFD_ADDRESS") or default_address(),
-                  bandwidth_bytes=bw, ipc=not args.no_ipc, gpu_timeout_s=args.gpu_timeout)
+                  bandwidth_bytes=bw, ipc=not args.no_ipc, gpu_timeout_s=args.gpu_timeout,
+                  pool_path=args.pool_path or os.environ.get("KVOFFD_POOL_PATH", ""))
     results = run_checks(ctx)
     if args.json:
         print(json.dumps({"results": [asdict(r) for r in results], "gpu_probe": ctx._gpu}, indent=2))
