@@ -88,6 +88,9 @@ class Persistence:
         self.sealed = 0
         self.unsealed_at_stop = 0
         self._t0 = time.monotonic()
+        self._stop_allocating = threading.Event()
+        self._allocator: threading.Thread | None = None
+        pool.set_allocated_bytes(pf.allocated)
 
     # --- start ------------------------------------------------------------------------------------------
     def adopt(self) -> None:
@@ -126,6 +129,16 @@ class Persistence:
         self._loop = loop
         self._thread = threading.Thread(target=self._seal_work, name="kvoffd-seal", daemon=True)
         self._thread.start()
+        if self.pf.allocated < self.pool.nbytes:
+            def progress(n: int) -> None:
+                try:
+                    loop.call_soon_threadsafe(self.pool.set_allocated_bytes, n)
+                except RuntimeError:
+                    pass
+
+            self._allocator = threading.Thread(target=self.pf.allocate, args=(progress, self._stop_allocating),
+                                               name="kvoffd-allocate", daemon=True)
+            self._allocator.start()
         # KVOFFD_TEST_NO_VERIFY_PASS: no background pass, so a test sees the first LOAD check a block
         pending = [] if os.environ.get("KVOFFD_TEST_NO_VERIFY_PASS") else list(self.unverified)
         if not self.unverified:
@@ -296,6 +309,9 @@ class Persistence:
             return left
 
         self.unsealed_at_stop = await loop.run_in_executor(None, drain)
+        self._stop_allocating.set()
+        if self._allocator is not None:
+            await loop.run_in_executor(None, self._allocator.join)
         await asyncio.sleep(0)  # the sealer's last results, posted to this loop
         self._verify.shutdown(wait=False, cancel_futures=True)
         self._flush_touches()
@@ -316,7 +332,8 @@ class Volatile:
     """The pool in private memory (``--pool-path none``, or no room for a file): nothing survives the
     process, and the daemon calls this instead of a ``Persistence`` without a branch."""
 
-    unverified: set[Entry] = set()
+    def __init__(self) -> None:
+        self.unverified: set[Entry] = set()
 
     def adopt(self) -> None:
         pass

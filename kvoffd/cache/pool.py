@@ -141,6 +141,7 @@ class Pool:
         self._chunks = [_Chunk(i) for i in range(self.num_chunks)]
         self._free_chunks: list[int] = list(range(self.num_chunks))  # a min-heap: low chunks first
         self._usable_chunks = self.num_chunks
+        self._pinned_chunks = self._allocated_chunks = self.num_chunks  # usable = the smaller of the two
         self._slabs: dict[int, _Slab] = {}
         self.pinned_bytes = 0
         self.reclaimed_chunks = 0  # chunks handed from one slot size to another by a drain
@@ -161,7 +162,14 @@ class Pool:
     # --- capacity ---------------------------------------------------------------------------------
     def set_usable_bytes(self, nbytes: int) -> None:
         """Only the first ``nbytes`` may be handed out (the rest is still being pinned)."""
-        self._usable_chunks = min(self.num_chunks, nbytes // self.chunk_bytes)
+        self._pinned_chunks = min(self.num_chunks, nbytes // self.chunk_bytes)
+        self._usable_chunks = min(self._pinned_chunks, self._allocated_chunks)
+
+    def set_allocated_bytes(self, nbytes: int) -> None:
+        """Only the first ``nbytes`` are backed by the pool file so far (it is allocated in the
+        background: kvoffd/cache/pool_file.py); a slot beyond them could SIGBUS on a full filesystem."""
+        self._allocated_chunks = min(self.num_chunks, nbytes // self.chunk_bytes)
+        self._usable_chunks = min(self._pinned_chunks, self._allocated_chunks)
 
     @property
     def capacity_bytes(self) -> int:

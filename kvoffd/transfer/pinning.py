@@ -122,7 +122,9 @@ class Pinner:
     # --- control ----------------------------------------------------------------------------------
     def start(self) -> None:
         self.stats.started = time.monotonic()
-        if self.pool.used_bytes:  # touching by writing zeros is only for memory never handed out
+        # Touching by writing zeros is only for memory never handed out, and never for a pool file: a
+        # store to a page its filesystem cannot back is a SIGBUS, where MADV_POPULATE_WRITE returns an error.
+        if self.pool.used_bytes or self.pool.persistent:
             self.touch = "populate"
         if not self._regions:
             self.stats.finished = self.stats.started
