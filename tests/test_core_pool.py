@@ -167,3 +167,35 @@ def test_one_store_evicts_a_bounded_number_of_entries_for_another_slot_size():
     assert max(steps) <= RECLAIM_BUDGET and sum(steps) == 16384, steps
     assert len(a.visible) == 16384 and len(b.visible) == 8
     pool.close()
+
+
+def test_a_pool_is_the_size_asked_for_or_refused_with_one_line(tmp_path):
+    """Issue 13 point 6: 100 MiB used to give 64 MiB silently."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from kvoffd.cache.pool import pool_geometry
+
+    assert pool_geometry(128 << 20) == (64 << 20, 2)
+    assert pool_geometry(16 << 20) == (16 << 20, 1)  # below one chunk: one chunk of exactly that
+    assert Pool(16 << 20).nbytes == 16 << 20
+    with pytest.raises(ValueError, match="not a whole number of 64MiB chunks; use 64MiB or 128MiB"):
+        Pool(100 << 20)
+    r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", f"ipc://{tmp_path}/d.sock", "--metrics-address",
+                        "off", "--pool-size", "100MiB"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "kvoffd: --pool-size 100MiB is not a whole number of 64MiB chunks; use 64MiB or 128MiB"], r.stderr
+
+
+def test_only_allocated_chunks_are_handed_out():
+    """A pool file is allocated in the background; a slot past what is allocated is never handed out
+    (a store there could SIGBUS on a full filesystem)."""
+    pool = Pool(4 * 64 * KB, chunk_bytes=64 * KB)
+    pool.set_allocated_bytes(64 * KB)
+    assert len(pool.alloc(4 * KB, 64)) == 16 and pool.capacity_bytes == 64 * KB
+    pool.set_usable_bytes(4 * 64 * KB)  # pinning done: still bounded by the allocation
+    assert pool.alloc(4 * KB, 1) == []
+    pool.set_allocated_bytes(4 * 64 * KB)
+    assert len(pool.alloc(4 * KB, 64)) == 48

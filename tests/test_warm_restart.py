@@ -267,3 +267,23 @@ def test_doctor_reports_the_pool_file(rig, tmp_path):
             doctor(str(tmp_path / "kvoffd.pool"))
     os.chmod(r.pool_path, 0o644)
     assert "not a 0600 file of this user" in doctor(r.pool_path)
+
+
+def test_the_adopted_lru_order_is_the_last_use_order(rig):
+    """Blocks read by a LOAD get new last-use stamps (written at SIGTERM at the latest): after the
+    restart, the blocks stored later but never read are the ones evicted first."""
+    r = rig()
+    r.d.stop()
+    r.d = r.start("--eviction-policy", "lru")
+    assert wait_until(lambda: r.c.connected and r.d.client().stats()["engines"], 15)
+    a, b = chain_keys(64, b"old-but-read"), chain_keys(64, b"new-unread")
+    r.store(a, range(64))
+    r.store(b, range(64, 128))
+    served, _ = r.load(a, range(64))
+    assert len(served) == 64
+    watcher = r.restart(signal.SIGTERM, "--eviction-policy", "lru")
+    assert watcher.stats()["persistence"]["adopted_blocks"] == 128
+    r.store(chain_keys(128, b"fill"), range(128))  # the pool (256 slots) is now full
+    r.store(chain_keys(64, b"evicts"), range(64))  # evicts the 64 least recently used
+    assert watcher.lookup(NS, a).hits == 64
+    assert watcher.lookup(NS, b).hits == 0
