@@ -65,7 +65,8 @@ class Persistence:
         self.pf, self.pool, self.index = pf, pool, index
         lay = pf.layout
         words = np.frombuffer(pf.map, dtype=np.uint64, count=lay.num_records * 8, offset=lay.records_offset)
-        self.records = SlotRecords(words.reshape(-1, 8), lay)
+        chunks = np.frombuffer(pf.map, dtype=np.uint64, count=lay.num_chunks, offset=lay.chunks_offset)
+        self.records = SlotRecords(words.reshape(-1, 8), chunks, lay)
         self.namespaces = NamespaceTable(memoryview(pf.map)[lay.ns_offset:lay.ns_offset + 2 * NS_AREA_BYTES])
         self._ids: weakref.WeakKeyDictionary[Table, int] = weakref.WeakKeyDictionary()
         self.unverified: set[Entry] = set()
@@ -108,6 +109,7 @@ class Persistence:
         except (ValueError, KeyError) as e:  # a bug or a damaged table: cold, not a crash loop
             log.error("pool file %s: cannot adopt its blocks (%s); starting cold", self.pf.path, e)
             self.records.words[:, 0] = 0
+            self.records.chunks[:] = 0
             self.namespaces.keep_only(set())
             return
         for t, i in result.table_ids.items():

@@ -15,7 +15,7 @@ daemon serves at once whatever the pool size. If the room is not there the daemo
 private memory and says so in one line: it works, it just does not survive a restart.
 
 The file (one ``Layout``): a 4 KiB header, two namespace-table areas (kvoffd/cache/slots_table.py),
-the slot records, then the pool's data, 2 MiB-aligned (a huge page). The header says what made the
+the chunk table, the slot records, then the pool's data, 2 MiB-aligned (a huge page). The header says what made the
 file (format version, pool and chunk sizes, page size, records per chunk); an adopter that finds
 anything else starts cold.
 """
@@ -102,8 +102,13 @@ class Layout:
     ns_offset = HEADER_BYTES
 
     @property
-    def records_offset(self) -> int:
+    def chunks_offset(self) -> int:
+        """The chunk table: one 64-bit word per chunk, the slot size of its sealed records."""
         return HEADER_BYTES + 2 * NS_AREA_BYTES
+
+    @property
+    def records_offset(self) -> int:
+        return self.chunks_offset + -(-self.num_chunks * 8 // 4096) * 4096
 
     @property
     def num_records(self) -> int:

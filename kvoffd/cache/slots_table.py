@@ -71,8 +71,13 @@ class Found:
 class SlotRecords:
     """The record table of one pool file, seen as an (n, 8) uint64 array."""
 
-    def __init__(self, words: np.ndarray, layout: Layout):
+    def __init__(self, words: np.ndarray, chunks: np.ndarray, layout: Layout):
+        """``chunks``: the chunk table, each chunk's slot size as of its last sealed record, so that a
+        scan reads only the records a chunk of that size can have (32 of a 64 MiB chunk of 2 MiB
+        slots, not 4,096: a 64 GiB pool is scanned in milliseconds). Written before the record; a
+        chunk changes slot size only once all its slots were freed, so its records were invalidated."""
         self.words = words
+        self.chunks = chunks
         self.layout = layout
         self._cb = layout.chunk_bytes
         self._per = layout.records_per_chunk
@@ -87,6 +92,7 @@ class SlotRecords:
              slot_bytes: int) -> None:
         """Write sealed records at ``idx`` (all >= 0): blocks of one table, keys concatenated."""
         n = len(idx)
+        self.chunks[idx // self._per] = slot_bytes
         body = np.empty((n, 7), dtype=np.uint64)
         body[:, 0] = np.uint64(SEALED | (ns_id << 32) | (rank << 48))
         body[:, 1:5] = np.frombuffer(keys, dtype=np.uint64).reshape(n, 4)
@@ -118,7 +124,12 @@ class SlotRecords:
     def scan(self) -> Found:
         """Every whole, sealed record (a torn or damaged one fails its check and is left out)."""
         w = self.words
-        sealed = np.flatnonzero((w[:, 0] & np.uint64(0xFFFFFFFF)) == SEALED)
+        sizes = self.chunks.astype(np.int64)
+        used = np.flatnonzero((sizes > 0) & (sizes <= self._cb))
+        n = np.minimum(self._per, self._cb // np.maximum(sizes[used], 1))
+        start = np.repeat(used * self._per - np.cumsum(n) + n, n)
+        cand = start + np.arange(int(n.sum()), dtype=np.int64)  # chunk c's records c*per .. c*per+n-1
+        sealed = cand[(w[cand, 0] & np.uint64(0xFFFFFFFF)) == SEALED]
         rec = w[sealed]
         ok = rec[:, 7] == _check(rec[:, :7])
         rec, idx = rec[ok], sealed[ok]
