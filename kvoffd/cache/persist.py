@@ -29,8 +29,8 @@ import time
 import weakref
 import zlib
 from collections import deque
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -148,7 +148,7 @@ class Persistence:
         for i in range(0, len(pending), VERIFY_SLICE):
             part = pending[i:i + VERIFY_SLICE]
             fut = self._verify.submit(self._recompute, part)
-            fut.add_done_callback(lambda f, part=part: self._post(self._verified, part, f))
+            fut.add_done_callback(lambda f, part=part: self._post_future(self._verified, part, f))
         self._timer = loop.call_later(FLUSH_S, self._flush)
 
     # --- the observer ------------------------------------------------------------------------------------
@@ -228,14 +228,18 @@ class Persistence:
                 self._busy = False
                 self._cond.notify_all()
 
-    def _post(self, fn, part: list[Entry], result) -> None:
+    def _post_future(self, fn: Callable[[list[Entry], list[int]], None], part: list[Entry], fut: Future) -> None:
+        if fut.cancelled():
+            return
+        try:
+            sums = fut.result()
+        except Exception:  # a bug: those blocks stay unverified (checked by their first LOAD)
+            log.exception("checksum task failed")
+            return
+        self._post(fn, part, sums)
+
+    def _post(self, fn: Callable[[list[Entry], list[int]], None], part: list[Entry], result: list[int]) -> None:
         """Hand a thread's result to the loop (dropped if the loop is gone: the records stay unwritten)."""
-        if hasattr(result, "result"):
-            try:
-                result = result.result()
-            except Exception:
-                log.exception("checksum task failed")
-                return
         try:
             self._loop.call_soon_threadsafe(fn, part, result)
         except RuntimeError:
