@@ -35,6 +35,9 @@ class Recorder:
     def committed(self, entries: Sequence[Entry]) -> None:
         self.shown += [e.key for e in entries]
 
+    def unlinked(self, entries: Sequence[Entry]) -> None:
+        pass
+
     def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
         assert slot_bytes == SLOT
         for e in entries:

@@ -287,3 +287,20 @@ def test_the_adopted_lru_order_is_the_last_use_order(rig):
     r.store(chain_keys(64, b"evicts"), range(64))  # evicts the 64 least recently used
     assert watcher.lookup(NS, a).hits == 64
     assert watcher.lookup(NS, b).hits == 0
+
+
+def test_a_block_cleared_while_leased_does_not_come_back_after_a_crash(rig):
+    """CLEAR unlinks a leased block at once but frees its slot only when the lease ends; its record goes
+    at the CLEAR (IndexObserver.unlinked), so a crash in between cannot resurrect it."""
+    r = rig()
+    keys = chain_keys(32, b"cleared")
+    r.store(keys, range(32))
+    r.sealed(32)
+    holder = r.d.client()
+    assert holder.lookup(NS, keys, lease_ms=30_000).hits == 32  # pinned for 30 s
+    assert holder.clear(NS).removed_blocks == 32
+    r.d.proc.send_signal(signal.SIGKILL)
+    r.d.proc.wait(10)
+    watcher = r.restart(signal.SIGKILL)
+    assert watcher.stats()["persistence"]["adopted_blocks"] == 0
+    assert watcher.lookup(NS, keys).hits == 0

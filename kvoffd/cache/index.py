@@ -137,6 +137,10 @@ class IndexObserver(Protocol):
     def committed(self, entries: Sequence[Entry]) -> None:
         """``entries`` just became visible: their copy completed and their bytes are in their slots."""
 
+    def unlinked(self, entries: Sequence[Entry]) -> None:
+        """Committed ``entries`` left the index (CLEAR, found corrupt) while a LOAD or lease still pins
+        them: their slots are freed (``freeing``) only when the pin drops, but they are gone now."""
+
     def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
         """The slots of ``entries`` go back to the pool right after this call and may be reused at once.
 
@@ -471,6 +475,12 @@ class Index:
         self._remember(self.failed, (t.namespace, e.key), time.time())
         if e.pins == 0:
             self._free(t.slot_bytes, [e.slot])
+        elif e.ready:
+            self._unlinked([e])
+
+    def _unlinked(self, entries: list[Entry]) -> None:
+        for o in self.observers if entries else ():
+            o.unlinked(entries)
 
     # --- eviction / clearing ----------------------------------------------------------------------------
     def _untrack(self, e: Entry) -> None:
@@ -625,6 +635,7 @@ class Index:
                 continue
             for t in ns.tables.values():
                 free: list[int] = []
+                held: list[Entry] = []
                 for e in t.entries.values():
                     if e.ready:
                         removed += 1
@@ -634,8 +645,11 @@ class Index:
                     e.dead = True
                     if e.pins == 0:
                         free.append(e.slot)
+                    elif e.ready:
+                        held.append(e)
                 t.entries.clear()
                 t.visible.clear()
+                self._unlinked(held)
                 self._free(t.slot_bytes, free)
             if in_use is not None and name not in in_use:
                 self.forget_if_idle(name)

@@ -165,6 +165,11 @@ class Persistence:
         idx = self.records.index_of(slots, slot_bytes)
         self.records.invalidate(idx[idx >= 0])
 
+    def unlinked(self, entries: Sequence[Entry]) -> None:
+        """CLEARed (or found corrupt) while pinned: the record goes now, so a crash before the pin
+        drops cannot bring the block back."""
+        self.freeing(entries[0].table.slot_bytes, entries)
+
     def touched(self, entries: Sequence[Entry]) -> None:
         """Read by a LOAD: their stamps move at the next flush."""
         self._touched += entries
