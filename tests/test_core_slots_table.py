@@ -1,0 +1,77 @@
+"""The pool file's records (kvoffd/cache/slots_table.py, kvoffd/cache/adopt.py), unit level: a record
+interrupted at any step of its write is never taken for a sealed one, and adoption keeps only records
+whose namespace facts and slot geometry check out."""
+
+from __future__ import annotations
+
+import numpy as np
+from kvtest import chain_keys
+
+from kvoffd.cache.adopt import adopt_records
+from kvoffd.cache.index import Index
+from kvoffd.cache.pool import Pool
+from kvoffd.cache.pool_file import Layout
+from kvoffd.cache.slots_table import NamespaceFacts, RankFacts, SlotRecords
+
+CHUNK, SLOT = 1 << 20, 64 << 10  # 16 slots per chunk, all with records
+
+
+def _records(chunks: int = 4) -> SlotRecords:
+    lay = Layout.of(chunks * CHUNK, CHUNK)
+    return SlotRecords(np.zeros((lay.num_records, 8), dtype=np.uint64), np.zeros(chunks, dtype=np.uint64), lay)
+
+
+def _seal(rec: SlotRecords, slots: list[int], keys: list[bytes], ns_id: int = 1, slot: int = SLOT) -> np.ndarray:
+    idx = rec.index_of(np.array(slots, dtype=np.int64), slot)
+    rec.seal(idx, ns_id, 0, b"".join(keys), np.arange(len(slots), dtype=np.float64) + 100.0,
+             np.arange(len(slots), dtype=np.int64) + 7, slot)
+    return idx
+
+
+def test_a_record_interrupted_at_any_step_is_not_sealed():
+    rec = _records()
+    keys = chain_keys(3, b"torn")
+    idx = _seal(rec, [0, SLOT, 2 * SLOT], keys)
+    f = rec.scan()
+    assert f.offset.tolist() == [0, SLOT, 2 * SLOT] and [bytes(k) for k in f.keys] == keys
+    assert f.crc.tolist() == [7, 8, 9] and f.stamp.tolist() == [100.0, 101.0, 102.0]
+    whole = rec.words[idx[1]].copy()
+    # the three steps of a rewrite of record 1 with another block's fields, interrupted after each store
+    other = chain_keys(1, b"other")[0]
+    for step in range(8):
+        rec.words[idx[1]] = whole
+        rec.words[idx[1], 0] = 0  # step 1: invalid first
+        rec.words[idx[1], 1:1 + step] = np.frombuffer((other * 2)[:8 * step], dtype=np.uint64) if step else 0
+        assert rec.scan().offset.tolist() == [0, 2 * SLOT], step
+    rec.words[idx[1]] = whole
+    rec.words[idx[1], 3] ^= np.uint64(1 << 17)  # a flipped bit in the record itself: its check fails
+    assert rec.scan().offset.tolist() == [0, 2 * SLOT]
+    rec.words[idx[1]] = whole
+    rec.invalidate(idx[:1])
+    assert rec.scan().offset.tolist() == [SLOT, 2 * SLOT]
+    rec.touch(idx, 500.0)  # only sealed records get the new stamp; an invalid one stays invalid
+    f = rec.scan()
+    assert f.offset.tolist() == [SLOT, 2 * SLOT] and f.stamp.tolist() == [500.0, 500.0]
+
+
+def test_adoption_keeps_only_records_that_check_out():
+    rec = _records()
+    good = chain_keys(4, b"good")
+    _seal(rec, [0, SLOT, 2 * SLOT, 3 * SLOT], good)
+    _seal(rec, [CHUNK], chain_keys(1, b"unknown-ns"), ns_id=9)  # no such namespace
+    _seal(rec, [2 * CHUNK], chain_keys(1, b"a"), slot=SLOT)
+    _seal(rec, [2 * CHUNK + 2 * SLOT], chain_keys(1, b"b"), ns_id=2, slot=2 * SLOT)  # one chunk, two slot sizes
+    _seal(rec, [3 * CHUNK + SLOT], [good[0]])  # the same key again, newer (stamp 100 vs 100: offset decides)
+    ns = {1: NamespaceFacts("m", 1, {0: RankFacts(SLOT, (SLOT // 2, SLOT // 2))}),
+          2: NamespaceFacts("big", 1, {0: RankFacts(2 * SLOT, (2 * SLOT,))})}
+    pool = Pool(4 * CHUNK, CHUNK)
+    index = Index(pool, "lru")
+    out = adopt_records(rec.scan(), ns, pool, index)
+    assert sorted(e.slot for e in out.entries) == [0, SLOT, 2 * SLOT, 3 * SLOT]  # the first of two equal stamps
+    assert out.not_adopted == 4 and out.why
+    t = index.namespaces["m"].tables[0]
+    assert sorted(t.visible) == sorted(good) and index.resident == 4
+    n, _, _ = index.leading_hits("m", b"".join(good))
+    assert n == 4
+    index.check_table("m", 0, 1, (SLOT // 2, SLOT // 2))  # a re-registering engine of the same layout fits
+    assert pool.used_bytes == 4 * SLOT and len(pool.alloc(SLOT, 64)) == 64 - 4  # the rest of the pool is free
