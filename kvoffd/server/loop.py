@@ -26,7 +26,7 @@ import numpy as np
 import zmq
 
 from kvoffd import __version__, sdnotify
-from kvoffd.cache.index import Entry, Index
+from kvoffd.cache.index import Entry, Index, StorePlan
 from kvoffd.cache.pool import MIN_SLOT_BYTES, Pool
 from kvoffd.config import Config
 from kvoffd.metrics import Metrics
@@ -144,7 +144,7 @@ class Daemon:
         self._listener: socket.socket | None = None  # the ZeroMQ listener's socket, owned here
         self._zmq_fd = -1  # libzmq's duplicate of it
         self._socket_ino = 0  # the ipc socket file this daemon made (removed at stop only if still it)
-        self._leased_keys = 0  # entries pinned by leases, all connections
+        self._leased_keys = 0  # entries held by leases, all connections
         self._unread: dict[bytes, deque[tuple[zmq.MessageTracker, int]]] = {}  # big replies not yet sent
         self._unread_bytes = 0
         self._handlers: dict[P.Op, Callable[[Conn, Any], P.Message | None]] = {
@@ -664,46 +664,43 @@ class Daemon:
     # lookups and leases
 
     def _lookup(self, conn: Conn, msg: P.Lookup) -> P.Message | None:
-        """Answer first, then count and pin: the client waits on the answer, and nothing else runs on
+        """Answer first, then count and hold: the client waits on the answer, and nothing else runs on
         the loop in between, so no eviction can take a block the answer promised."""
-        n, by_rank, reason = self.index.leading_hits(msg.namespace, msg.keys, want_entries=msg.lease_ms > 0)
-        ns = self.index.namespaces.get(msg.namespace)
+        hits = self.index.lookup(msg.namespace, msg.keys, with_entries=msg.lease_ms > 0)
+        n = hits.n
         lease_id = 0
-        pinned = 0
+        held = 0
         if n and msg.lease_ms:
             if len(conn.leases) >= MAX_LEASES_PER_CONN:
                 raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_LEASES_PER_CONN} leases per connection",
                                     seq=msg.seq)
-            pinned = sum(len(v) for v in by_rank.values())
-            self._check_leased_keys(conn, pinned, msg.seq)
+            held = hits.held_entries
+            self._check_leased_keys(conn, held, msg.seq)
             lease_id = next(self._lease_ids)
-        self._send(conn.ident, P.LookupResult(seq=msg.seq, hits=n, lease_id=lease_id,
-                                              world_size=ns.world_size if ns else 0))
+        self._send(conn.ident, P.LookupResult(seq=msg.seq, hits=n, lease_id=lease_id, world_size=hits.world_size))
         if lease_id:
-            for entries in by_rank.values():
-                for e in entries:
-                    e.pins += 1  # a pin (see Index): thousands per step
-            self.leases[lease_id] = Lease(lease_id, conn.ident, time.monotonic() + msg.lease_ms / 1000, by_rank,
-                                          msg.namespace)
+            self.index.hold(hits)
+            self.leases[lease_id] = Lease(lease_id, conn.ident, time.monotonic() + msg.lease_ms / 1000,
+                                          hits.by_rank, msg.namespace)
             conn.leases.add(lease_id)
-            conn.leased_keys += pinned
-            self._leased_keys += pinned
+            conn.leased_keys += held
+            self._leased_keys += held
         counts = self.metrics.lookup
         counts.lookups += 1
         counts.hit_blocks += n
         missed = P.count_keys(msg.keys) - n
         if missed:
             counts.miss_blocks += missed
-            self.metrics.misses.labels(reason).inc(missed)
+            self.metrics.misses.labels(hits.miss_reason).inc(missed)
         return None
 
-    def _check_leased_keys(self, conn: Conn, pinned: int, seq: int) -> None:
-        """Leases are bounded by what they hold (8 bytes per pinned entry and rank), not by their
+    def _check_leased_keys(self, conn: Conn, held: int, seq: int) -> None:
+        """Leases are bounded by what they hold (8 bytes per held entry and rank), not by their
         count: 8,192 leases of 65,536 keys each would be 4 GiB for one connection."""
-        if conn.leased_keys + pinned > MAX_LEASED_KEYS_PER_CONN:
+        if conn.leased_keys + held > MAX_LEASED_KEYS_PER_CONN:
             raise ProtocolError(ErrorCode.TOO_MANY, f"this connection's leases hold {conn.leased_keys} blocks; "
                                 f"at most {MAX_LEASED_KEYS_PER_CONN} (release or load some first)", seq=seq)
-        if self._leased_keys + pinned > MAX_LEASED_KEYS:
+        if self._leased_keys + held > MAX_LEASED_KEYS:
             raise ProtocolError(ErrorCode.TOO_MANY, f"leases hold {self._leased_keys} blocks in all; at most "
                                 f"{MAX_LEASED_KEYS}", seq=seq)
 
@@ -722,8 +719,7 @@ class Daemon:
         for r in ranks:
             entries = lease.by_rank.pop(r, ())
             freed += len(entries)
-            for e in entries:
-                self.index.unpin(e)
+            self.index.release(entries)
         self._leased_keys -= freed
         owner = self.conns.get(lease.owner)
         if owner is not None:
@@ -779,12 +775,11 @@ class Daemon:
 
     def _store(self, conn: Conn, msg: P.Store) -> P.Message | None:
         eng, keys, ids = self._check_job(conn, msg)
-        evicted = self.index.evictions
-        plan = self.index.plan(eng.table, keys)
-        want, slot_list, present, dropped = plan.want, plan.slots, plan.present, plan.dropped
+        plan = self.index.prepare_store(eng.table, keys)
+        want, slot_list, present, dropped = plan.copy_idx, plan.slots, plan.present, plan.dropped
         m = self.metrics
-        if self.index.evictions != evicted:
-            m.evicted_blocks.inc(self.index.evictions - evicted)
+        if plan.evicted:
+            m.evicted_blocks.inc(plan.evicted)
         if present:
             m.store_noop_blocks.inc(present)
         if dropped:
@@ -801,25 +796,25 @@ class Daemon:
             fut = eng.backend.submit(Direction.STORE, eng.mapped, ids[want], slots, msg.event, msg.expires_ns)
         except Exception as e:
             fut = _failed_future(e)
-        entries = self.index.add_pending(eng.table, keys, want, slot_list)
+        self.index.add_pending(plan)
         jid = self._begin_job(conn, eng, msg.job_id, "store", t0)
-        self._spawn(self._finish_store(conn, eng, msg, jid, want, entries, fut, dropped, code, t0))
+        self._spawn(self._finish_store(conn, eng, msg, jid, plan, fut, dropped, code, t0))
         return None
 
-    async def _finish_store(self, conn: Conn, eng: Engine, msg: P.Store, jid: int, idx: list[int],
-                            entries: list[Entry], fut: Awaitable[None], dropped: list[int], code: str,
-                            t0: float) -> None:
+    async def _finish_store(self, conn: Conn, eng: Engine, msg: P.Store, jid: int, plan: StorePlan,
+                            fut: Awaitable[None], dropped: list[int], code: str, t0: float) -> None:
+        idx, entries = plan.copy_idx, plan.entries
         try:
             await fut
         except asyncio.CancelledError:
-            self.index.abort(entries)
+            self.index.complete_store(plan, False)
             self._end_job(conn, eng, msg.job_id, jid)
             raise
         except Exception as e:
             code = self._job_failed("store", msg.job_id, eng, e)
             self._end_job(conn, eng, msg.job_id, jid)
             self._notice(conn, msg.job_id, sorted(dropped + idx), code, str(e)[:200])
-            self.index.abort(entries)  # a partial (or expired) store is never committed
+            self.index.complete_store(plan, False)  # a partial (or expired) store is never committed
             self.metrics.dropped_stores.labels("failed").inc(len(entries))
             return
         if self.cfg.verify:
@@ -832,24 +827,14 @@ class Daemon:
         # the notice sees the blocks.
         self._notice(conn, msg.job_id, dropped, code, "")
         self._account(Direction.STORE, len(entries), len(entries) * eng.mapped.slot_bytes, t0)
-        done = self.index.commit(entries)
+        done = self.index.complete_store(plan, True)
         if done < len(entries):
             self.metrics.dropped_stores.labels("clear").inc(len(entries) - done)
 
     def _load(self, conn: Conn, msg: P.Load) -> P.Message | None:
         eng, keys, ids = self._check_job(conn, msg)
-        failed: list[int] = []
-        entries: list[Entry] = []
-        ok_idx: list[int] = []
-        get = eng.table.visible.get
-        for i, k in enumerate(keys):
-            e = get(k)
-            if e is None:
-                failed.append(i)
-            else:
-                e.pins += 1  # a pin, released by unpin when the copy ends
-                entries.append(e)
-                ok_idx.append(i)
+        lp = self.index.prepare_load(eng.table, keys)  # a ref on each entry, released when the copy ends
+        entries, ok_idx, failed = lp.entries, lp.found_idx, lp.missing_idx
         if msg.lease_id and entries:
             # A lease is consumed by a LOAD of blocks it holds: another connection may (the engine's
             # worker, by design), but naming a lease id alone (no keys, or other keys) must not
@@ -913,8 +898,7 @@ class Daemon:
             self._account(Direction.LOAD, len(ids), len(ids) * eng.mapped.slot_bytes, t0)
         self._end_job(conn, eng, msg.job_id, jid)
         self._notice(conn, msg.job_id, failed, code, text)  # first: the engine is waiting on it
-        for e in entries:
-            self.index.unpin(e)
+        self.index.release(entries)
 
     def _job_failed(self, direction: str, job_id: int, eng: Engine, e: Exception) -> str:
         """Count and log a job that failed as a whole; returns its notice code. ``expired``: its
@@ -929,8 +913,7 @@ class Daemon:
 
     def _release_load(self, conn: Conn, eng: Engine, job_id: int, jid: int, entries: list[Entry]) -> None:
         self._end_job(conn, eng, job_id, jid)
-        for e in entries:
-            self.index.unpin(e)
+        self.index.release(entries)
 
     def _checksums(self, entries: list[Entry]) -> list[int]:
         """crc32 of each slot (--verify). Runs in an executor: zlib releases the GIL on big buffers."""
@@ -972,7 +955,7 @@ class Daemon:
     # admin
 
     def _clear(self, conn: Conn, msg: P.Clear) -> P.Message:
-        if msg.namespace and msg.namespace not in self.index.namespaces:
+        if msg.namespace and not self.index.knows(msg.namespace):
             return P.Cleared(seq=msg.seq, removed_blocks=0, in_flight_jobs=0)
         in_flight = sum(1 for e in self.engines.values() if not msg.namespace or e.namespace == msg.namespace
                         for _ in range(e.mapped.in_flight))
@@ -1028,7 +1011,7 @@ class Daemon:
                 "lookup_miss_blocks": m.lookup.miss_blocks, "stored_blocks": c(m.stored_blocks),
                 "store_noop_blocks": c(m.store_noop_blocks), "loaded_blocks": c(m.loaded_blocks),
                 "store_bytes": c(m.transfer_bytes, "store"), "load_bytes": c(m.transfer_bytes, "load"),
-                "evicted_blocks": self.index.evictions,
+                "evicted_blocks": c(m.evicted_blocks),
                 "admission_refused_blocks": c(m.admission_refused),
                 "dropped_stores": sum(c(m.dropped_stores, r) for r in ("pool_full", "clear", "failed")),
                 "errors": sum(c(m.errors, code.value) for code in ErrorCode),

@@ -25,7 +25,7 @@ MAX_JOBS_PER_CONN = 4096
 MAX_LEASES_PER_CONN = 8192
 MAX_ENGINES_PER_CONN = 64
 # Memory bounds (docs/security.md, "Bounds per client"): what a client can make the daemon hold.
-MAX_LEASED_KEYS_PER_CONN = 1 << 20  # entries (per rank) pinned by one connection's leases: ~8 MiB
+MAX_LEASED_KEYS_PER_CONN = 1 << 20  # entries (per rank) held by one connection's leases: ~8 MiB
 MAX_LEASED_KEYS = 1 << 23  # ...and by all leases: ~64 MiB
 MAX_EXPLAIN_KEYS = 4096  # an EXPLAIN reply is ~100 bytes per key
 TRACKED_REPLY_BYTES = 4096  # replies this big are counted until libzmq has sent them
