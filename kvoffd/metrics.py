@@ -15,11 +15,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvoffd_client.protocol import PROTOCOL_VERSION, ErrorCode
+from kvoffd_client.protocol import PROTOCOL_VERSION, DropReason, ErrorCode, MissReason
 
 DIRECTIONS = ("store", "load")
-MISS_REASONS = ("absent", "evicted", "namespace_mismatch", "failed")
-DROP_REASONS = ("pool_full", "clear", "failed")
+MISS_REASONS = tuple(r.value for r in MissReason)
+DROP_REASONS = tuple(r.value for r in DropReason)
 POOL_STATES = ("capacity", "used", "pinned", "free_chunks", "total")
 
 _SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,

@@ -29,7 +29,7 @@ from itertools import takewhile
 
 from kvoffd.cache.policy import LRU, EvictionPolicy, make_policy
 from kvoffd.cache.pool import Pool
-from kvoffd_client.protocol import KEY_SIZE, split_keys
+from kvoffd_client.protocol import KEY_SIZE, MissReason, split_keys
 
 _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoffctl explain`
 RECLAIM_BUDGET = 4096  # entries one store may evict from a chunk taken for another slot size
@@ -137,7 +137,7 @@ class Hits:
 
     n: int
     by_rank: dict[int, list[Entry]]  # their entries, rank by rank (only when asked for)
-    miss_reason: str  # why key ``n`` missed ("" when every key hit)
+    miss_reason: MissReason | None  # why key ``n`` missed (None when every key hit)
     world_size: int  # ranks of the namespace (0: unknown namespace)
 
     @property
@@ -232,7 +232,7 @@ class Index:
         """
         ns = self.namespaces.get(namespace)
         if ns is None or len(ns.tables) < ns.world_size:
-            return Hits(0, {}, "namespace_mismatch", ns.world_size if ns else 0)
+            return Hits(0, {}, MissReason.NAMESPACE_MISMATCH, ns.world_size if ns else 0)
         for pol in ns.policies:  # a request starts (O(1): the keys are not passed, no policy needs them)
             pol.on_lookup_miss(())
         total = n = len(keys) // KEY_SIZE
@@ -241,10 +241,11 @@ class Index:
             n, hits[r] = _leading(ns.tables[r].visible, keys, n, with_entries)
             if not n:
                 break
-        reason = ""
+        reason = None
         if n < total:
             miss = (namespace, keys[n * KEY_SIZE:(n + 1) * KEY_SIZE])
-            reason = "evicted" if miss in self.evicted else "failed" if miss in self.failed else "absent"
+            reason = (MissReason.EVICTED if miss in self.evicted else MissReason.FAILED if miss in self.failed
+                      else MissReason.ABSENT)
         if not (with_entries and n):
             return Hits(n, {}, reason, ns.world_size)
         return Hits(n, {r: got if len(got) == n else got[:n] for r, got in hits.items()}, reason, ns.world_size)

@@ -17,7 +17,7 @@ from kvoffd.server.jobs import Jobs
 from kvoffd.server.limits import MAX_EXPLAIN_KEYS
 from kvoffd.server.sessions import Conn, Sessions
 from kvoffd_client import protocol as P
-from kvoffd_client.protocol import ErrorCode, ProtocolError
+from kvoffd_client.protocol import DropReason, ErrorCode, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Admin:
                 "store_bytes": c(m.transfer_bytes, "store"), "load_bytes": c(m.transfer_bytes, "load"),
                 "evicted_blocks": c(m.evicted_blocks),
                 "admission_refused_blocks": c(m.admission_refused),
-                "dropped_stores": sum(c(m.dropped_stores, r) for r in ("pool_full", "clear", "failed")),
+                "dropped_stores": sum(c(m.dropped_stores, r.value) for r in DropReason),
                 "errors": sum(c(m.errors, code.value) for code in ErrorCode),
             },
             "resident_blocks": self.index.resident,

@@ -33,7 +33,7 @@ from kvoffd.server.limits import MAX_JOBS_PER_CONN, MAX_RUNS_PER_JOB
 from kvoffd.server.sessions import Conn, Engine, Lease, Reply, Sessions
 from kvoffd.transfer.base import Direction, JobExpired, past
 from kvoffd_client import protocol as P
-from kvoffd_client.protocol import ErrorCode, ProtocolError
+from kvoffd_client.protocol import DropReason, ErrorCode, MissReason, NoticeCode, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class Jobs:
         missed = P.count_keys(msg.keys) - n
         if missed:
             counts.miss_blocks += missed
-            self.metrics.misses.labels(hits.miss_reason).inc(missed)
+            self.metrics.misses.labels(hits.miss_reason.value).inc(missed)
         return None
 
     # --- checks shared by STORE and LOAD ----------------------------------------------------------------
@@ -167,11 +167,11 @@ class Jobs:
             m.store_noop_blocks.inc(plan.present)
         dropped = plan.dropped
         if dropped:
-            m.dropped_stores.labels("pool_full").inc(len(dropped))
+            m.dropped_stores.labels(DropReason.POOL_FULL.value).inc(len(dropped))
         if plan.refused:  # reported with the dropped ones: not stored, nothing copied
             m.admission_refused.inc(len(plan.refused))
             dropped = sorted(dropped + plan.refused)
-        code = "pool_full" if plan.dropped else "not_admitted" if plan.refused else ""
+        code = NoticeCode.POOL_FULL.value if plan.dropped else NoticeCode.NOT_ADMITTED.value if plan.refused else ""
         if not plan.copy_idx:
             return P.Notice(seq=msg.seq, job_id=msg.job_id, ok=not dropped, failed=dropped, code=code)
         t0 = time.monotonic()
@@ -200,7 +200,7 @@ class Jobs:
             self._end(job)
             self._notice(job, sorted(job.failed + job.idx), code, str(e)[:200])
             self.index.complete_store(plan, False)  # a partial (or expired) store is never committed
-            self.metrics.dropped_stores.labels("failed").inc(len(entries))
+            self.metrics.dropped_stores.labels(DropReason.FAILED.value).inc(len(entries))
             return
         if self.verify:
             sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, entries)
@@ -214,7 +214,7 @@ class Jobs:
         self._account(job, len(entries))
         done = self.index.complete_store(plan, True)
         if done < len(entries):
-            self.metrics.dropped_stores.labels("clear").inc(len(entries) - done)
+            self.metrics.dropped_stores.labels(DropReason.CLEAR.value).inc(len(entries) - done)
 
     # --- LOAD -------------------------------------------------------------------------------------------
     def load(self, conn: Conn, msg: P.Load) -> P.Message | None:
@@ -224,10 +224,10 @@ class Jobs:
         if msg.lease_id and entries:
             self.sessions.consume_lease(msg.lease_id, eng, entries[0])
         if failed:
-            self.metrics.misses.labels("absent").inc(len(failed))
+            self.metrics.misses.labels(MissReason.ABSENT.value).inc(len(failed))
         if not entries:
             return P.Notice(seq=msg.seq, job_id=msg.job_id, ok=not failed, failed=failed,
-                            code="not_resident" if failed else "")
+                            code=NoticeCode.NOT_RESIDENT.value if failed else "")
         slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
         t0 = time.monotonic()
         ids = ids[lp.found_idx] if failed else ids
@@ -235,7 +235,7 @@ class Jobs:
         if not self.verify:  # start the copy now, not one loop turn later in the job's task
             fut = self._submit(eng, Direction.LOAD, ids, slots, msg)
         job = Job(conn, eng, msg, Direction.LOAD, t0, entries, lp.found_idx, ids, slots, failed,
-                  "not_resident" if failed else "", fut)
+                  NoticeCode.NOT_RESIDENT.value if failed else "", fut)
         self._begin(job)
         self.spawn(self._run_load(job))
         return None
@@ -276,7 +276,7 @@ class Jobs:
             for j in bad:
                 self.index.discard(entries[j])
             failed = sorted(failed + [job.idx[j] for j in bad])
-            code, text = "checksum_mismatch", f"{len(bad)} blocks corrupt in the pool"
+            code, text = NoticeCode.CHECKSUM_MISMATCH.value, f"{len(bad)} blocks corrupt in the pool"
             keep = np.ones(len(entries), dtype=bool)
             keep[bad] = False
             ids, slots = ids[keep], slots[keep]
@@ -308,10 +308,10 @@ class Jobs:
         if isinstance(e, JobExpired):
             log.warning("%s job %d of engine %s expired: %s", d, job.job_id, job.engine.engine_id, e)
             self.metrics.expired_jobs.inc()
-            return ErrorCode.EXPIRED.value
+            return NoticeCode.EXPIRED.value
         log.warning("%s job %d of engine %s failed: %s", d, job.job_id, job.engine.engine_id, e)
         self.metrics.failed_jobs.labels(d).inc()
-        return "copy_failed"
+        return NoticeCode.COPY_FAILED.value
 
     def _notice(self, job: Job, failed: list[int], code: str, text: str) -> None:
         """Sent even when the connection was dropped meanwhile (an engine silent past engine_timeout_s,

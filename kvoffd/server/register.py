@@ -12,6 +12,8 @@ import asyncio
 import logging
 from typing import Any
 
+import msgspec
+
 from kvoffd.cache.index import Index
 from kvoffd.cache.pool import MIN_SLOT_BYTES, Pool
 from kvoffd.metrics import Metrics
@@ -82,15 +84,15 @@ class Registrar:
     async def _register(self, conn: Conn, msg: P.Register) -> P.Message:
         if msg.rank >= msg.world_size:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"rank {msg.rank} is not below world_size {msg.world_size}")
-        num_blocks, segments = P.parse_layout(msg.layout)
-        kind = msg.memory.get("kind")
-        backend = self.by_kind.get(kind) if type(kind) is str else None
+        num_blocks, segments = msg.layout.num_blocks, msg.layout.runs()
+        kind = msg.memory.KIND
+        backend = self.by_kind.get(kind)
         if backend is None:
             raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, f"memory kind {kind!r:.40} is not served here; "
                                 f"this daemon maps {sorted(self.by_kind)}")
         old = self._check_register(conn, msg, segments)
         slot_bytes, layout_fp = sum(s.length for s in segments), tuple(s.length for s in segments)
-        memory = self._claim_memory(msg.memory) if kind == "cpu_fd" else msg.memory
+        memory = self._backend_memory(msg.memory)
         loop = asyncio.get_running_loop()
         try:
             mapped = await loop.run_in_executor(None, backend.attach, msg.engine_id, memory, num_blocks,
@@ -113,20 +115,18 @@ class Registrar:
                                     world_size=msg.world_size, mapped=mapped, backend=backend, table=table), old)
         log.info("engine %s registered: pid %d, namespace %s rank %d/%d, %d blocks of %d bytes (%s, %s)",
                  msg.engine_id, conn.pid, msg.namespace, msg.rank, msg.world_size, num_blocks, slot_bytes,
-                 backend.name, msg.layout.get("desc", "") if isinstance(msg.layout.get("desc"), str) else "")
+                 backend.name, msg.layout.desc)
         return P.Registered(seq=msg.seq, engine_id=msg.engine_id, slot_bytes=slot_bytes, backend=backend.name)
 
-    def _claim_memory(self, memory: dict[str, Any]) -> dict[str, Any]:
-        """A ``cpu_fd`` REGISTER: the descriptor handed to the fd socket under the token. The backend
-        gets a dict built here (never the client's, which could carry an ``fd`` of its own choosing)
-        and closes the descriptor whatever happens."""
-        token, size = memory.get("token"), memory.get("size")
-        if type(token) is not str or not 0 < len(token) <= 64:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "memory.token must be the string the fd socket answered")
-        if type(size) is not int or size <= 0:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "memory.size must be a positive integer")
-        pending = self.sessions.fd_handover.claim(token) if self.sessions.fd_handover is not None else None
+    def _backend_memory(self, memory: P.CpuFd | P.CudaIpc) -> dict[str, Any]:
+        """What the backend's ``attach`` maps (its shape already checked by the decoder). ``cpu_fd``:
+        the descriptor handed to the fd socket under the token, in a dict built here (never from the
+        client's fields, which could name an ``fd`` of its own choosing); the backend closes it
+        whatever happens."""
+        if isinstance(memory, P.CudaIpc):
+            return {"kind": memory.KIND, **msgspec.structs.asdict(memory)}
+        pending = self.sessions.fd_handover.claim(memory.token) if self.sessions.fd_handover is not None else None
         if pending is None:
             raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, "unknown or expired memory token: hand the "
                                 "descriptor to the fd socket again (a token is good for one REGISTER)")
-        return {"kind": "cpu_fd", "fd": pending.fd, "size": size}
+        return {"kind": memory.KIND, "fd": pending.fd, "size": memory.size}
