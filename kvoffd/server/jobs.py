@@ -180,8 +180,9 @@ class Jobs:
         # the copy starts first; the per-key bookkeeping below runs while the bytes move
         fut = self._submit(eng, Direction.STORE, block_ids, slots, msg)
         self.index.add_pending(plan)
-        job = Job(conn, eng, msg, Direction.STORE, t0, plan.entries, plan.copy_idx, block_ids, slots, dropped,
-                  code, fut, plan)
+        job = Job(conn=conn, engine=eng, msg=msg, direction=Direction.STORE, started=t0, entries=plan.entries,
+                  idx=plan.copy_idx, block_ids=block_ids, slots=slots, failed=dropped, code=code, future=fut,
+                  plan=plan)
         self._begin(job)
         self.spawn(self._finish_store(job))
         return None
@@ -234,8 +235,9 @@ class Jobs:
         fut: Awaitable[None] | None = None
         if not self.verify:  # start the copy now, not one loop turn later in the job's task
             fut = self._submit(eng, Direction.LOAD, ids, slots, msg)
-        job = Job(conn, eng, msg, Direction.LOAD, t0, entries, lp.found_idx, ids, slots, failed,
-                  NoticeCode.NOT_RESIDENT.value if failed else "", fut)
+        job = Job(conn=conn, engine=eng, msg=msg, direction=Direction.LOAD, started=t0, entries=entries,
+                  idx=lp.found_idx, block_ids=ids, slots=slots, failed=failed,
+                  code=NoticeCode.NOT_RESIDENT.value if failed else "", future=fut)
         self._begin(job)
         self.spawn(self._run_load(job))
         return None
