@@ -51,14 +51,11 @@ def _index(policy: str) -> tuple[Index, Recorder]:
 
 def _store(index: Index, keys: list[bytes], ok: bool = True) -> list[Entry]:
     t = index.table("obs", 0, 1, SLOT, (SLOT,))
-    p = index.plan(t, keys)
-    entries = index.add_pending(t, keys, p.want, p.slots)
+    plan = index.prepare_store(t, keys)
+    entries = index.add_pending(plan)
     for e in entries:  # the "copy": each slot holds its key's first bytes
         index.pool.view(e.slot, 8)[:] = memoryview(e.key[:8])
-    if ok:
-        index.commit(entries)
-    else:
-        index.abort(entries)
+    index.complete_store(plan, ok)
     return entries
 
 
@@ -72,9 +69,9 @@ def test_observer_hears_commits_and_every_free_while_the_bytes_are_still_there(p
 
     # A LOOKUP of the next chain makes the default policy admit it (second request); LRU admits anyway.
     more = [key(i) for i in range(10, 12)]
-    index.leading_hits("obs", b"".join(more))
+    index.lookup("obs", b"".join(more))
     _store(index, more)
-    index.leading_hits("obs", b"".join(more))
+    index.lookup("obs", b"".join(more))
     _store(index, more)
     evicted = [k for k, ready, head in rec.freed]
     assert len(evicted) == 2 and set(evicted) <= set(first)
@@ -91,11 +88,12 @@ def test_observer_hears_commits_and_every_free_while_the_bytes_are_still_there(p
     assert [(k, ready) for k, ready, _ in rec.freed] == [(failed[0].key, False)]
 
 
-def test_a_discarded_entry_is_freed_once_its_last_hold_drops():
+def test_a_discarded_entry_is_freed_once_its_last_ref_drops():
     index, rec = _index("lru")
     (e,) = _store(index, [key(1)])
-    e.pins += 1  # a LOAD reads it
+    hits = index.lookup("obs", e.key, with_entries=True)
+    index.hold(hits)  # a LOAD reads it
     index.discard(e)
     assert rec.freed == []  # still being read: the slot is not given back yet
-    index.unpin(e)
+    index.release([e])
     assert [k for k, _, _ in rec.freed] == [key(1)]

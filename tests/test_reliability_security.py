@@ -20,8 +20,12 @@ import pytest
 from kvtest import ROOT, chain_keys, wait_until
 from reliability_util import RawPeer, ShmEngine, fd_count, record, self_start_ticks
 
-from kvoffd.server.loop import HARD_FRAME_LIMIT
-from kvoffd.server.sessions import MAX_ENGINES_PER_CONN, MAX_JOBS_PER_CONN, MAX_LEASES_PER_CONN
+from kvoffd.server.limits import (
+    HARD_FRAME_LIMIT,
+    MAX_ENGINES_PER_CONN,
+    MAX_JOBS_PER_CONN,
+    MAX_LEASES_PER_CONN,
+)
 from kvoffd_client import protocol as P
 from kvoffd_client.client import KvoffdClient
 

@@ -311,7 +311,7 @@ class KvoffdClient:
         if self._link_down_since is not None or self._old_daemons:
             for d in {id(j.daemon): j.daemon for j in self._jobs.values()}.values():
                 if self._daemon_gone(d, now):
-                    code = "daemon_lost" if d is self._daemon else "daemon_restarted"
+                    code = (P.NoticeCode.DAEMON_LOST if d is self._daemon else P.NoticeCode.DAEMON_RESTARTED).value
                     self._fail_jobs_of(d, code, "the daemon that took the job is gone; nothing more is copied")
             for d in [d for d in self._old_daemons if not any(j.daemon is d for j in self._jobs.values())]:
                 self._old_daemons.remove(d)
