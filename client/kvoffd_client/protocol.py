@@ -30,6 +30,8 @@ PROTOCOL_VERSION = 1
 KEY_SIZE = 32
 #: Largest frame the daemon reads. A step of a big batch (8k blocks) stays far below it.
 MAX_FRAME_BYTES = 8 << 20
+#: The most bytes of one fd-socket request or reply (a small msgpack map; docs/protocol.md, the fd socket).
+MAX_FD_MESSAGE = 512
 #: Most keys (and block ids) one message may carry.
 MAX_KEYS = 65536
 #: Longest namespace / engine id / free-text field.
