@@ -39,6 +39,7 @@ from kvoffd.transfer.base import (
     JobExpired,
     MappedMemory,
     TransferBackend,
+    check_bounds,
     coalesce,
     describe_in_chunks,
     past,
@@ -82,17 +83,16 @@ _PROT_RW = 0x1 | 0x2
 _MAP_SHARED = 0x01
 
 
-@dataclass
-class FdMapping:
-    """A raw mapping of an engine's memfd: no descriptor kept, unmapped by ``detach``."""
+@dataclass(kw_only=True)
+class FdMapping(MappedMemory):
+    """An engine's memfd, mapped raw (no descriptor kept) at ``address``; 0 once ``detach`` unmapped it."""
 
     address: int
-    size: int
 
 
-def map_sealed_memfd(fd: int, size: int) -> FdMapping:
-    """Map ``size`` bytes of ``fd`` shared, read-write. Refuses anything but a memfd sealed against
-    shrinking that holds at least ``size`` bytes. Does not close ``fd``."""
+def map_sealed_memfd(fd: int, size: int) -> int:
+    """Map ``size`` bytes of ``fd`` shared, read-write; returns the address. Refuses anything but a
+    memfd sealed against shrinking that holds at least ``size`` bytes. Does not close ``fd``."""
     try:
         st = os.fstat(fd)
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -107,7 +107,7 @@ def map_sealed_memfd(fd: int, size: int) -> FdMapping:
     if addr in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         raise AttachError(f"cannot map the memfd: {os.strerror(err)}")
-    return FdMapping(addr, size)
+    return addr
 
 
 class CpuBackend(TransferBackend):
@@ -131,19 +131,16 @@ class CpuBackend(TransferBackend):
         try:
             if type(size) is not int or size <= 0:
                 raise AttachError("memory.size must be a positive integer")
-            mapped = MappedMemory(engine_id=engine_id, kind="cpu_fd", size=size, num_blocks=num_blocks,
-                                  segments=segments, slot_bytes=sum(s.length for s in segments))
-            mapped.check_bounds()
-            m = map_sealed_memfd(fd, size)
+            check_bounds(size, num_blocks, segments)
+            address = map_sealed_memfd(fd, size)
         finally:
             os.close(fd)
-        mapped.handle = m
-        mapped.extra["base"] = m.address
-        return mapped
+        return FdMapping(engine_id=engine_id, kind="cpu_fd", size=size, num_blocks=num_blocks, segments=segments,
+                         slot_bytes=sum(s.length for s in segments), address=address)
 
-    def detach(self, mapped: MappedMemory) -> None:
-        m, mapped.handle = mapped.handle, None
-        if m is not None and _MUNMAP(m.address, m.size) != 0:
+    def detach(self, mapped: FdMapping) -> None:  # type: ignore[override]  # the mapping attach returned
+        address, mapped.address = mapped.address, 0
+        if address and _MUNMAP(address, mapped.size) != 0:
             log.warning("engine %s: munmap failed: %s", mapped.engine_id, os.strerror(ctypes.get_errno()))
 
     def submit(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
@@ -155,12 +152,12 @@ class CpuBackend(TransferBackend):
                                  expires_ns)
             for a, b in parts]))
 
-    def _copy_blocks(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
+    def _copy_blocks(self, direction: Direction, mapped: FdMapping, block_ids: np.ndarray,
                      slots: np.ndarray, expires_ns: int) -> None:
         """Describe a range of blocks a chunk at a time and move each chunk: on a copy thread, so
         no job's descriptors (millions of runs for a many-segment layout) ever stall the loop. The
         deadline is checked before every batch of runs (``_copy_runs``)."""
-        base = mapped.extra["base"]
+        base = mapped.address
         for eng, pool, lens in describe_in_chunks(mapped, block_ids, slots, self.pool.base_address):
             eng += base
             src, dst = (eng, pool) if direction is Direction.STORE else (pool, eng)
