@@ -54,17 +54,15 @@ IOV_MAX = 1024
 FORCE_MEMMOVE_ENV = "KVOFFD_TEST_FORCE_MEMMOVE"
 
 
-def _load_pvm() -> tuple[Any, Any] | None:
+def _load_readv() -> Any | None:
+    """libc's process_vm_readv, or None where it is missing."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        rd, wr = libc.process_vm_readv, libc.process_vm_writev
+        readv = ctypes.CDLL(None, use_errno=True).process_vm_readv
     except (OSError, AttributeError):
         return None
-    for f in (rd, wr):
-        f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
-                      ctypes.c_ulong]
-        f.restype = ctypes.c_ssize_t
-    return rd, wr
+    readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    readv.restype = ctypes.c_ssize_t
+    return readv
 
 
 def _load_mmap() -> tuple[Any, Any]:
@@ -117,7 +115,7 @@ class CpuBackend(TransferBackend):
         super().__init__(pool)
         self.threads = threads or max(1, min(4, os.cpu_count() or 1))
         self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvoffd-copy")
-        self._pvm = None if os.environ.get(FORCE_MEMMOVE_ENV) == "1" else _load_pvm()
+        self._readv = None if os.environ.get(FORCE_MEMMOVE_ENV) == "1" else _load_readv()
         self._pid = os.getpid()
 
     def kinds(self) -> tuple[str, ...]:
@@ -167,15 +165,15 @@ class CpuBackend(TransferBackend):
         """Copy on a pool thread. The deadline is checked here, before every batch of at most IOV_MAX
         runs: a job that waited in the executor's queue past it (a backlog), or a thread frozen
         mid-job (SIGSTOP, cgroup freezer), stops at the next batch boundary instead of writing late."""
-        if self._pvm is not None:
+        if self._readv is not None:
             try:
-                self._copy_pvm(src, dst, lens, expires_ns)
+                self._copy_readv(src, dst, lens, expires_ns)
                 return
             except OSError as e:
                 if e.errno not in (errno.EPERM, errno.ENOSYS, errno.EACCES):
                     raise
                 log.warning("process_vm_readv refused (%s); copying run by run instead", e.strerror)
-                self._pvm = None
+                self._readv = None
         for a in range(0, len(lens), IOV_MAX):
             if past(expires_ns):
                 raise JobExpired(f"deadline passed after {a} of {len(lens)} runs; the rest not started")
@@ -183,8 +181,8 @@ class CpuBackend(TransferBackend):
                                lens[a:a + IOV_MAX].tolist(), strict=True):
                 ctypes.memmove(d, s, n)
 
-    def _copy_pvm(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray, expires_ns: int = 0) -> None:
-        readv = self._pvm[0]
+    def _copy_readv(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray, expires_ns: int = 0) -> None:
+        readv = self._readv
         for a in range(0, len(lens), IOV_MAX):
             if past(expires_ns):
                 raise JobExpired(f"deadline passed after {a} of {len(lens)} runs; the rest not started")
@@ -199,7 +197,7 @@ class CpuBackend(TransferBackend):
             if done < 0:
                 err = ctypes.get_errno()
                 raise OSError(err, os.strerror(err))
-            if done != want:  # a partial copy only happens on a fault: finish run by run to know
+            if done != want:  # a partial copy only happens on a fault: the job fails
                 raise OSError(errno.EFAULT, f"short copy: {done} of {want} bytes")
 
     def close(self) -> None:
@@ -207,7 +205,7 @@ class CpuBackend(TransferBackend):
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "threads": self.threads,
-                "method": "process_vm_readv" if self._pvm else "memmove"}
+                "method": "process_vm_readv" if self._readv else "memmove"}
 
 
 async def _all_parts(parts: list[asyncio.Future]) -> None:
