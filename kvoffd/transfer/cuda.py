@@ -73,9 +73,9 @@ def batch_cuts(lens: np.ndarray, tuning: CudaTuning) -> list[tuple[int, int]]:
     Small calls let the copy engine start on the first while the driver still takes the next.
     """
     n = len(lens)
-    if n <= 1 or int(lens[-1]) * n <= tuning.batch_bytes and n <= tuning.batch_runs:
-        return [(0, n)] if n else []
     total = int(lens.sum())
+    if n <= 1 or total <= tuning.batch_bytes and n <= tuning.batch_runs:
+        return [(0, n)] if n else []
     by_bytes = np.searchsorted(np.cumsum(lens), np.arange(tuning.batch_bytes, total, tuning.batch_bytes, dtype=lens.dtype),
                                side="right")
     cuts = sorted({0, n, *by_bytes.tolist(), *range(tuning.batch_runs, n, tuning.batch_runs)})

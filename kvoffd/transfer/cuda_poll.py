@@ -182,7 +182,11 @@ class Poller:
         with self._cond:
             self._gates = [g for g in self._gates if id(g) not in gone]
         for g in ready:
-            self._start_job(g.job)  # checks the deadline again: this sweep may have been frozen
+            try:
+                self._start_job(g.job)  # checks the deadline again: this sweep may have been frozen
+            except Exception as e:  # noqa: BLE001 - the job fails, never the poller (every job would hang)
+                log.exception("starting a gated job")
+                g.job.resolve(e)
             self._current = -1  # start() may have made another device current on this thread
         for g, err in failed:
             g.job.resolve(err)

@@ -93,6 +93,25 @@ def test_attach_gives_a_typed_mapping(pool, backend, engines):
     _run(go())
 
 
+def test_batch_cuts_bound_runs_and_bytes():
+    """A job's runs go to the driver in calls of at most ``batch_runs`` runs and about ``batch_bytes``
+    (a call passes it by less than one run), every run exactly once and in order. Needs no GPU."""
+    from kvoffd.transfer.cuda import CudaTuning, batch_cuts
+
+    rng = np.random.default_rng(5)
+    tuning = CudaTuning(batch_runs=7, batch_bytes=1000)
+    for n in (1, 2, 7, 8, 50, 301):
+        lens = rng.integers(1, 400, n).astype(np.uint64)
+        cuts = batch_cuts(lens, tuning)
+        assert cuts[0][0] == 0 and cuts[-1][1] == n
+        assert all(b == c for (_, b), (c, _) in zip(cuts, cuts[1:], strict=False))
+        for a, b in cuts:
+            assert 0 < b - a <= tuning.batch_runs
+            assert int(lens[a:b].sum()) < tuning.batch_bytes + int(lens.max())
+    one = np.full(5, 10, dtype=np.uint64)
+    assert batch_cuts(one, tuning) == [(0, 5)]  # a small job: one call
+
+
 def test_driver_bindings():
     from kvoffd.transfer import cuda_driver as cudart
 
