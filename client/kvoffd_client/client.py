@@ -22,10 +22,10 @@ import msgspec
 
 from kvoffd_client import protocol as P
 from kvoffd_client.fdpass import FdRefused, send_fd
-from kvoffd_client.link import Link, read_auth_token
+from kvoffd_client.link import Link, LinkState, read_auth_token
 from kvoffd_client.liveness import EXPIRY_GRACE_S, DaemonProcess, DaemonWatch
 
-__all__ = ["EXPIRY_GRACE_S", "DaemonUnavailable", "KvoffdClient", "KvoffdError", "read_auth_token"]
+__all__ = ["EXPIRY_GRACE_S", "DaemonUnavailable", "KvoffdClient", "KvoffdError", "LinkState", "read_auth_token"]
 
 log = logging.getLogger("kvoffd_client")
 
@@ -113,6 +113,11 @@ class KvoffdClient:
             if not link.closed:
                 self._pump(0)
             return link.ready
+
+    @property
+    def link_state(self) -> LinkState:
+        """The handshake's state (``down``, ``greeting``, ``ready``, ``closed``), without pumping."""
+        return self._link.state
 
     @property
     def hello(self) -> P.HelloOk | None:
