@@ -129,6 +129,8 @@ class KvoffdClient:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         link = self._link
         with self._lock:
+            if link.closed:
+                return False
             link.retry_now()
             refusals = link.refusals
             while True:
@@ -144,8 +146,7 @@ class KvoffdClient:
         """Process what arrived (replies, notices, link events, lost jobs), waiting up to ``timeout_ms``
         for a frame; what it finds is then returned by ``take_reply``/``take_notices``."""
         with self._lock:
-            if not self._link.closed:
-                self._pump(timeout_ms)
+            self._pump(timeout_ms)
 
     @property
     def refusal(self) -> str:
@@ -228,6 +229,8 @@ class KvoffdClient:
     def _pump(self, timeout_ms: int = 0) -> None:
         """Process link events, incoming messages, reconnection and deadlines. Never blocks past timeout."""
         link = self._link
+        if link.closed:
+            return  # close()d: nothing to take, no socket to ask
         now = self._last_pump = time.monotonic()
         if link.watch(now):
             log.warning("kvoffd at %s went away (link down): %d jobs in flight wait for it or its exit; "
