@@ -15,7 +15,7 @@ import zmq
 from kvtest import wait_until
 
 from kvoffd_client import protocol as P
-from kvoffd_client.client import KvoffdClient, LinkState
+from kvoffd_client.client import DaemonUnavailable, KvoffdClient, LinkState
 
 WAIT_S = 20.0  # generous for a loaded machine; nothing is timed
 
@@ -81,6 +81,9 @@ def test_link_state_follows_the_handshake(fake):
         c.close()
     assert c.link_state is LinkState.CLOSED
     c.close()  # twice: a no-op
+    with pytest.raises(DaemonUnavailable):  # at once: a closed client never touches its socket
+        c.request(P.Ping(), timeout_s=WAIT_S)
+    assert c.take_notices() == [] and not c.connected
 
 
 def test_a_ready_link_goes_down_with_the_socket(fake):
