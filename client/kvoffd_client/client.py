@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from kvoffd_client import protocol as P
+from kvoffd_client.errors import UNAVAILABLE, DaemonUnavailable, KvoffdError, answer
 from kvoffd_client.fdpass import FdRefused, send_fd
 from kvoffd_client.link import Link, LinkState, read_auth_token
 from kvoffd_client.liveness import EXPIRY_GRACE_S, DaemonProcess, DaemonWatch
@@ -30,28 +31,6 @@ __all__ = ["EXPIRY_GRACE_S", "DaemonUnavailable", "KvoffdClient", "KvoffdError",
 log = logging.getLogger("kvoffd_client")
 
 _UNSOLICITED = (P.Notice, P.HelloOk)  # never the answer a request() waits for
-_UNAVAILABLE = "unavailable"  # the code of replies this client makes up for requests a lost daemon took
-
-
-def _answer(reply: P.Message) -> P.Message:
-    """A request's reply, or the exception an ERROR reply stands for."""
-    if isinstance(reply, P.Error):
-        if reply.code == _UNAVAILABLE:
-            raise DaemonUnavailable(reply.message)
-        raise KvoffdError(reply.code, reply.message)
-    return reply
-
-
-class KvoffdError(Exception):
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class DaemonUnavailable(KvoffdError):
-    def __init__(self, message: str = "the kvoffd daemon is not reachable"):
-        super().__init__(_UNAVAILABLE, message)
 
 
 @dataclass(slots=True)
@@ -220,7 +199,7 @@ class KvoffdClient:
         """Requests in flight get an ``unavailable`` reply (a lookup sent to a daemon that died is a
         miss now, not after the engine's lookup timeout). They touch no engine memory."""
         for seq in self._wanted:
-            self._replies[seq] = P.Error(seq=seq, code=_UNAVAILABLE, message=why)
+            self._replies[seq] = P.Error(seq=seq, code=UNAVAILABLE, message=why)
         self._wanted.clear()
 
     # ------------------------------------------------------------------------------------------------
@@ -330,7 +309,7 @@ class KvoffdClient:
             while True:
                 reply = self._replies.pop(seq, None)
                 if reply is not None:
-                    return _answer(reply)
+                    return answer(reply)
                 left = deadline - time.monotonic()
                 if left <= 0 or not link.ready:
                     self._wanted.discard(seq)
@@ -352,7 +331,7 @@ class KvoffdClient:
                         self._dispatch_msg(got)  # says HELLO again
                         raise DaemonUnavailable(f"kvoffd did not do the {msg.op.value}: it does not know "
                                                 f"this connection ({got.message})")
-                    return _answer(got)
+                    return answer(got)
                 self._dispatch_msg(got)
 
     # --- engine registration ------------------------------------------------------------------------
