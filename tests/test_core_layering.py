@@ -1,53 +1,52 @@
-"""The server's split holds (issue 13, R1): handlers never import the loop, and no import cycle joins
-the server's modules. Read from the source (the imports each module states), so it needs no daemon.
+"""The layering is checked, not hoped for: the import contracts of pyproject.toml ([tool.importlinter])
+hold for the tree, and a contract that breaks is reported (so the check is not vacuous).
+
+The contracts (docs/architecture.md, "Layers"): the client library never imports the daemon; cache and
+transfer never import the server; the daemon takes nothing of the client library but the wire contract
+(``kvoffd_client.protocol``) and the shared places (``kvoffd_client.paths``); ops reaches the daemon
+only through the client library.
 """
 
 from __future__ import annotations
 
-import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVER = ROOT / "kvoffd" / "server"
-#: the handlers' modules: what the daemon knows and how it answers, given reply/spawn callables
-HANDLERS = ("sessions", "register", "jobs", "admin", "limits", "endpoint", "pidwatch")
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
-def _imports(path: Path) -> set[str]:
-    """Project modules ``path`` imports (``kvoffd.*``), at any depth of the file (lazy imports too)."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-        elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-    return {m for m in out if m == "kvoffd" or m.startswith("kvoffd.")}
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """lint-imports on the tree at ``root``: its kvoffd/ and client/kvoffd_client/ come first on the path,
+    whatever is installed in the environment."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "client")]))
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
 
 
-def test_handlers_never_import_the_loop():
-    for name in HANDLERS:
-        assert "kvoffd.server.loop" not in _imports(SERVER / f"{name}.py"), f"kvoffd/server/{name}.py imports the loop"
+def test_the_import_contracts_hold():
+    res = _lint_imports(ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "0 broken" in res.stdout and "4 kept" in res.stdout, res.stdout
 
 
-def test_cache_and_transfer_never_import_the_server():
-    for folder in ("cache", "transfer"):
-        for path in (ROOT / "kvoffd" / folder).rglob("*.py"):
-            bad = {m for m in _imports(path) if m.startswith("kvoffd.server")}
-            assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
-
-
-def test_no_import_cycle_among_the_servers_modules():
-    graph = {f"kvoffd.server.{p.stem}": {m for m in _imports(p) if m.startswith("kvoffd.server.")}
-             for p in SERVER.glob("*.py")}
-    done: set[str] = set()
-
-    def visit(mod: str, path: list[str]) -> None:
-        assert mod not in path, f"import cycle: {' -> '.join(path[path.index(mod):] + [mod])}"
-        if mod in done:
-            return
-        for dep in graph.get(mod, ()):
-            visit(dep, path + [mod])
-        done.add(mod)
-
-    for mod in graph:
-        visit(mod, [])
+def test_a_broken_layer_is_reported(tmp_path):
+    """A copy of the tree where the transfer layer imports the server, and the client library the
+    daemon: both contracts must fail, naming the offending import."""
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copytree(ROOT / "kvoffd", tmp_path / "kvoffd", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "client" / "kvoffd_client", tmp_path / "client" / "kvoffd_client",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "kvoffd" / "transfer" / "base.py", "a") as f:
+        f.write("\nimport kvoffd.server.sessions  # noqa: E402, F401\n")
+    with open(tmp_path / "client" / "kvoffd_client" / "paths.py", "a") as f:
+        f.write("\nimport kvoffd.config  # noqa: E402, F401\n")
+    res = _lint_imports(tmp_path)
+    assert res.returncode != 0, res.stdout
+    assert "cache and transfer never import the server BROKEN" in res.stdout, res.stdout
+    assert "kvoffd.transfer.base -> kvoffd.server.sessions" in res.stdout, res.stdout
+    assert "the client library never imports the daemon BROKEN" in res.stdout, res.stdout
+    assert "kvoffd_client.paths -> kvoffd.config" in res.stdout, res.stdout

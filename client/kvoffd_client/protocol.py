@@ -30,6 +30,8 @@ PROTOCOL_VERSION = 1
 KEY_SIZE = 32
 #: Largest frame the daemon reads. A step of a big batch (8k blocks) stays far below it.
 MAX_FRAME_BYTES = 8 << 20
+#: The most bytes of one fd-socket request or reply (a small msgpack map; docs/protocol.md, the fd socket).
+MAX_FD_MESSAGE = 512
 #: Most keys (and block ids) one message may carry.
 MAX_KEYS = 65536
 #: Longest namespace / engine id / free-text field.
@@ -232,13 +234,26 @@ class Message(msgspec.Struct, tag_field="op", kw_only=True):
         return {"op": self.op.value, **msgspec.structs.asdict(self)}
 
 
+def start_ticks(pid: int | None = None) -> int:
+    """When process ``pid`` (None: this one) started, in clock ticks since boot: field 22 of
+    /proc/PID/stat, read past the command name (which may hold spaces and parentheses). With the pid,
+    HELLO's identity of a process (``Hello.start_ticks``): a reused pid has another. 0 if unknown."""
+    try:
+        with open(f"/proc/{'self' if pid is None else pid}/stat", "rb") as f:
+            data = f.read()
+        field = data[data.rindex(b")") + 2:].split()[19]
+    except (OSError, ValueError, IndexError):
+        return 0
+    return int(field) if field.isdigit() else 0
+
+
 class Hello(Message, tag="hello"):
     """First message on a connection: version check and who is calling (pid for liveness)."""
 
     version: U63 = PROTOCOL_VERSION
     client: Name = "kvoffd_client"
     pid: U63 = 0
-    start_ticks: U63 = 0  # the process's start time (/proc/PID/stat field 22): pid + this = identity
+    start_ticks: U63 = 0  # the process's start time (see start_ticks()): pid + this = identity
     capabilities: Annotated[list[Annotated[str, Meta(max_length=MAX_NAME)]], Meta(max_length=64)] = []
     token: Annotated[str, Meta(max_length=MAX_NAME)] = ""  # tcp:// only: the daemon's auth token
 
