@@ -25,6 +25,8 @@ import select
 from collections.abc import Mapping
 from typing import Protocol
 
+from kvoffd_client import protocol as P
+
 log = logging.getLogger("kvoffd_client")
 
 
@@ -167,14 +169,14 @@ class DaemonWatch:
         return down_since is not None and now - down_since > self.link_grace_s
 
     def lost_jobs(self, jobs: Mapping[int, _HasDaemon], now: float, down_since: float | None
-                  ) -> list[tuple[int, str]]:
+                  ) -> list[tuple[int, P.NoticeCode]]:
         """The jobs whose daemon is provably gone, with the code of their failed notice
         (``daemon_lost``: the current daemon; ``daemon_restarted``: one a new daemon replaced)."""
-        out: list[tuple[int, str]] = []
+        out: list[tuple[int, P.NoticeCode]] = []
         if down_since is not None or self._replaced:
             for d in {id(j.daemon): j.daemon for j in jobs.values()}.values():
                 if self.gone(d, now, down_since):
-                    code = "daemon_lost" if d is self.current else "daemon_restarted"
+                    code = P.NoticeCode.DAEMON_LOST if d is self.current else P.NoticeCode.DAEMON_RESTARTED
                     out.extend((job_id, code) for job_id, j in jobs.items() if j.daemon is d)
             lost = {job_id for job_id, _ in out}
             for d in [d for d in self._replaced

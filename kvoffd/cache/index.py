@@ -29,7 +29,6 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
-from typing import Protocol
 
 from kvoffd.cache.policy import LRU, EvictionPolicy, make_policy
 from kvoffd.cache.pool import Pool
@@ -159,16 +158,25 @@ class LoadPlan:
     missing_idx: list[int]  # keys not resident (reported failed)
 
 
-class IndexObserver(Protocol):
-    """Something that mirrors the index (warm-restart slot records, a lower tier, KV events).
+class IndexObserver:
+    """Something that mirrors the index: warm-restart slot records, a lower tier, a KV-event stream.
 
-    One seam for all of them, so that none needs a branch in the server: the index calls these on the
-    loop thread, synchronously, at the two moments that matter. Observers must not block and must not
-    call back into the index from inside a call.
+    One seam for all of them, so that none needs a branch in the server: the index calls every
+    registered observer, on the loop thread, synchronously, at each moment below. Subclass it and
+    override the moments you need (the others do nothing). Observers must not block and must not call
+    back into the index from inside a call.
     """
 
     def committed(self, entries: Sequence[Entry]) -> None:
         """``entries`` just became visible: their copy completed and their bytes are in their slots."""
+
+    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+        """The index chose ``entries`` to make room (eviction, or emptying a chunk for another slot
+        size): their ``freeing`` follows at once. A lower tier keeps them from here."""
+
+    def unlinked(self, entries: Sequence[Entry]) -> None:
+        """Committed ``entries`` left the index (CLEAR, found corrupt) while refs still hold them (a LOAD,
+        a lease): they are gone now, but their slots are freed (``freeing``) only when the last ref drops."""
 
     def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
         """The slots of ``entries`` go back to the pool right after this call and may be reused at once.
@@ -176,6 +184,9 @@ class IndexObserver(Protocol):
         The entries are already dead (evicted, cleared, discarded, drained, or a failed store's); their
         bytes are still in place during the call and only then. ``e.ready`` tells a committed one.
         """
+
+    def cleared(self, namespace: str) -> None:
+        """CLEAR removed every entry of ``namespace`` (told once per namespace, after its entries)."""
 
 
 class Index:
@@ -419,12 +430,15 @@ class Index:
         self._abort(plan.entries)
         return 0
 
-    def _free(self, slot_bytes: int, slots: list[int]) -> None:
-        """Give slots back to the pool (their entries are gone for good)."""
+    def _free(self, slot_bytes: int, slots: list[int], evicted: bool = False) -> None:
+        """Give slots back to the pool (their entries are gone for good); ``evicted``: the index chose
+        them to make room (observers hear ``evicted`` first)."""
         owner = self._slot_entry
         if self.observers:
             gone = [owner.pop(s) for s in slots]
             for o in self.observers:
+                if evicted and gone:
+                    o.evicted(slot_bytes, gone)
                 o.freeing(slot_bytes, gone)
         else:
             for s in slots:
@@ -511,6 +525,9 @@ class Index:
         self._remember(self.failed, (t.namespace, e.key), time.time())
         if e.refs == 0:
             self._free(t.slot_bytes, [e.slot])
+        elif e.ready:
+            for o in self.observers:
+                o.unlinked([e])
 
     # --- eviction / clearing ----------------------------------------------------------------------------
     def _untrack(self, e: Entry) -> None:
@@ -546,7 +563,7 @@ class Index:
             freed.append(e.slot)
             self._remember(self.evicted, (t.namespace, e.key), now)
         self.resident -= len(freed)
-        self._free(slot_bytes, freed)
+        self._free(slot_bytes, freed, evicted=True)
         self.evictions += len(freed)
         return len(freed)
 
@@ -573,7 +590,7 @@ class Index:
             freed.append(e.slot)
             self._remember(self.evicted, (t.namespace, k), now)
         self.resident -= len(freed)
-        self._free(slot_bytes, freed)
+        self._free(slot_bytes, freed, evicted=True)
         self.evictions += len(freed)
         return len(freed)
 
@@ -642,7 +659,7 @@ class Index:
             d.progress_at = time.monotonic()
             self.evictions += len(freed)
             self.reclaim_evictions += len(freed)
-            self._free(d.slot_bytes, freed)  # the chunk changes hands here if that was its last slot
+            self._free(d.slot_bytes, freed, evicted=True)  # the chunk changes hands here if that was its last slot
         if not self.pool.draining(d.chunk):
             self._drain = None
         elif i >= len(slots):  # what is left was held when passed
@@ -665,6 +682,7 @@ class Index:
                 continue
             for t in ns.tables.values():
                 free: list[int] = []
+                held: list[Entry] = []
                 for e in t.entries.values():
                     if e.ready:
                         removed += 1
@@ -674,9 +692,15 @@ class Index:
                     e.dead = True
                     if e.refs == 0:
                         free.append(e.slot)
+                    elif e.ready:
+                        held.append(e)
                 t.entries.clear()
                 t.visible.clear()
                 self._free(t.slot_bytes, free)
+                for o in self.observers if held else ():
+                    o.unlinked(held)
+            for o in self.observers:
+                o.cleared(name)
             if in_use is not None and name not in in_use:
                 self.forget_if_idle(name)
         if namespace:

@@ -133,7 +133,7 @@ class Jobs:
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= eng.mapped.num_blocks):
             raise ProtocolError(ErrorCode.BAD_BLOCK_ID, f"block ids must lie in [0, {eng.mapped.num_blocks}); got "
                                 f"[{int(ids.min())}, {int(ids.max())}]", seq=msg.seq, job_id=msg.job_id)
-        if msg.event >= 0 and msg.event >= eng.mapped.extra.get("num_events", 0):
+        if msg.event >= 0 and msg.event >= eng.mapped.num_events:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"event {msg.event} is not in this engine's event ring",
                                 seq=msg.seq, job_id=msg.job_id)
         if msg.job_id in conn.jobs:
