@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvoffd.cache.policy import DEFAULT_POLICY, POLICIES
+from kvoffd.pool_format import pool_geometry
 from kvoffd_client.paths import default_auth_token_file, runtime_dir
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
@@ -85,8 +86,6 @@ def check_pool_fits(pool_size: int, ram: int | None = None) -> str:
 def check_pool_geometry(pool_size: int) -> None:
     """Refuse a size the pool cannot serve exactly (whole 64 MiB chunks, or whole pages below one
     chunk) with one line naming the two nearest that it can (issue 13: 100 MiB used to give 64)."""
-    from kvoffd.cache.pool import pool_geometry  # here: the pool module imports format_size from this one
-
     try:
         pool_geometry(pool_size)
     except ValueError as e:

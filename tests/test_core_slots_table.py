@@ -10,8 +10,8 @@ from kvtest import chain_keys
 from kvoffd.cache.adopt import adopt_records
 from kvoffd.cache.index import Index
 from kvoffd.cache.pool import Pool
-from kvoffd.cache.pool_file import Layout
 from kvoffd.cache.slots_table import NamespaceFacts, RankFacts, SlotRecords
+from kvoffd.pool_format import Layout
 
 CHUNK, SLOT = 1 << 20, 64 << 10  # 16 slots per chunk, all with records
 
@@ -71,7 +71,6 @@ def test_adoption_keeps_only_records_that_check_out():
     assert out.not_adopted == 4 and out.why
     t = index.namespaces["m"].tables[0]
     assert sorted(t.visible) == sorted(good) and index.resident == 4
-    n, _, _ = index.leading_hits("m", b"".join(good))
-    assert n == 4
+    assert index.lookup("m", b"".join(good)).n == 4
     index.check_table("m", 0, 1, (SLOT // 2, SLOT // 2))  # a re-registering engine of the same layout fits
     assert pool.used_bytes == 4 * SLOT and len(pool.alloc(SLOT, 64)) == 64 - 4  # the rest of the pool is free

@@ -23,8 +23,7 @@ import pytest
 from kvtest import chain_keys, wait_until
 from reliability_util import ShmEngine
 
-from kvoffd.cache.pool import pool_geometry
-from kvoffd.cache.pool_file import Layout, default_pool_path, fs_type
+from kvoffd.pool_format import Layout, default_pool_path, fs_type, pool_geometry
 from kvoffd_client.client import KvoffdClient
 
 NB, SLOT = 128, 256 << 10  # 32 MiB of blocks in a 64 MiB pool

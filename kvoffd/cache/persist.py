@@ -1,20 +1,23 @@
 """Warm restart: the index's mirror in the pool file, and adoption of a previous daemon's blocks.
 
-``Persistence`` is an ``IndexObserver`` (kvoffd/cache/index.py) of a pool that lives in a file
-(kvoffd/cache/pool_file.py), keeping its slot records (kvoffd/cache/slots_table.py) true:
+``Persistence`` is an ``IndexObserver`` (kvoffd/cache/index.py: it overrides the moments below; the
+index's ``evicted`` and ``cleared`` need nothing more here, since their slots' ``freeing`` follows) of
+a pool that lives in a file (kvoffd/cache/pool_file.py), keeping its slot records
+(kvoffd/cache/slots_table.py) true:
 
 * **committed** blocks are queued for sealing. A sealer thread computes each slot's crc32 off the
   event loop (zlib releases the GIL on large buffers: stores are never slowed by it) and hands the
   sums back to the loop, which writes the records of the blocks still alive. A block committed but
   not yet sealed when the process dies is simply not adopted (absent, never wrong); on SIGTERM what
   is left is sealed within ``SEAL_ON_STOP_S``.
-* **freeing** slots have their records invalidated before the pool may hand them out again.
+* **freeing** slots have their records invalidated before the pool may hand them out again, and
+  **unlinked** ones (CLEARed or found corrupt while a LOAD or lease holds them) at once.
 * blocks read by a LOAD are **touched**: their last-use stamps are rewritten every ``FLUSH_S``
   (batched, on the loop), so the next daemon rebuilds the LRU order.
 
 ``adopt`` (at start, before the daemon serves) rebuilds the pool's slabs and the index from the sealed
 records: the blocks are visible at once. Their bytes are verified lazily: the first LOAD of an
-adopted block checks its crc32 first (the ``--verify`` machinery of kvoffd/server/loop.py), and a
+adopted block checks its crc32 first (the ``--verify`` machinery of kvoffd/server/jobs.py), and a
 background pass checks the rest; a mismatch drops that block only (a counted miss). The end of that
 pass is "full adoption" (``stats()['verified_s']``).
 """
@@ -35,17 +38,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from kvoffd.cache.adopt import adopt_records
-from kvoffd.cache.index import Entry, Index, Table
-from kvoffd.cache.pool import Pool, pool_geometry
-from kvoffd.cache.pool_file import (
-    NS_AREA_BYTES,
-    Layout,
-    PoolFile,
-    PoolFileError,
-    default_pool_path,
-    open_pool_file,
-)
+from kvoffd.cache.index import Entry, Index, IndexObserver, Table
+from kvoffd.cache.pool import Pool
+from kvoffd.cache.pool_file import PoolFile, PoolFileError, open_pool_file
 from kvoffd.cache.slots_table import NamespaceFacts, NamespaceTable, RankFacts, SlotRecords
+from kvoffd.pool_format import NS_AREA_BYTES, Layout, default_pool_path, pool_geometry
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +55,7 @@ def _crc(buf: np.ndarray, e: Entry) -> int:
     return zlib.crc32(buf[e.slot:e.slot + e.table.slot_bytes])
 
 
-class Persistence:
+class Persistence(IndexObserver):
     """The pool file's keeper (one per daemon; only when the pool lives in a file)."""
 
     def __init__(self, pf: PoolFile, pool: Pool, index: Index, verify_threads: int = 0):
@@ -371,6 +368,10 @@ class Volatile:
         return {"path": "", "adopted_blocks": 0}
 
 
+#: what the server holds: the pool file's keeper, or its stand-in for a pool in private memory
+Keeper = Persistence | Volatile
+
+
 def open_pool(size: int, path: str, address: str, cold: bool) -> tuple[Pool, PoolFile | None]:
     """The daemon's pool: in its file (``path``; "" for the default beside the socket or in
     /dev/shm; "none" for private memory). A file that cannot be used gives one warning and private
@@ -392,7 +393,7 @@ def open_pool(size: int, path: str, address: str, cold: bool) -> tuple[Pool, Poo
     return Pool(size, chunk, mapping=pf.map, offset=layout.data_offset), pf
 
 
-def keeper(pf: PoolFile | None, pool: Pool, index: Index) -> Persistence | Volatile:
+def keeper(pf: PoolFile | None, pool: Pool, index: Index) -> Keeper:
     """The pool file's keeper, having adopted the previous daemon's blocks and joined the index's
     observers (a ``Volatile`` for a pool in private memory)."""
     if pf is None:

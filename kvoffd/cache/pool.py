@@ -22,7 +22,7 @@ private mapping (huge pages where the kernel gives them, ``--pool-path none``). 
 until touched, so the daemon is ready at once whatever the pool size.
 
 The size asked for is the size served: a pool is a whole number of chunks, or (below one chunk) one
-chunk of exactly its size, and any other size is refused with one line (``pool_geometry``) rather
+chunk of exactly its size, and any other size is refused with one line (``pool_geometry``, kvoffd/pool_format.py) rather
 than silently rounded down (100 MiB used to give 64 MiB). A backend that needs
 the memory pinned (CUDA) makes chunks usable as it pins them (``set_usable_bytes``); until then only
 usable chunks are handed out.
@@ -40,15 +40,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvoffd.config import format_size
+from kvoffd.pool_format import DEFAULT_CHUNK, MIN_SLOT_BYTES, pool_geometry
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK = 64 << 20
-# Smallest block (slot) the daemon accepts at REGISTER. The index spends about half a KiB of Python
-# objects per resident block (entry, key, dict and LRU slots); below 256 bytes a block would cost
-# more to remember than to hold. Real vLLM blocks are KiBs to MiBs; tests and trace replays that
-# want many small blocks use 256-byte ones (8 keys' worth of bytes).
-MIN_SLOT_BYTES = 256
+__all__ = ["DEFAULT_CHUNK", "MIN_SLOT_BYTES", "Pool", "SlabStats", "pool_geometry"]
 # A slot size that allocated within this many seconds counts as a user of the pool when fair shares
 # are computed; an idle one (its model gone) has no share and is the first to give chunks back.
 ACTIVE_S = 60.0
@@ -100,33 +96,6 @@ def _mem_line() -> str:
     return f"{total}, {format_size(info['MemAvailable'])} available" if "MemAvailable" in info else total
 
 
-def exact_size(n: int) -> str:
-    """A size an operator can paste back: whole GiB or MiB when it is one, else bytes."""
-    for unit, shift in (("GiB", 30), ("MiB", 20)):
-        if n and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return f"{n} bytes"
-
-
-def pool_geometry(nbytes: int, chunk_bytes: int = DEFAULT_CHUNK) -> tuple[int, int]:
-    """(chunk bytes, chunks) of a pool of exactly ``nbytes``; ValueError, in one line an operator can act
-    on, for a size that is not whole chunks (or, below one chunk, not whole pages)."""
-    if nbytes <= 0:
-        raise ValueError(f"a pool of {nbytes} bytes")
-    if nbytes < chunk_bytes:
-        if nbytes % mmap.PAGESIZE:
-            raise ValueError(f"--pool-size {nbytes} bytes is not a whole number of {mmap.PAGESIZE}-byte pages; "
-                             f"use {nbytes - nbytes % mmap.PAGESIZE or mmap.PAGESIZE} or "
-                             f"{nbytes - nbytes % mmap.PAGESIZE + mmap.PAGESIZE}")
-        return nbytes, 1
-    if nbytes % chunk_bytes:
-        down = nbytes - nbytes % chunk_bytes
-        raise ValueError(f"--pool-size {exact_size(nbytes)} is not a whole number of {exact_size(chunk_bytes)} chunks; "
-                         f"use {exact_size(down) if down else exact_size(nbytes - nbytes % mmap.PAGESIZE)} or "
-                         f"{exact_size(down + chunk_bytes)}")
-    return chunk_bytes, nbytes // chunk_bytes
-
-
 class Pool:
     def __init__(self, nbytes: int, chunk_bytes: int = DEFAULT_CHUNK, mapping: mmap.mmap | None = None,
                  offset: int = 0):
@@ -134,7 +103,7 @@ class Pool:
         None: private anonymous memory reserved here. ValueError for a size ``pool_geometry`` refuses."""
         self.chunk_bytes, self.num_chunks = pool_geometry(nbytes, chunk_bytes)
         self.nbytes = nbytes
-        self.persistent = mapping is not None  # must never be remapped privately (kvoffd/transfer/pinning.py)
+        self.persistent = mapping is not None  # touched by populating, never writing (kvoffd/transfer/pinning.py)
         self._map = mapping if mapping is not None else self._reserve(self.nbytes)
         self.buffer = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=offset)
         self.base_address = self.buffer.ctypes.data

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvoffd.cache.pool_file import NS_AREA_BYTES, Layout
+from kvoffd.pool_format import NS_AREA_BYTES, Layout
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,16 @@ import os
 import time
 from typing import Any
 
-from kvoffd.cache.pool import exact_size, pool_geometry
-from kvoffd.cache.pool_file import HEADER_BYTES, Header, Layout, default_pool_path, fs_type
 from kvoffd.config import format_size
+from kvoffd.pool_format import (
+    HEADER_BYTES,
+    Header,
+    Layout,
+    default_pool_path,
+    exact_size,
+    fs_type,
+    pool_geometry,
+)
 
 PASS, WARN = "pass", "warn"
 _FIX_ROOM = ("enlarge the filesystem (mount -o remount,size=... /dev/shm; docker: shm_size; Kubernetes: the "

@@ -1,6 +1,6 @@
-"""Pinning a persistent pool (issue 14): the shared file mapping is pinned as it is, never swapped for
-private memory, so what is in the pool before pinning is still in the file after (and a warm
-restart can adopt it). Prints the pin rate, to compare with a private pool's (test_pinning.py).
+"""Pinning a persistent pool (issue 14): the shared file mapping is pinned as it is (the pinner never
+remaps the pool, and touches a pool file by populating, never by writing), so what is in the pool
+before pinning is still in the file after (and a warm restart can adopt it). Prints the pin rate, to compare with a private pool's (test_pinning.py).
 
 Run on the H200: ``.venv/bin/python -m pytest -q -s tests/gpu/test_pinning_pool_file.py``.
 """
@@ -26,7 +26,7 @@ def test_a_pool_file_is_pinned_in_place_and_keeps_its_bytes():
         pattern = np.arange(1 << 20, dtype=np.uint8)
         pool.buffer[123 << 20:124 << 20] = pattern
         pool.set_usable_bytes(0)
-        p = Pinner(pool, pool.set_usable_bytes, region_bytes=1 << 30, threads=4, remap_private=True)
+        p = Pinner(pool, pool.set_usable_bytes, region_bytes=1 << 30, threads=4)
         t = time.perf_counter()
         p.start()
         assert p.wait(300)
