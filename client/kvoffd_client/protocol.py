@@ -241,6 +241,10 @@ class Register(Message, tag="register"):
     ``layout`` says where each block lives in it: ``{"num_blocks": N, "segments": [[offset, stride,
     length], ...], "desc": "free text (e.g. LBHNC fp32)"}``. A block's slot in the pool is the
     concatenation of its segments, so one slot holds every layer, K and V, of one block of one rank.
+
+    ``replicas`` > 1 says that runs of that many consecutive ranks hold identical KV (an MLA model's
+    latents on every TP rank): the daemon keeps one copy per run, stored by its first rank and loaded
+    by all of them. Every engine of a namespace must give the same value (``layout_mismatch``).
     """
 
     engine_id: Name = ""
@@ -249,6 +253,7 @@ class Register(Message, tag="register"):
     world_size: WorldSize = 1
     memory: dict[str, Any] = {}
     layout: dict[str, Any] = {}
+    replicas: WorldSize = 1
 
 
 class Registered(Message, tag="registered"):

@@ -442,7 +442,7 @@ class Daemon:
                 self._pids = PidWatcher(asyncio.get_running_loop(), self._on_pid_exit)
             conn.watched = self._pids.watch(ident, msg.pid, msg.start_ticks)
         conn.last_seen = time.monotonic()
-        caps = ["lease", "explain"] + [f"memory:{k}" for k in self.by_kind]
+        caps = ["lease", "explain", "replicas"] + [f"memory:{k}" for k in self.by_kind]
         return P.HelloOk(seq=msg.seq, daemon_id=self.daemon_id, pid=os.getpid(), capabilities=caps,
                          limits={"max_frame_bytes": P.MAX_FRAME_BYTES, "max_keys": P.MAX_KEYS,
                                  "max_jobs": MAX_JOBS_PER_CONN, "key_size": P.KEY_SIZE},
@@ -479,6 +479,9 @@ class Daemon:
     async def _do_register(self, conn: Conn, msg: P.Register) -> P.Message:
         if msg.rank >= msg.world_size:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"rank {msg.rank} is not below world_size {msg.world_size}")
+        if msg.world_size % msg.replicas:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"replicas {msg.replicas} does not divide world_size "
+                                f"{msg.world_size}")
         num_blocks, segments = P.parse_layout(msg.layout)
         kind = msg.memory.get("kind")
         backend = self.by_kind.get(kind) if type(kind) is str else None
@@ -505,7 +508,7 @@ class Daemon:
                                 f"{MIN_SLOT_BYTES}-byte minimum (the index's bookkeeping would outweigh it)")
         layout_fp = tuple(s.length for s in segments)
         try:  # checked now, created only once the memory is mapped: a refused REGISTER leaves nothing
-            self.index.check_table(msg.namespace, msg.rank, msg.world_size, layout_fp)
+            self.index.check_table(msg.namespace, msg.rank, msg.world_size, layout_fp, msg.replicas)
         except ValueError as e:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(e)) from None
         memory = self._claim_memory(msg.memory) if kind == "cpu_fd" else msg.memory
@@ -522,7 +525,8 @@ class Daemon:
             if current is not old:
                 raise ProtocolError(ErrorCode.NOT_REGISTERED, "the engine was registered again meanwhile")
             try:
-                table = self.index.table(msg.namespace, msg.rank, msg.world_size, slot_bytes, layout_fp)
+                table = self.index.table(msg.namespace, msg.rank, msg.world_size, slot_bytes, layout_fp,
+                                         msg.replicas)
             except ValueError as e:
                 raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(e)) from None
         except ProtocolError:
@@ -536,8 +540,9 @@ class Daemon:
         conn.engines.add(msg.engine_id)
         self.fds.took(1)  # the mapping may keep a descriptor; the next measurement knows
         self.metrics.engine_events.labels("registered").inc()
-        log.info("engine %s registered: pid %d, namespace %s rank %d/%d, %d blocks of %d bytes (%s, %s)",
-                 msg.engine_id, conn.pid, msg.namespace, msg.rank, msg.world_size, num_blocks, slot_bytes,
+        log.info("engine %s registered: pid %d, namespace %s rank %d/%d%s, %d blocks of %d bytes (%s, %s)",
+                 msg.engine_id, conn.pid, msg.namespace, msg.rank, msg.world_size,
+                 f" (reads rank {table.rank}'s copy)" if table.rank != msg.rank else "", num_blocks, slot_bytes,
                  backend.name, msg.layout.get("desc", "") if isinstance(msg.layout.get("desc"), str) else "")
         return P.Registered(seq=msg.seq, engine_id=msg.engine_id, slot_bytes=slot_bytes, backend=backend.name)
 
@@ -779,6 +784,10 @@ class Daemon:
 
     def _store(self, conn: Conn, msg: P.Store) -> P.Message | None:
         eng, keys, ids = self._check_job(conn, msg)
+        if eng.table.rank != eng.rank:  # replicas: its run's first rank stores the one copy, the others read it
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"rank {eng.rank} of namespace {eng.namespace!r} reads the copy "
+                                f"rank {eng.table.rank} stores (replicas); it does not store", seq=msg.seq,
+                                job_id=msg.job_id)
         evicted = self.index.evictions
         plan = self.index.plan(eng.table, keys)
         want, slot_list, present, dropped = plan.want, plan.slots, plan.present, plan.dropped
