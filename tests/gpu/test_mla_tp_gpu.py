@@ -23,26 +23,34 @@ N = 200
 
 
 @pytest.fixture
-def daemon_address(tmp_path):
+def make_daemon(tmp_path):
+    """Start a real daemon on the CUDA backend (LRU: no admission refusals); returns its address."""
     from kvoffd_client.client import KvoffdClient
 
-    address, log = f"ipc://{tmp_path}/mla.sock", tmp_path / "daemon.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", "2GiB",
-                                 "--backend", "cuda", "--eviction-policy", "lru", "--metrics-address", "127.0.0.1:0"],
-                                stdout=subprocess.DEVNULL, stderr=f, cwd=ROOT)
-    c = KvoffdClient(address, heartbeat=False)
-    ok = c.connect(20)
-    c.close()
-    if not ok:
-        proc.kill()
-        pytest.fail("daemon did not come up:\n" + log.read_text()[-3000:])
-    yield address
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    procs: list[subprocess.Popen] = []
+
+    def start(pool: str) -> str:
+        address, log = f"ipc://{tmp_path}/mla{len(procs)}.sock", tmp_path / f"daemon{len(procs)}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", pool,
+                                     "--backend", "cuda", "--eviction-policy", "lru",
+                                     "--metrics-address", "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=f,
+                                    cwd=ROOT)
+        procs.append(proc)
+        c = KvoffdClient(address, heartbeat=False)
+        ok = c.connect(20)
+        c.close()
+        if not ok:
+            pytest.fail("daemon did not come up:\n" + log.read_text()[-3000:])
+        return address
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _mla_engine(address: str, rank: int, head_dim: int = 288):
@@ -64,7 +72,8 @@ def _jobs(eng, rank: int, *jobs: tuple, lease_id: int = 0) -> dict:
     return got["notices"]
 
 
-def test_mla_tp2_one_copy_in_the_daemon_both_ranks_load_it(daemon_address):
+def test_mla_tp2_one_copy_in_the_daemon_both_ranks_load_it(make_daemon):
+    daemon_address = make_daemon("2GiB")
     keys = [bytes(k) for k in np.random.default_rng(12).integers(0, 256, (N, 32), dtype=np.uint8)]
     src, dst = list(range(N)), list(range(256, 256 + N))
     r0, r1 = _mla_engine(daemon_address, 0), _mla_engine(daemon_address, 1)
@@ -96,3 +105,42 @@ def test_mla_tp2_one_copy_in_the_daemon_both_ranks_load_it(daemon_address):
     finally:
         for e in (r0, r1, other):
             e.close()
+
+
+def test_a_copy_rank_1_is_loading_is_not_evicted_by_rank_0s_stores(make_daemon):
+    """Rank 1's LOAD is gated on its own CUDA event (a ~3 s sleep kernel), so it holds its pin on the
+    shared copy while rank 0 fills the pool past capacity: the daemon evicts other blocks, never the
+    copy being read, and rank 1 gets it byte-exact once its gate opens."""
+    address = make_daemon("16MiB")  # 113 slots of 147,456 bytes
+    rng = np.random.default_rng(13)
+    a, c, d = ([bytes(k) for k in rng.integers(0, 256, (n, 32), dtype=np.uint8)] for n in (64, 120, 40))
+    r0, r1 = _mla_engine(address, 0), _mla_engine(address, 1)
+    try:
+        _register(r0, 0)
+        _register(r1, 1)
+        src, dst = list(range(64)), list(range(400, 464))
+        want = r0("digest", ids=src)
+        assert _jobs(r0, 0, ("store", 1, a, src, -1))[1][0]
+        gate = r1("record", sleep_cycles=6_000_000_000)
+        r1.send("jobs", engine_id="mla-r1-288", jobs=[("load", 2, a, dst, gate)], timeout=60.0)
+
+        def pinned() -> bool:
+            return all(e.get("pinned") for e in r0("client", method="explain", args=["gpu-mla", a]))
+
+        for _ in range(3000):  # the LOAD reached the daemon: its pins are taken before its gate opens
+            if pinned():
+                break
+        assert pinned(), "rank 1's LOAD never pinned the copy"
+        assert _jobs(r0, 0, ("store", 3, c, list(range(100, 220)), -1))[3][1] == "pool_full"
+        assert _jobs(r0, 0, ("store", 4, d, list(range(300, 340)), -1))[4][0]  # evicts 40 blocks of c
+        stats = r0("client", method="stats")
+        assert stats["counters"]["evicted_blocks"] == 40
+        assert pinned(), "the gate opened before the stores ran: the drill proved nothing (raise sleep_cycles)"
+        assert r0("client", method="lookup", args=["gpu-mla", a])["hits"] == 64  # none of the copy evicted
+        notices = r1.answer(timeout=120.0)["notices"]
+        assert notices[2][0], notices
+        r1("release", event=gate)
+        assert r1("digest", ids=dst) == want
+    finally:
+        r0.close()
+        r1.close()
