@@ -139,8 +139,11 @@ class KvoffdWorker:
                                        self.identity.world_size, self.memory, layout,
                                        timeout_s=self.s.connect_timeout_s if self.client.connected else 0.001,
                                        replicas=self.identity.replicas)
-            log.info("kvoffd: worker %s registered in namespace %s (%d blocks, %d bytes per block, %s)",
-                     self.engine_id, self.identity.namespace, self.num_blocks, reg.slot_bytes, reg.backend)
+            r, k = self.rank, self.identity.replicas
+            share = "" if k == 1 else (f"; stores one copy for ranks {r}-{r + k - 1}" if self.sends_stores
+                                       else f"; loads rank {r - r % k}'s copy, stores nothing")
+            log.info("kvoffd: worker %s registered in namespace %s (%d blocks, %d bytes per block, %s%s)",
+                     self.engine_id, self.identity.namespace, self.num_blocks, reg.slot_bytes, reg.backend, share)
         except DaemonUnavailable:
             pass  # the client registers when the daemon appears (it replays registrations)
         except KvoffdError as e:
