@@ -74,3 +74,35 @@ def test_adoption_keeps_only_records_that_check_out():
     assert index.lookup("m", b"".join(good)).n == 4
     index.check_table("m", 0, 1, (SLOT // 2, SLOT // 2))  # a re-registering engine of the same layout fits
     assert pool.used_bytes == 4 * SLOT and len(pool.alloc(SLOT, 64)) == 64 - 4  # the rest of the pool is free
+
+
+def test_a_replicated_namespace_is_adopted_with_its_replicas():
+    """REGISTER.replicas (MLA at TP > 1): one table per run of ranks, stored by its first rank. The
+    namespace table keeps ``replicas`` so the adopted namespace answers every rank and a re-registering
+    engine of the same replicas fits; a record naming a rank that does not store is not adopted."""
+    from kvoffd.cache.slots_table import NamespaceTable
+    from kvoffd.pool_format import NS_AREA_BYTES
+
+    table = NamespaceTable(memoryview(bytearray(2 * NS_AREA_BYTES)))
+    facts = NamespaceFacts("mla", 4, {0: RankFacts(SLOT, (SLOT,)), 2: RankFacts(SLOT, (SLOT,))}, replicas=2)
+    assert table.id_for(facts) == 1
+    assert table.id_for(NamespaceFacts("mla", 4, {0: RankFacts(SLOT, (SLOT,))})) == 2  # other replicas: another id
+    again = NamespaceTable(table.area)
+    again.load()
+    assert again.by_id[1] == facts and again.by_id[2].replicas == 1
+    rec = _records()
+    keys = chain_keys(3, b"mla")
+    for rank, base in ((0, 0), (2, CHUNK)):
+        idx = rec.index_of(np.array([base + i * SLOT for i in range(3)], dtype=np.int64), SLOT)
+        rec.seal(idx, 1, rank, b"".join(keys), np.full(3, 100.0), np.arange(3, dtype=np.int64), SLOT)
+    idx = rec.index_of(np.array([2 * CHUNK], dtype=np.int64), SLOT)
+    rec.seal(idx, 1, 1, keys[0], np.full(1, 100.0), np.zeros(1, dtype=np.int64), SLOT)  # rank 1 reads rank 0's
+    pool = Pool(4 * CHUNK, CHUNK)
+    index = Index(pool, "lru")
+    out = adopt_records(rec.scan(), {1: facts}, pool, index)
+    assert len(out.entries) == 6 and out.not_adopted == 1
+    ns = index.namespaces["mla"]
+    assert ns.replicas == 2 and sorted(ns.tables) == [0, 2]
+    hits = index.lookup("mla", b"".join(keys), with_entries=True)
+    assert hits.n == 3 and sorted(hits.by_rank) == [0, 1, 2, 3] and hits.by_rank[1] is hits.by_rank[0]
+    index.check_table("mla", 3, 4, (SLOT,), replicas=2)  # a re-registering rank of the same replicas fits

@@ -1,9 +1,9 @@
 """Adoption: the sealed records of a previous daemon's pool become the new daemon's pool and index.
 
 Nothing a record says is trusted beyond what can be checked here: its namespace must be in the
-namespace table with a rank, world size and slot size that agree with it; its slot must lie inside
-one chunk of the pool, on that slot size's grid; every record of a chunk must name one slot size;
-a key present twice in one table keeps its newest record. Whatever fails is not adopted (its
+namespace table with a rank (a storing rank, for replicas), world size and slot size that agree
+with it; its slot must lie inside one chunk of the pool, on that slot size's grid; every record of a
+chunk must name one slot size; a key present twice in one table keeps its newest record. Whatever fails is not adopted (its
 record is invalidated) and counted. The bytes themselves are checked later, against each record's
 crc32 (kvoffd/cache/persist.py).
 """
@@ -34,7 +34,7 @@ def _plausible(f: Found, ns: dict[int, NamespaceFacts], pool: Pool) -> tuple[np.
     why = ""
     for i, (n, r, sb) in enumerate(zip(f.ns_id.tolist(), f.rank.tolist(), f.slot_bytes.tolist(), strict=True)):
         facts = ns.get(n)
-        rf = facts.ranks.get(r) if facts is not None and r < facts.world_size else None
+        rf = facts.ranks.get(r) if facts is not None and r < facts.world_size and r % facts.replicas == 0 else None
         ok[i] = rf is not None and rf.slot_bytes == sb
         if not ok[i] and not why:
             why = "records of namespaces the table does not describe"
@@ -72,7 +72,8 @@ def adopt_records(f: Found, ns: dict[int, NamespaceFacts], pool: Pool, index: In
         facts = ns[n]
         try:
             for r, rf in sorted(facts.ranks.items()):
-                t = tables[(n, r)] = index.table(facts.name, r, facts.world_size, rf.slot_bytes, rf.layout)
+                t = tables[(n, r)] = index.table(facts.name, r, facts.world_size, rf.slot_bytes, rf.layout,
+                                                 facts.replicas)
                 out.table_ids[t] = n
         except ValueError:
             out.why = out.why or f"namespace {facts.name!r} described twice"

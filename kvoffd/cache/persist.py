@@ -275,7 +275,8 @@ class Persistence(IndexObserver):
             ns = self.index.namespaces.get(t.namespace)
             if ns is None or ns.tables.get(t.rank) is not t:
                 return None
-            facts = NamespaceFacts(t.namespace, ns.world_size, {t.rank: RankFacts(t.slot_bytes, ns.layouts[t.rank])})
+            facts = NamespaceFacts(t.namespace, ns.world_size, {t.rank: RankFacts(t.slot_bytes, ns.layouts[t.rank])},
+                                   ns.replicas)
             got = self.namespaces.id_for(facts)
             if got is not None:
                 self._ids[t] = got

@@ -156,7 +156,8 @@ class NamespaceFacts:
 
     name: str
     world_size: int
-    ranks: dict[int, RankFacts] = field(default_factory=dict)
+    ranks: dict[int, RankFacts] = field(default_factory=dict)  # storing ranks only (``replicas``)
+    replicas: int = 1  # REGISTER.replicas: runs of ranks sharing one copy, stored by the run's first rank
 
 
 class NamespaceTable:
@@ -184,7 +185,11 @@ class NamespaceTable:
             for item in doc["namespaces"]:
                 ranks = {int(r): RankFacts(int(f["slot_bytes"]), tuple(int(x) for x in f["layout"]))
                          for r, f in item["ranks"].items()}
-                self.by_id[int(item["id"])] = NamespaceFacts(str(item["name"]), int(item["world_size"]), ranks)
+                replicas = int(item.get("replicas", 1))
+                if replicas < 1:
+                    raise ValueError(f"replicas {replicas}")
+                self.by_id[int(item["id"])] = NamespaceFacts(str(item["name"]), int(item["world_size"]), ranks,
+                                                             replicas)
         except (ValueError, KeyError, TypeError) as e:
             log.warning("the pool's namespace table is damaged (%s); its blocks are not adopted", e)
             self.by_id.clear()
@@ -192,7 +197,7 @@ class NamespaceTable:
     def id_for(self, facts: NamespaceFacts) -> int | None:
         """The id of a namespace with exactly these facts, made (and saved) if new; None when full."""
         for i, f in self.by_id.items():
-            if f.name == facts.name and f.world_size == facts.world_size and all(
+            if f.name == facts.name and f.world_size == facts.world_size and f.replicas == facts.replicas and all(
                     f.ranks.get(r, rf) == rf for r, rf in facts.ranks.items()):
                 if any(r not in f.ranks for r in facts.ranks):
                     f.ranks.update(facts.ranks)
@@ -214,7 +219,7 @@ class NamespaceTable:
         self.save()
 
     def save(self) -> bool:
-        doc = {"namespaces": [{"id": i, "name": f.name, "world_size": f.world_size,
+        doc = {"namespaces": [{"id": i, "name": f.name, "world_size": f.world_size, "replicas": f.replicas,
                                "ranks": {str(r): {"slot_bytes": rf.slot_bytes, "layout": list(rf.layout)}
                                          for r, rf in f.ranks.items()}} for i, f in self.by_id.items()]}
         body = json.dumps(doc, separators=(",", ":")).encode()
