@@ -144,6 +144,11 @@ class IndexObserver(Protocol):
         bytes are still in place during the call and only then. ``e.ready`` tells a committed one.
         """
 
+    # Optional: ``cleared(namespace)``, called once a CLEAR has unlinked one namespace's entries
+    # (``namespace``) or every one ("") and freed the slots no job holds (``freeing`` came first for
+    # those; the others come when their jobs end). An event stream says "all cleared" once instead of
+    # a removal per block. Observers without it are not asked.
+
 
 class Index:
     """Pins are lazy with respect to the LRU: pinning is ``entry.pins += 1`` and nothing else (callers
@@ -609,6 +614,10 @@ class Index:
             self.evicted.clear()
             self.failed.clear()
         self.resident -= removed
+        for o in self.observers:
+            hook = getattr(o, "cleared", None)
+            if hook is not None:
+                hook(namespace)
         return removed
 
     def namespace_stats(self) -> list[dict]:

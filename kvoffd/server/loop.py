@@ -29,6 +29,8 @@ from kvoffd import __version__, sdnotify
 from kvoffd.cache.index import Entry, Index
 from kvoffd.cache.pool import MIN_SLOT_BYTES, Pool
 from kvoffd.config import Config
+from kvoffd.events.publisher import make_publisher
+from kvoffd.events.wire import parse_identity
 from kvoffd.metrics import Metrics
 from kvoffd.runtime import ensure_private_dir, load_or_create_token
 from kvoffd.server.fdbudget import HANDSHAKE_IVL_MS, LISTEN_BACKLOG, FdBudget, ListenerGuard, open_listener
@@ -131,6 +133,7 @@ class Daemon:
         self._version_warned = -VERSION_WARN_EVERY_S  # monotonic time of the last version WARNING
         self._version_refused = 0  # HELLOs of another version refused since that WARNING
         self.metrics = Metrics(__version__, self._live_state)
+        self.kv_events = make_publisher(cfg, self.metrics, self.index)  # --kv-events-address (None: off)
         self.ready = asyncio.Event()
         self._stopping = asyncio.Event()
         self._ctx = zmq.Context.instance()
@@ -191,6 +194,8 @@ class Daemon:
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if "cpu_fd" in self.by_kind:
             self._bind_fd_socket()
+        if self.kv_events is not None:
+            self.kv_events.bind()
         return self.bound_address
 
     def _bind_fd_socket(self) -> None:
@@ -242,6 +247,8 @@ class Daemon:
             b.start()
         if self.fd_handover is not None:
             self.fd_handover.start(loop)
+        if self.kv_events is not None:
+            self.kv_events.start()
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain)
         self._guard = ListenerGuard(self._ctx, self.sock, self._listener, self._zmq_fd, self.fds)
@@ -281,6 +288,8 @@ class Daemon:
             b.close()
         if self.fd_handover is not None:
             self.fd_handover.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.sock is not None:
             self.sock.close(0)
             if self._listener is not None:
@@ -480,6 +489,7 @@ class Daemon:
         if msg.rank >= msg.world_size:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"rank {msg.rank} is not below world_size {msg.world_size}")
         num_blocks, segments = P.parse_layout(msg.layout)
+        event_identity = parse_identity(msg.layout)  # whether its keys are block hashes (KV events)
         kind = msg.memory.get("kind")
         backend = self.by_kind.get(kind) if type(kind) is str else None
         if backend is None:
@@ -528,6 +538,8 @@ class Daemon:
         except ProtocolError:
             await loop.run_in_executor(None, backend.detach, mapped)
             raise
+        if self.kv_events is not None:
+            self.kv_events.set_identity(msg.namespace, event_identity)
         if old is not None:  # a re-registration replaces the engine only now that the new one works
             self._drop_engine(old, "replaced")
         eng = Engine(engine_id=msg.engine_id, conn=conn, namespace=msg.namespace, rank=msg.rank,
@@ -1019,7 +1031,8 @@ class Daemon:
                        "protocol": P.PROTOCOL_VERSION, "uptime_s": round(time.time() - self.started, 3),
                        "address": self.bound_address, "metrics_address": self.metrics_address,
                        "backends": [b.describe() for b in self.backends], "fds": self.fds.describe(),
-                       "listening": not (self._guard and self._guard.paused)},
+                       "listening": not (self._guard and self._guard.paused),
+                       "kv_events": self.kv_events.describe() if self.kv_events is not None else None},
             "pool": {**self.pool.stats(), "base_address": self.pool.base_address},
             "verify": self.cfg.verify,
             "eviction_policy": self.cfg.eviction_policy,

@@ -1,0 +1,293 @@
+"""The KV-event publisher: an index observer that tells routers what this node's pool holds.
+
+It speaks vLLM's ZmqEventPublisher protocol, so a router that consumes vLLM's KV events needs only a
+second endpoint:
+
+* a PUB socket sends ``[topic, seq, payload]``: ``seq`` an 8-byte big-endian batch number from 0,
+  ``payload`` a msgpack EventBatch (kvoffd/events/wire.py);
+* a ROUTER socket answers a replay request ``[b"", start_seq]`` (8 bytes, big-endian) with every
+  buffered batch from ``start_seq`` on, each as ``[b"", topic, seq, payload]``, then the end marker
+  ``[b"", b"", -1 as 8 signed bytes, b""]``: a subscriber that joined late or saw a gap catches up.
+
+Why it is shaped like this:
+
+* The index calls ``committed``/``freeing`` on the loop thread inside its own callbacks; they only
+  append the keys to a list (no encoding, no syscall). One flush per loop turn (``call_soon``)
+  turns the turn's events into one batch and hands it to the publisher thread through a bounded
+  queue. When the thread is behind, the batch is dropped and counted
+  (``kvoffd_kv_events_dropped_total``): the loop never waits for a router.
+* A slow subscriber never slows the daemon or the other subscribers: PUB drops what exceeds its
+  per-subscriber high-water mark; that subscriber sees a gap in ``seq`` and asks the replay socket.
+* Only rank 0's table of a namespace is published: a block serves a lookup only once every rank
+  holds it, and one event per block (not one per rank) is what a router counts.
+* A namespace is published only if its engines said, at REGISTER, that their keys are their block
+  hashes (``layout["kv_events"]``); the daemon cannot turn any other key back into a hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from kvoffd.events.wire import (
+    LOCALITY,
+    MEDIUM_CPU,
+    OWNERSHIP,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventIdentity,
+    external_hashes,
+)
+
+if TYPE_CHECKING:
+    from kvoffd.cache.index import Entry, Index
+    from kvoffd.config import Config
+    from kvoffd.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+QUEUE_BATCHES = 1024  # batches waiting for the publisher thread; beyond, a batch is dropped and counted
+REPLAY_BATCHES = 10_000  # batches kept for replay (vLLM's default buffer_steps)
+PUB_HWM = 100_000  # messages queued per subscriber before ZeroMQ drops for it (vLLM's default)
+MAX_NAMESPACES = 4096  # namespaces whose event identity is remembered (oldest forgotten first)
+_IDLE_S = 0.05  # the thread looks at the replay socket at least this often
+
+
+class EventKind(enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One event to be: built on the loop without encoding; the thread makes the wire event."""
+
+    kind: EventKind
+    identity: EventIdentity | None = None
+    keys: list[bytes] = field(default_factory=list)
+    medium: str = MEDIUM_CPU
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    publish: str
+    replay: str
+    topic: str = ""
+
+
+def replay_endpoint_for(endpoint: str) -> str:
+    """The default replay endpoint: the next tcp port (port 0: any free one), or ``<path>.replay``."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[6:].rpartition(":")
+        return f"tcp://{host}:{int(port) + 1 if int(port) else 0}"
+    return endpoint + ".replay"
+
+
+class KvEventPublisher:
+    """An ``IndexObserver`` (kvoffd/cache/index.py) that publishes vLLM KV events; see the module doc."""
+
+    def __init__(self, endpoints: Endpoints, metrics: Metrics, queue_batches: int = QUEUE_BATCHES,
+                 replay_batches: int = REPLAY_BATCHES):
+        self.endpoints = endpoints
+        self.metrics = metrics
+        self.bound = Endpoints("", "", endpoints.topic)
+        self._topic = endpoints.topic.encode()
+        self._identities: OrderedDict[str, EventIdentity] = OrderedDict()
+        self._pending: list[_Pending] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: queue.Queue[list[_Pending] | None] = queue.Queue(maxsize=queue_batches)
+        self._replay_buf: deque[tuple[int, bytes]] = deque(maxlen=replay_batches)
+        self._ctx = zmq.Context()
+        self._pub: zmq.Socket | None = None
+        self._replay: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._bad_replays = 0
+
+    # --- life ---------------------------------------------------------------------------------------
+    def bind(self) -> Endpoints:
+        """Bind both sockets (on the caller's thread; the publisher thread owns them from ``start``).
+        Raises OSError with the endpoint named, as the daemon's own bind does."""
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+            self._pub.bind(self.endpoints.publish)
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.SNDHWM, self._replay_buf.maxlen + 16)  # a whole replay fits
+            self._replay.setsockopt(zmq.RCVHWM, 64)
+            self._replay.bind(self.endpoints.replay)
+        except zmq.ZMQError as e:
+            self.close()
+            raise OSError(f"cannot bind the KV-event sockets ({self.endpoints.publish}, "
+                          f"{self.endpoints.replay}): {e}") from None
+        self.bound = Endpoints(self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
+                               self._replay.getsockopt_string(zmq.LAST_ENDPOINT), self.endpoints.topic)
+        return self.bound
+
+    def start(self) -> None:
+        if self._pub is None:
+            self.bind()
+        self._thread = threading.Thread(target=self._run, name="kvoffd-kv-events", daemon=True)
+        self._thread.start()
+        log.info("KV events on %s (replay %s%s)", self.bound.publish, self.bound.replay,
+                 f", topic {self.bound.topic!r}" if self.bound.topic else "")
+
+    def close(self) -> None:
+        """Send what is queued (the thread drains its queue first), then close the sockets."""
+        if self._thread is not None:
+            self._flush()
+            self._queue.put(None)
+            self._thread.join(5)
+            self._thread = None
+        for s in (self._pub, self._replay):
+            if s is not None:
+                s.close(0)
+        self._pub = self._replay = None
+        if not self._ctx.closed:
+            self._ctx.term()
+
+    def describe(self) -> dict[str, object]:
+        m = self.metrics
+        return {"endpoint": self.bound.publish, "replay_endpoint": self.bound.replay, "topic": self.bound.topic,
+                "namespaces": len(self._identities), "published": int(m.kv_events_published._value.get()),
+                "dropped": int(m.kv_events_dropped._value.get())}
+
+    # --- what the server tells it ------------------------------------------------------------------
+    def set_identity(self, namespace: str, identity: EventIdentity | None) -> None:
+        """An engine registered in ``namespace``; ``identity`` None: its keys are not block hashes."""
+        if identity is None:
+            self._identities.pop(namespace, None)
+            return
+        self._identities[namespace] = identity
+        self._identities.move_to_end(namespace)
+        while len(self._identities) > MAX_NAMESPACES:
+            self._identities.popitem(last=False)
+
+    # --- IndexObserver ------------------------------------------------------------------------------
+    def committed(self, entries: Sequence[Entry]) -> None:
+        t = entries[0].table  # a commit is one table's
+        ident = self._identities.get(t.namespace) if t.rank == 0 else None
+        if ident is not None:
+            self._add(_Pending(EventKind.STORED, ident, [e.key for e in entries]))
+
+    def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+        by_ns: dict[str, list[bytes]] = {}
+        for e in entries:
+            if e.ready and e.table.rank == 0:
+                by_ns.setdefault(e.table.namespace, []).append(e.key)
+        for ns, keys in by_ns.items():
+            ident = self._identities.get(ns)
+            if ident is not None:
+                self._add(_Pending(EventKind.REMOVED, ident, keys))
+
+    def cleared(self, namespace: str) -> None:
+        """CLEAR of every namespace: one AllBlocksCleared instead of a removal per block (the turn's
+        pending events describe blocks that are gone too). One namespace's CLEAR is its removals."""
+        if not namespace:
+            self._pending.clear()
+            self._add(_Pending(EventKind.CLEARED))
+
+    def _add(self, p: _Pending) -> None:
+        if not self._pending:
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            self._loop.call_soon(self._flush)
+        self._pending.append(p)
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if not batch or self._thread is None:
+            return
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            self.metrics.kv_events_dropped.inc(len(batch))
+
+    # --- the publisher thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        enc = msgspec.msgpack.Encoder()
+        seq = 0
+        while True:
+            try:
+                batch = self._queue.get(timeout=_IDLE_S)
+            except queue.Empty:
+                batch = []
+            if batch is None:
+                return
+            if batch:
+                try:
+                    self._send(enc, seq, batch)
+                    seq += 1
+                except Exception:  # never let one bad batch stop the stream
+                    log.exception("KV events: a batch could not be published")
+                    self.metrics.kv_events_dropped.inc(len(batch))
+            try:
+                while self._replay.poll(0):
+                    self._serve_replay()
+            except Exception:
+                log.exception("KV events: a replay request failed")
+
+    def _send(self, enc: msgspec.msgpack.Encoder, seq: int, batch: list[_Pending]) -> None:
+        events = [_wire(p) for p in batch]
+        payload = enc.encode(EventBatch(ts=time.time(), events=events))
+        seq_bytes = seq.to_bytes(8, "big")
+        try:
+            self._pub.send_multipart((self._topic, seq_bytes, payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # PUB drops per subscriber itself; a subscriber that misses it replays
+        self._replay_buf.append((seq, payload))
+        self.metrics.kv_events_published.inc(len(events))
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart(zmq.NOBLOCK)
+        if len(frames) != 3 or len(frames[2]) != 8:
+            self._bad_replays += 1
+            if self._bad_replays in (1, 10, 100) or self._bad_replays % 1000 == 0:
+                log.warning("KV events: ignoring a malformed replay request (%d frames; %d so far)",
+                            len(frames), self._bad_replays)
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in list(self._replay_buf):
+            if seq >= start_seq:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload),
+                                            flags=zmq.NOBLOCK)
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+
+
+def _wire(p: _Pending) -> BlockStored | BlockRemoved | AllBlocksCleared:
+    if p.kind is EventKind.CLEARED:
+        return AllBlocksCleared()
+    hashes = external_hashes(p.keys, p.identity.hash_form)
+    if p.kind is EventKind.STORED:
+        return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                           block_size=p.identity.block_size, lora_id=None, medium=p.medium, lora_name=None,
+                           group_idx=p.identity.group_idx, locality=LOCALITY, ownership=OWNERSHIP)
+    return BlockRemoved(block_hashes=hashes, medium=p.medium, group_idx=p.identity.group_idx, locality=LOCALITY,
+                        ownership=OWNERSHIP)
+
+
+def make_publisher(cfg: Config, metrics: Metrics, index: Index) -> KvEventPublisher | None:
+    """The publisher ``--kv-events-address`` asks for (None when off), watching ``index``."""
+    if not cfg.kv_events_address:
+        return None
+    replay = cfg.kv_events_replay_address or replay_endpoint_for(cfg.kv_events_address)
+    pub = KvEventPublisher(Endpoints(cfg.kv_events_address, replay, cfg.kv_events_topic), metrics)
+    index.observers.append(pub)
+    return pub
