@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvoffd_client.client import DaemonUnavailable, KvoffdClient, KvoffdError
 from kvoffd_client.protocol import Notice
 from kvoffd_client.vllm.common import KvoffdMetadata, KvoffdStats, KvoffdWorkerMeta, Settings, log
+from kvoffd_client.vllm.events import kv_events_layout
 from kvoffd_client.vllm.identity import CacheIdentity
 
 if TYPE_CHECKING:
@@ -129,6 +130,7 @@ class KvoffdWorker:
             self._shutdown_client()
             return
         layout["desc"] = f"{self.identity.fields.get('layout')} {layout.get('desc', '')}"[:200]
+        layout.update(kv_events_layout(self.identity))  # whether the daemon may publish KV events
         self._registered = True
         try:
             reg = self.client.register(self.engine_id, self.identity.namespace, self.rank,
