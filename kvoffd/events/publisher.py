@@ -15,7 +15,8 @@ Why it is shaped like this:
   append the keys to a list (no encoding, no syscall). One flush per loop turn (``call_soon``)
   turns the turn's events into one batch and hands it to the publisher thread through a bounded
   queue. When the thread is behind, the batch is dropped and counted
-  (``kvoffd_kv_events_dropped_total``): the loop never waits for a router.
+  (``kvoffd_kv_events_dropped_total``): the loop never waits for a router. Batches are numbered on
+  the loop, so a dropped one leaves a gap in ``seq`` that no replay fills: a subscriber can tell.
 * A slow subscriber never slows the daemon or the other subscribers: PUB drops what exceeds its
   per-subscriber high-water mark; that subscriber sees a gap in ``seq`` and asks the replay socket.
 * Only rank 0's table of a namespace is published: a block serves a lookup only once every rank
@@ -110,7 +111,8 @@ class KvEventPublisher:
         self._identities: OrderedDict[str, EventIdentity] = OrderedDict()
         self._pending: list[_Pending] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: queue.Queue[list[_Pending] | None] = queue.Queue(maxsize=queue_batches)
+        self._queue: queue.Queue[tuple[int, list[_Pending]] | None] = queue.Queue(maxsize=queue_batches)
+        self._next_seq = 0  # numbered on the loop: a dropped batch leaves a gap subscribers can see
         self._replay_buf: deque[tuple[int, bytes]] = deque(maxlen=replay_batches)
         self._ctx = zmq.Context()
         self._pub: zmq.Socket | None = None
@@ -214,26 +216,26 @@ class KvEventPublisher:
         batch, self._pending = self._pending, []
         if not batch or self._thread is None:
             return
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
         try:
-            self._queue.put_nowait(batch)
+            self._queue.put_nowait((seq, batch))
         except queue.Full:
             self.metrics.kv_events_dropped.inc(len(batch))
 
     # --- the publisher thread -----------------------------------------------------------------------
     def _run(self) -> None:
         enc = msgspec.msgpack.Encoder()
-        seq = 0
         while True:
             try:
-                batch = self._queue.get(timeout=_IDLE_S)
+                item = self._queue.get(timeout=_IDLE_S)
             except queue.Empty:
-                batch = []
-            if batch is None:
+                item = (0, [])
+            if item is None:
                 return
+            seq, batch = item
             if batch:
                 try:
                     self._send(enc, seq, batch)
-                    seq += 1
                 except Exception:  # never let one bad batch stop the stream
                     log.exception("KV events: a batch could not be published")
                     self.metrics.kv_events_dropped.inc(len(batch))
