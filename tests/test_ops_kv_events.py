@@ -169,3 +169,37 @@ def test_kv_events_config():
                         "tcp://127.0.0.1:5557"], "must differ")):
         with pytest.raises(ConfigError, match=why):
             load_config(argv, environ={})
+
+
+def test_malformed_replay_requests_are_ignored_and_the_stream_goes_on(make_daemon):
+    """Any local process may connect: bad requests (wrong sizes, extra frames, a 1 MiB frame) are
+    dropped with a rate-limited warning, and a good request is still answered."""
+    import zmq
+
+    d, ev = _start(make_daemon)
+    eng = ShmEngine(4, 4096, tag="replay-bad")
+    ctx = zmq.Context()
+    bad = ctx.socket(zmq.DEALER)
+    bad.setsockopt(zmq.LINGER, 0)
+    bad.connect(ev["replay_endpoint"])
+    sub = EventSubscriber(ev["endpoint"], ev["replay_endpoint"])
+    try:
+        for frames in ([b"", b"xx"], [b"", b"12345678", b"extra"], [b"", b"x" * MiB], [b"only-one"]):
+            bad.send_multipart(frames)
+        c = d.client(job_deadline_s=30.0)
+        c.register("rb-0", "rbns", 0, 1, eng.memory, {**eng.layout, "kv_events": {"hash": "bytes", "block_size": 16}})
+        keys = chain_keys(4, b"replay-bad")
+        _store(c, eng, "rb-0", 1, keys)
+        assert sub.wait_for(lambda s: _resident(s.events()) == set(keys))
+        late = EventSubscriber(ev["endpoint"], ev["replay_endpoint"])  # replay still answers
+        try:
+            assert late.catch_up() == len(sub.batches) == 1
+        finally:
+            late.close()
+        assert "ignoring a malformed replay request" in d.log()
+        assert c.ping() >= 0
+    finally:
+        bad.close(0)
+        ctx.term()
+        sub.close()
+        eng.close()

@@ -65,6 +65,7 @@ QUEUE_BATCHES = 1024  # batches waiting for the publisher thread; beyond, a batc
 REPLAY_BATCHES = 10_000  # batches kept for replay (vLLM's default buffer_steps)
 PUB_HWM = 100_000  # messages queued per subscriber before ZeroMQ drops for it (vLLM's default)
 MAX_NAMESPACES = 4096  # namespaces whose event identity is remembered (oldest forgotten first)
+MAX_INBOUND = 4096  # bytes of any frame a subscriber sends (a bigger one drops its connection)
 _IDLE_S = 0.05  # the thread looks at the replay socket at least this often
 
 
@@ -128,11 +129,13 @@ class KvEventPublisher:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+            self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND)  # subscriptions: a topic, never more
             self._pub.bind(self.endpoints.publish)
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.setsockopt(zmq.SNDHWM, self._replay_buf.maxlen + 16)  # a whole replay fits
             self._replay.setsockopt(zmq.RCVHWM, 64)
+            self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND)  # a request is 8 bytes
             self._replay.bind(self.endpoints.replay)
         except zmq.ZMQError as e:
             self.close()
