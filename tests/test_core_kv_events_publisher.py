@@ -17,7 +17,7 @@ from kvevents_sub import EventSubscriber
 from kvoffd.cache.index import Index
 from kvoffd.cache.pool import Pool
 from kvoffd.events.publisher import Endpoints, KvEventPublisher
-from kvoffd.events.wire import EventIdentity, HashForm
+from kvoffd.events.wire import MEDIUM_DISK, EventIdentity, HashForm
 from kvoffd.metrics import Metrics
 
 SLOT = 4096
@@ -76,6 +76,40 @@ def test_a_publisher_behind_drops_and_counts_and_the_loop_never_waits():
         seqs = sorted(sub.batches)
         assert len(seqs) == sent and seqs[-1] < 6 and seqs != list(range(6)), seqs  # the gap shows
         assert [sub.batches[s][1][0]["block_hashes"] for s in seqs] == [[_key(s)] for s in seqs]
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_another_tier_publishes_under_its_own_medium():
+    """The seam a disk tier uses: its blocks are published like the pool's, with medium "DISK",
+    in the same numbered stream; a namespace without an event identity publishes nothing."""
+    metrics = Metrics("test", _no_state)
+    index = Index(Pool(64 * SLOT, chunk_bytes=64 * SLOT), "lru")
+    pub = KvEventPublisher(Endpoints("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"), metrics)
+    pub.bind()
+    pub.start()
+    index.observers.append(pub)
+    pub.set_identity("pub", EventIdentity(HashForm.INT64, 16))
+
+    async def turns() -> None:
+        _store(index, [_key(1), _key(2)])
+        await asyncio.sleep(0)
+        pub.tier_changed(MEDIUM_DISK, "pub", stored=[_key(1)], removed=[])
+        pub.tier_changed(MEDIUM_DISK, "unknown-namespace", stored=[_key(3)], removed=[])
+        await asyncio.sleep(0)
+        pub.tier_changed(MEDIUM_DISK, "pub", stored=[], removed=[_key(1)])
+        await asyncio.sleep(0)
+
+    asyncio.run(turns())
+    published = metrics.kv_events_published
+    assert _wait(lambda: published._value.get() == 3)
+    sub = EventSubscriber(pub.bound.publish, pub.bound.replay)
+    try:
+        assert sub.catch_up() == 3
+        low = [int.from_bytes(_key(i)[-8:], "big") for i in (1, 2)]
+        got = [(e["type"], e["medium"], e["block_hashes"]) for e in sub.events()]
+        assert got == [("BlockStored", "CPU", low), ("BlockStored", "DISK", low[:1]), ("BlockRemoved", "DISK", low[:1])]
     finally:
         sub.close()
         pub.close()

@@ -184,6 +184,18 @@ class KvEventPublisher:
         while len(self._identities) > MAX_NAMESPACES:
             self._identities.popitem(last=False)
 
+    def tier_changed(self, medium: str, namespace: str, stored: list[bytes], removed: list[bytes]) -> None:
+        """Another tier (a disk tier: ``MEDIUM_DISK``) now holds ``stored`` and no longer ``removed``,
+        rank 0's keys of ``namespace``; published like the pool's own, under its ``medium``. Loop
+        thread only, like the observer calls."""
+        ident = self._identities.get(namespace)
+        if ident is None:
+            return
+        if stored:
+            self._add(_Pending(EventKind.STORED, ident, list(stored), medium))
+        if removed:
+            self._add(_Pending(EventKind.REMOVED, ident, list(removed), medium))
+
     # --- IndexObserver ------------------------------------------------------------------------------
     def committed(self, entries: Sequence[Entry]) -> None:
         t = entries[0].table  # a commit is one table's
