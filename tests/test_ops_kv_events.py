@@ -203,3 +203,38 @@ def test_malformed_replay_requests_are_ignored_and_the_stream_goes_on(make_daemo
         ctx.term()
         sub.close()
         eng.close()
+
+
+def test_described_blocks_carry_their_tokens_and_parents(make_daemon):
+    """What the connector sends a daemon whose HELLO_OK lists `kv_events`: each block's tokens and the
+    key before it. Each such block is its own BlockStored, with its tokens and its parent's hash, as
+    routers that index tokens (llm-d, Dynamo) need; sizes that do not fit are refused."""
+    from kvoffd_client.vllm.events import NO_PARENT, block_tokens
+
+    d, _ = _start(make_daemon)
+    ev = d.client().stats()["daemon"]["kv_events"]
+    eng = ShmEngine(8, 4096, tag="described")
+    sub = EventSubscriber(ev["endpoint"], ev["replay_endpoint"])
+    try:
+        c = d.client(job_deadline_s=30.0)
+        assert "kv_events" in c.hello.capabilities
+        c.register("ds-0", "dsns", 0, 1, eng.memory, {**eng.layout, "kv_events": {"hash": "int64", "block_size": 4}})
+        keys = chain_keys(3, b"described")
+        toks = [[7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17, 18]]
+        tokens = b"".join(block_tokens(t, 0, 4) for t in toks)
+        parents = NO_PARENT + keys[0] + keys[1]
+        eng.fill(range(3), keys)
+        for job, (tk, pa) in enumerate(((tokens[:-4], parents), (tokens, parents[:-1])), start=1):
+            c.submit_store("ds-0", job, keys, [0, 1, 2], tokens=tk, parents=pa)
+            (n,) = c.wait_notices({job}, 30)
+            assert not n.ok and n.code == "bad_field" and "describes its blocks" in n.message, n
+        c.submit_store("ds-0", 3, keys, [0, 1, 2], tokens=tokens, parents=parents)
+        (n,) = c.wait_notices({3}, 30)
+        assert n.ok, n
+        low = [int.from_bytes(k[-8:], "big") for k in keys]
+        assert sub.wait_for(lambda s: len(s.events()) == 3)
+        got = [(e["block_hashes"], e["parent_block_hash"], e["token_ids"], e["block_size"]) for e in sub.events()]
+        assert got == [([low[0]], None, toks[0], 4), ([low[1]], low[0], toks[1], 4), ([low[2]], low[1], toks[2], 4)]
+    finally:
+        sub.close()
+        eng.close()

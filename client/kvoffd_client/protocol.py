@@ -311,7 +311,15 @@ class _Job(Message):
 
 
 class Store(_Job, tag="store"):
-    """Copy engine blocks ``block_ids[i]`` into the pool under ``keys[i]``."""
+    """Copy engine blocks ``block_ids[i]`` into the pool under ``keys[i]``.
+
+    ``tokens`` and ``parents`` (optional, only to a daemon whose HELLO_OK lists the ``kv_events``
+    capability) describe the blocks for KV events: each block's token ids (little-endian uint32,
+    the namespace's block size per key) and the key of the block before it (32 zero bytes: none).
+    """
+
+    tokens: bytes = b""
+    parents: bytes = b""
 
 
 class Load(_Job, tag="load"):

