@@ -29,8 +29,9 @@ def _key(i: int) -> bytes:
 
 def _store(index: Index, keys: list[bytes]) -> None:
     t = index.table("pub", 0, 1, SLOT, (SLOT,))
-    p = index.plan(t, keys)
-    index.commit(index.add_pending(t, keys, p.want, p.slots))
+    plan = index.prepare_store(t, keys)
+    index.add_pending(plan)
+    index.complete_store(plan, True)
 
 
 def _wait(pred, timeout_s: float = 30.0) -> bool:

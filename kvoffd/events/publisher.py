@@ -11,8 +11,9 @@ second endpoint:
 
 Why it is shaped like this:
 
-* The index calls ``committed``/``freeing`` on the loop thread inside its own callbacks; they only
-  append the keys to a list (no encoding, no syscall). One flush per loop turn (``call_soon``)
+* It is an ``IndexObserver`` (kvoffd/cache/index.py): the index calls ``committed``/``freeing`` on
+  the loop thread inside its own callbacks; they only append the keys to a list (no encoding, no
+  syscall). One flush per loop turn (``call_soon``)
   turns the turn's events into one batch and hands it to the publisher thread through a bounded
   queue. When the thread is behind, the batch is dropped and counted
   (``kvoffd_kv_events_dropped_total``): the loop never waits for a router. Batches are numbered on
@@ -22,7 +23,10 @@ Why it is shaped like this:
 * Only rank 0's table of a namespace is published: a block serves a lookup only once every rank
   holds it, and one event per block (not one per rank) is what a router counts.
 * A namespace is published only if its engines said, at REGISTER, that their keys are their block
-  hashes (``layout["kv_events"]``); the daemon cannot turn any other key back into a hash.
+  hashes (``layout.kv_events``); the daemon cannot turn any other key back into a hash.
+* A CLEAR of one namespace is its removals (``freeing``); a CLEAR of every namespace is one
+  ``AllBlocksCleared`` (``all_cleared``, told by the CLEAR handler: the index's ``cleared`` moment
+  names one namespace at a time, and a router needs "everything" once, not a removal per block).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from kvoffd.cache.index import IndexObserver
 from kvoffd.events.wire import (
     LOCALITY,
     MEDIUM_CPU,
@@ -107,8 +112,9 @@ def replay_endpoint_for(endpoint: str) -> str:
     return endpoint + ".replay"
 
 
-class KvEventPublisher:
-    """An ``IndexObserver`` (kvoffd/cache/index.py) that publishes vLLM KV events; see the module doc."""
+class KvEventPublisher(IndexObserver):
+    """An index observer that publishes vLLM KV events; see the module doc. Of the index's moments it
+    needs ``committed`` (BlockStored) and ``freeing`` (BlockRemoved); the others stay no-ops."""
 
     def __init__(self, endpoints: Endpoints, metrics: Metrics, queue_batches: int = QUEUE_BATCHES,
                  replay_batches: int = REPLAY_BATCHES):
@@ -257,12 +263,13 @@ class KvEventPublisher:
             if ident is not None:
                 self._add(_Pending(EventKind.REMOVED, ident, keys))
 
-    def cleared(self, namespace: str) -> None:
-        """CLEAR of every namespace: one AllBlocksCleared instead of a removal per block (the turn's
-        pending events describe blocks that are gone too). One namespace's CLEAR is its removals."""
-        if not namespace:
-            self._pending.clear()
-            self._add(_Pending(EventKind.CLEARED))
+    # --- what the CLEAR handler tells it ----------------------------------------------------------
+    def all_cleared(self) -> None:
+        """A CLEAR of every namespace is done: one AllBlocksCleared instead of a removal per block (the
+        turn's pending events, the removals its ``freeing`` calls just added included, describe blocks
+        that are gone too). One namespace's CLEAR is its removals: nothing to do here."""
+        self._pending.clear()
+        self._add(_Pending(EventKind.CLEARED))
 
     def _add(self, p: _Pending) -> None:
         if not self._pending:

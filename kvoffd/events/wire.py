@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Union
 
 import msgspec
 
-from kvoffd_client.protocol import KEY_SIZE, ErrorCode, ProtocolError
+from kvoffd_client.protocol import KEY_SIZE, KvEventsLayout
 
 #: ``medium`` of the blocks in the DRAM pool (vLLM's MEDIUM_CPU); a disk tier says MEDIUM_DISK.
 MEDIUM_CPU = "CPU"
@@ -75,7 +75,7 @@ class HashForm(str, enum.Enum):
 
 @dataclass(frozen=True)
 class EventIdentity:
-    """What REGISTER's ``layout["kv_events"]`` says about a namespace's keys: that each key *is* the
+    """What REGISTER's ``layout.kv_events`` says about a namespace's keys: that each key *is* the
     engine's block hash (so the daemon can show it), in which form, and a block's tokens."""
 
     hash_form: HashForm
@@ -83,21 +83,12 @@ class EventIdentity:
     group_idx: int = 0
 
 
-def parse_identity(layout: dict[str, Any]) -> EventIdentity | None:
-    """REGISTER's optional ``layout["kv_events"]``: ``{"hash": "int64"|"bytes", "block_size": N}``.
+def parse_identity(layout: KvEventsLayout | None) -> EventIdentity | None:
+    """REGISTER's optional ``layout.kv_events`` (typed and checked by the decoder: ``KvEventsLayout``).
     Absent: this namespace's keys are not its block hashes, and the daemon publishes nothing for it."""
-    raw = layout.get("kv_events")
-    if raw is None:
+    if layout is None:
         return None
-    if type(raw) is not dict:
-        raise ProtocolError(ErrorCode.BAD_FIELD, "layout.kv_events must be a map {hash, block_size}")
-    form, size = raw.get("hash"), raw.get("block_size")
-    if form not in (HashForm.INT64.value, HashForm.BYTES.value):
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"layout.kv_events.hash must be 'int64' or 'bytes', got {form!r:.40}")
-    if type(size) is not int or not 1 <= size <= 1 << 20:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"layout.kv_events.block_size must be an integer in [1, "
-                            f"{1 << 20}], got {size!r:.40}")
-    return EventIdentity(HashForm(form), size)
+    return EventIdentity(HashForm(layout.hash), layout.block_size)
 
 
 def external_hashes(keys: list[bytes], form: HashForm) -> list[ExternalHash]:
