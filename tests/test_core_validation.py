@@ -82,6 +82,14 @@ def test_version_mismatch_is_a_clear_error(raw):
                     "layout": {"num_blocks": 4, "segments": [[0, 4096, 4096]]}}), "bad_field"),
     (msgpack.packb({"op": "register", "seq": 4, "engine_id": "e", "namespace": "n", "rank": 3, "world_size": 2,
                     "memory": {}, "layout": {}}), "bad_field"),
+    (msgpack.packb({"op": "register", "seq": 4, "engine_id": "e", "namespace": "n", "rank": 0, "world_size": 2,
+                    "replicas": 0,  # else memory_unreachable (unknown token)
+                    "memory": {"kind": "cpu_fd", "token": "0" * 32, "size": 64},
+                    "layout": {"num_blocks": 4, "segments": [[0, 4096, 4096]]}}), "bad_field"),
+    (msgpack.packb({"op": "register", "seq": 4, "engine_id": "e", "namespace": "n", "rank": 0, "world_size": 2,
+                    "replicas": 3,  # else memory_unreachable (unknown token)
+                    "memory": {"kind": "cpu_fd", "token": "0" * 32, "size": 64},
+                    "layout": {"num_blocks": 4, "segments": [[0, 4096, 4096]]}}), "bad_field"),
     # maps nested 100k deep: msgspec raises RecursionError, which must be an ordinary refusal
     (b"\x81\xa1a" * 100_000 + b"\xc0", "bad_frame"),
 ])

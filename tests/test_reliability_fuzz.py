@@ -134,7 +134,7 @@ def register_frame(draw) -> dict[str, Any]:
             "engine_id": draw(st.sampled_from([FOREIGN, "fz-new", ""]) | st.text(max_size=8)),
             "namespace": draw(st.sampled_from(["fz", "fz-victim", "fz-reg"]) | scalars),
             "rank": draw(st.integers(0, 3)), "world_size": draw(st.integers(1, 3) | ints),
-            "memory": mem, "layout": layout}
+            "replicas": draw(st.integers(0, 4) | ints), "memory": mem, "layout": layout}
 
 
 def _pack(d: dict[str, Any]) -> bytes:

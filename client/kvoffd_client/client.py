@@ -337,10 +337,10 @@ class KvoffdClient:
     # --- engine registration ------------------------------------------------------------------------
 
     def register(self, engine_id: str, namespace: str, rank: int, world_size: int, memory: dict[str, Any],
-                 layout: dict[str, Any], timeout_s: float | None = None) -> P.Registered:
+                 layout: dict[str, Any], timeout_s: float | None = None, replicas: int = 1) -> P.Registered:
         """Register (and remember, to register again after a daemon restart)."""
         msg = P.Register(engine_id=engine_id, namespace=namespace, rank=rank, world_size=world_size,
-                         memory=memory, layout=layout)
+                         memory=memory, layout=layout, replicas=replicas)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             self._registrations[engine_id] = msg

@@ -352,6 +352,10 @@ class Register(Message, tag="register", kw_only=True):
     apart by ``kind``); ``layout`` says where each block lives in it (:class:`Layout`). A block's
     slot in the pool is the concatenation of its segments, so one slot holds every layer, K and V,
     of one block of one rank. Senders may give plain maps of the same shape.
+
+    ``replicas`` > 1 says that runs of that many consecutive ranks hold identical KV (an MLA model's
+    latents on every TP rank): the daemon keeps one copy per run, stored by its first rank and loaded
+    by all of them. Every engine of a namespace must give the same value (``layout_mismatch``).
     """
 
     engine_id: Name = ""
@@ -360,6 +364,7 @@ class Register(Message, tag="register", kw_only=True):
     world_size: WorldSize = 1
     memory: Memory
     layout: Layout
+    replicas: WorldSize = 1
 
 
 class Registered(Message, tag="registered"):

@@ -1,5 +1,10 @@
 """The index: (namespace, rank, key) -> slot, with an admission/eviction policy, refs and visibility.
 
+A namespace whose runs of ``replicas`` consecutive ranks hold identical KV (MLA latents on every TP
+rank) has one table per run, keyed by the run's first rank: that rank stores, every rank of the run
+reads the same entries, and a lookup's entries are listed once per rank so each rank's LOAD consumes
+its own pin.
+
 Rules it keeps (docs/architecture.md):
   * an entry is visible to LOOKUP/LOAD only once its copy completed (``ready``);
   * a held entry (``refs`` > 0: read by a LOAD, held by a lease, being stored) is never evicted nor
@@ -110,9 +115,14 @@ class _Drain:
 class Namespace:
     name: str
     world_size: int
-    tables: dict[int, Table] = field(default_factory=dict)  # rank -> table
-    layouts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # rank -> segment lengths
+    replicas: int = 1  # consecutive ranks sharing one copy (REGISTER.replicas); 1: every rank its own
+    tables: dict[int, Table] = field(default_factory=dict)  # storing rank -> table
+    layouts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # storing rank -> segment lengths
     policies: list[EvictionPolicy] = field(default_factory=list)  # its tables' slot sizes' policies, once each
+
+    def storing_rank(self, rank: int) -> int:
+        """The rank whose table ``rank`` reads (itself unless it shares a replicated copy)."""
+        return rank - rank % self.replicas
 
 
 @dataclass(eq=False)
@@ -212,26 +222,36 @@ class Index:
         self.observers: list[IndexObserver] = []
 
     # --- namespaces -------------------------------------------------------------------------------------
-    def check_table(self, namespace: str, rank: int, world_size: int, layout: tuple[int, ...]) -> None:
-        """Raise ValueError if an engine of this shape contradicts the namespace (changes nothing)."""
+    def check_table(self, namespace: str, rank: int, world_size: int, layout: tuple[int, ...],
+                    replicas: int = 1) -> None:
+        """Raise ValueError if an engine of this shape contradicts the namespace (changes nothing).
+
+        With replicas every rank of a run reads the bytes its first rank stored, so each must
+        describe exactly that rank's layout: one that differs is refused, never handed those bytes."""
+        if world_size % replicas:
+            raise ValueError(f"replicas {replicas} does not divide world size {world_size}")
         ns = self.namespaces.get(namespace)
         if ns is None:
             return
         if ns.world_size != world_size:
             raise ValueError(f"namespace {namespace!r} has world size {ns.world_size}, not {world_size}")
-        have = ns.layouts.get(rank)
+        if ns.replicas != replicas:
+            raise ValueError(f"namespace {namespace!r} keeps one copy per {ns.replicas} ranks, not per {replicas}")
+        have = ns.layouts.get(ns.storing_rank(rank))
         if have is not None and have != layout:
             raise ValueError(f"namespace {namespace!r} rank {rank} holds blocks of another layout "
                              f"({sum(have)} bytes in {len(have)} runs; this engine: {sum(layout)} bytes in "
                              f"{len(layout)} runs)")
 
     def table(self, namespace: str, rank: int, world_size: int, slot_bytes: int,
-              layout: tuple[int, ...]) -> Table:
-        """The table an engine writes to (created on first use); ValueError as ``check_table``."""
-        self.check_table(namespace, rank, world_size, layout)
+              layout: tuple[int, ...], replicas: int = 1) -> Table:
+        """The table an engine reads (and, as its run's first rank, writes); created on first use;
+        ValueError as ``check_table``."""
+        self.check_table(namespace, rank, world_size, layout, replicas)
         ns = self.namespaces.get(namespace)
         if ns is None:
-            ns = self.namespaces[namespace] = Namespace(namespace, world_size)
+            ns = self.namespaces[namespace] = Namespace(namespace, world_size, replicas)
+        rank = ns.storing_rank(rank)
         t = ns.tables.get(rank)
         if t is None:
             t = ns.tables[rank] = Table(namespace, rank, slot_bytes)
@@ -263,19 +283,22 @@ class Index:
 
         ``keys`` is the message's binary of keys: this is the hot path of every step, and
         ``_leading`` mostly checks it without splitting it into keys. Takes no ref: a lease calls
-        ``hold`` once it has answered (nothing runs on the loop in between).
+        ``hold`` once it has answered (nothing runs on the loop in between). With replicas each table
+        is probed once and its entries are listed under every rank that reads them (the same list).
         """
         ns = self.namespaces.get(namespace)
-        if ns is None or len(ns.tables) < ns.world_size:
+        if ns is None or len(ns.tables) * ns.replicas < ns.world_size:
             return Hits(0, {}, MissReason.NAMESPACE_MISMATCH, ns.world_size if ns else 0)
         for pol in ns.policies:  # a request starts (O(1): the keys are not passed, no policy needs them)
             pol.on_lookup_miss(())
         total = n = len(keys) // KEY_SIZE
         hits: dict[int, list[Entry]] = {}
-        for r in range(ns.world_size):
+        for r in range(0, ns.world_size, ns.replicas):
             n, hits[r] = _leading(ns.tables[r].visible, keys, n, with_entries)
             if not n:
                 break
+        if ns.replicas > 1 and n:
+            hits = {r: hits[ns.storing_rank(r)] for r in range(ns.world_size)}
         reason = None
         if n < total:
             miss = (namespace, keys[n * KEY_SIZE:(n + 1) * KEY_SIZE])
@@ -717,8 +740,8 @@ class Index:
         for ns in self.namespaces.values():
             blocks = sum(len(t.visible) for t in ns.tables.values())
             nbytes = sum(len(t.visible) * t.slot_bytes for t in ns.tables.values())
-            out.append({"namespace": ns.name, "world_size": ns.world_size, "ranks": sorted(ns.tables),
-                        "blocks": blocks, "bytes": nbytes})
+            out.append({"namespace": ns.name, "world_size": ns.world_size, "replicas": ns.replicas,
+                        "ranks": sorted(ns.tables), "blocks": blocks, "bytes": nbytes})
         return out
 
     def explain(self, namespace: str, keys: list[bytes]) -> list[dict]:
@@ -734,7 +757,7 @@ class Index:
                         ranks[r] = ("resident" if e.ready else "storing", e.stored_at, e.refs, e.slot)
             if ns is None:
                 item["state"] = "namespace_unknown"
-            elif len(ranks) == ns.world_size and all(v[0] == "resident" for v in ranks.values()):
+            elif len(ranks) * ns.replicas == ns.world_size and all(v[0] == "resident" for v in ranks.values()):
                 item.update(state="resident", stored_at=min(v[1] for v in ranks.values()),
                             pinned=any(v[2] for v in ranks.values()),
                             slots={str(r): v[3] for r, v in ranks.items()})

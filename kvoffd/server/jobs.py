@@ -164,6 +164,10 @@ class Jobs:
     # --- STORE ------------------------------------------------------------------------------------------
     def store(self, conn: Conn, msg: P.Store) -> P.Message | None:
         eng, keys, ids = self._check(conn, msg)
+        if eng.table.rank != eng.rank:  # replicas: its run's first rank stores the one copy, the others read it
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"rank {eng.rank} of namespace {eng.namespace!r} reads the copy "
+                                f"rank {eng.table.rank} stores (replicas); it does not store", seq=msg.seq,
+                                job_id=msg.job_id)
         described = self._described(eng, msg, len(keys))  # KV events: the blocks' tokens and parents
         plan = self.index.prepare_store(eng.table, keys)
         m = self.metrics

@@ -82,7 +82,8 @@ class Registrar:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"a block of {slot_bytes} bytes is below the "
                                 f"{MIN_SLOT_BYTES}-byte minimum (the index's bookkeeping would outweigh it)")
         try:  # checked now, created only once the memory is mapped: a refused REGISTER leaves nothing
-            self.index.check_table(msg.namespace, msg.rank, msg.world_size, tuple(s.length for s in segments))
+            self.index.check_table(msg.namespace, msg.rank, msg.world_size, tuple(s.length for s in segments),
+                                   msg.replicas)
         except ValueError as e:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(e)) from None
         return old
@@ -90,6 +91,9 @@ class Registrar:
     async def _register(self, conn: Conn, msg: P.Register) -> P.Message:
         if msg.rank >= msg.world_size:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"rank {msg.rank} is not below world_size {msg.world_size}")
+        if msg.world_size % msg.replicas:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"replicas {msg.replicas} does not divide world_size "
+                                f"{msg.world_size}")
         num_blocks, segments = msg.layout.num_blocks, msg.layout.runs()
         kind = msg.memory.KIND
         backend = self.by_kind.get(kind)
@@ -111,7 +115,8 @@ class Registrar:
             if self.sessions.engines.get(msg.engine_id) is not old:
                 raise ProtocolError(ErrorCode.NOT_REGISTERED, "the engine was registered again meanwhile")
             try:
-                table = self.index.table(msg.namespace, msg.rank, msg.world_size, slot_bytes, layout_fp)
+                table = self.index.table(msg.namespace, msg.rank, msg.world_size, slot_bytes, layout_fp,
+                                         msg.replicas)
             except ValueError as e:
                 raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(e)) from None
         except ProtocolError:
@@ -121,8 +126,9 @@ class Registrar:
             self.kv_events.set_identity(msg.namespace, parse_identity(msg.layout.kv_events))
         self.sessions.attach(Engine(engine_id=msg.engine_id, conn=conn, namespace=msg.namespace, rank=msg.rank,
                                     world_size=msg.world_size, mapped=mapped, backend=backend, table=table), old)
-        log.info("engine %s registered: pid %d, namespace %s rank %d/%d, %d blocks of %d bytes (%s, %s)",
-                 msg.engine_id, conn.pid, msg.namespace, msg.rank, msg.world_size, num_blocks, slot_bytes,
+        log.info("engine %s registered: pid %d, namespace %s rank %d/%d%s, %d blocks of %d bytes (%s, %s)",
+                 msg.engine_id, conn.pid, msg.namespace, msg.rank, msg.world_size,
+                 f" (reads rank {table.rank}'s copy)" if table.rank != msg.rank else "", num_blocks, slot_bytes,
                  backend.name, msg.layout.desc)
         return P.Registered(seq=msg.seq, engine_id=msg.engine_id, slot_bytes=slot_bytes, backend=backend.name)
 

@@ -154,7 +154,7 @@ def engine_main(conn: Any, spec: Spec, address: str | None = None) -> None:
             return True
         if op == "register":
             reply = client.register(a["engine_id"], a["namespace"], a.get("rank", 0), a.get("world_size", 1),
-                                    exp.memory, exp.layout)
+                                    exp.memory, exp.layout, replicas=a.get("replicas", 1))
             return getattr(reply, "slot_bytes", reply)
         if op == "jobs":  # submit jobs, wait for notices: [(kind, job_id, keys, ids, event)] -> {job_id: ok}
             return run_jobs(client, exp, a)

@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--namespace", default="ns")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--replicas", type=int, default=1)  # consecutive ranks sharing one copy (MLA at TP > 1)
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=2)
@@ -58,7 +59,7 @@ def main() -> None:
     client = KvoffdClient(a.address, timeout_s=5.0)
     if not client.connect(10):
         raise SystemExit("daemon not reachable")
-    reg = client.register(a.engine_id, a.namespace, a.rank, a.world_size, memory, layout)
+    reg = client.register(a.engine_id, a.namespace, a.rank, a.world_size, memory, layout, replicas=a.replicas)
     out = sys.stdout
     out.write(json.dumps({"registered": reg.engine_id, "slot_bytes": reg.slot_bytes}) + "\n")
     out.flush()

@@ -8,6 +8,8 @@ shapes those bytes. Any difference gives a different namespace: a miss, never a 
 Both connector roles compute the namespace from the same configs, so the scheduler's LOOKUP and the
 workers' REGISTER agree without talking to each other. The TP/PP rank is not in the namespace: the
 daemon keys blocks by (namespace, rank, key) and a lookup hits only when every rank holds the block.
+Where vLLM says runs of TP ranks hold identical KV (an MLA model's latents, ``tp_replicas``), the
+daemon keeps one copy per run instead: its first rank stores it and every rank of the run loads it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ class CacheIdentity:
     world_size: int  # ranks that must all hold a block for it to hit (tp * pp * pcp)
     fields: dict[str, Any]  # the fingerprinted inputs, for the log line and `docs/vllm.md`
     groups: tuple[KVGroup, ...] = ()  # vLLM's KV-cache groups (several with HMA: kvoffd_client.vllm.groups)
+    replicas: int = 1  # consecutive ranks holding identical KV, stored once (``tp_replicas``); 1: none
+
+    def stores(self, rank: int) -> bool:
+        """Whether this rank sends STOREs: each rank does, except that of a run of replicas only the
+        first does (the daemon refuses the others' stores and loads the first's copy into all)."""
+        return rank % self.replicas == 0
 
     @property
     def num_groups(self) -> int:
@@ -187,6 +195,32 @@ def check_prefix_reuse(vllm_config: VllmConfig) -> None:
         )
 
 
+def tp_replicas(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    """How many consecutive TP ranks hold byte-identical KV, so one stored copy serves them all (1: none).
+
+    An MLA model keeps one latent vector per token, computed from activations every TP rank has, so
+    each rank's cache is the same bytes. kvoffd stores it once only where vLLM itself says so
+    (``KVCacheConfig.kv_tp_replicas``, from each layer spec's ``max_tp_shards``) and the model is
+    MLA throughout (``use_mla``, every layer an ``MLAAttentionSpec``), not from a model list. Decode
+    or prefill context parallelism splits the tokens of a block across ranks: not replicated.
+    """
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    tp = int(pc.tensor_parallel_size)
+    replicas = int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1)  # absent before vLLM 0.32: none
+    if tp < 2 or replicas < 2 or tp % replicas or not getattr(mc, "use_mla", False):
+        return 1
+    if int(getattr(pc, "decode_context_parallel_size", 1) or 1) > 1 or \
+            int(getattr(pc, "prefill_context_parallel_size", 1) or 1) > 1:
+        return 1
+    specs = [s for g in kv_cache_config.kv_cache_groups
+             for s in (getattr(g.kv_cache_spec, "kv_cache_specs", None) or {"": g.kv_cache_spec}).values()]
+    if not specs or not all(isinstance(s, MLAAttentionSpec) for s in specs):
+        return 1
+    return replicas
+
+
 def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> CacheIdentity:
     """Fingerprint the engine's KV bytes. Raises UnsupportedConfig for what we cannot offload."""
     check_hash_stability(vllm_config)
@@ -247,12 +281,15 @@ def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> C
     }
     if len(kinds) > 1 or kinds[0].kind is not GroupKind.FULL:
         fields["groups"] = [g.describe() for g in kinds]
+    replicas = tp_replicas(vllm_config, kv_cache_config)
+    if replicas > 1:  # one copy per run of ranks: not the same entries as a copy per rank
+        fields["stored_once_per_ranks"] = replicas
     if platform == "cpu":
         fields["cpu_isa"] = _cpu_attention_isa(spec_dtype, int(spec.block_size), head_size, str(cc.cache_dtype))
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
     namespace = f"vllm{KEY_FORMAT_VERSION}:{_short_model(str(mc.model))}:{digest}"[:MAX_NAME]
     return CacheIdentity(namespace=namespace, block_size=block_size, hashes_per_block=block_size // hash_block,
-                         world_size=tp * pp * pcp, fields=fields, groups=kinds)
+                         world_size=tp * pp * pcp, fields=fields, groups=kinds, replicas=replicas)
 
 
 def worker_rank(vllm_config: VllmConfig) -> int:

@@ -7,7 +7,9 @@ the connector and may hand them out in the same step, so stores still reading th
 before this step's forward writes there. No job is given up on a timer: a load's request waits (as
 vLLM's WAITING_FOR_REMOTE_KVS) and a finished request's blocks stay held until the job's notice, or
 until the client fails the job because the daemon that took it is gone (kvoffd_client.liveness);
-other requests go on meanwhile.
+other requests go on meanwhile. Where TP ranks hold identical KV (MLA, ``CacheIdentity.replicas``)
+only the first rank of each run stores; the others report their share of each store job done at once
+(the scheduler still counts one per rank) and load the first rank's copy like any other.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class KvoffdWorker:
         self.engine_id = engine_id
         self.rank = rank
         self.num_blocks = num_blocks
+        #: False on a rank whose KV another rank stores for it (MLA at TP > 1: identity.replicas).
+        self.sends_stores = identity is None or identity.stores(rank)
         self.stats = KvoffdStats()
         self.client: KvoffdClient | None = None
         self.memory: dict[str, Any] | None = None
@@ -135,9 +139,13 @@ class KvoffdWorker:
         try:
             reg = self.client.register(self.engine_id, self.identity.namespace, self.rank,
                                        self.identity.world_size, self.memory, layout,
-                                       timeout_s=self.s.connect_timeout_s if self.client.connected else 0.001)
-            log.info("kvoffd: worker %s registered in namespace %s (%d blocks, %d bytes per block, %s)",
-                     self.engine_id, self.identity.namespace, self.num_blocks, reg.slot_bytes, reg.backend)
+                                       timeout_s=self.s.connect_timeout_s if self.client.connected else 0.001,
+                                       replicas=self.identity.replicas)
+            r, k = self.rank, self.identity.replicas
+            share = "" if k == 1 else (f"; stores one copy for ranks {r}-{r + k - 1}" if self.sends_stores
+                                       else f"; loads rank {r - r % k}'s copy, stores nothing")
+            log.info("kvoffd: worker %s registered in namespace %s (%d blocks, %d bytes per block, %s%s)",
+                     self.engine_id, self.identity.namespace, self.num_blocks, reg.slot_bytes, reg.backend, share)
         except DaemonUnavailable:
             pass  # the client registers when the daemon appears (it replays registrations)
         except KvoffdError as e:
@@ -243,6 +251,9 @@ class KvoffdWorker:
         if not meta.store_job_id:
             return
         job = meta.store_job_id
+        if not self.sends_stores:  # another rank stores the copy this one shares; its part is done at once
+            self._meta.stores_done[job] = self._meta.stores_done.get(job, 0) + 1
+            return
         n = len(meta.store_keys)
         self.stats.add("store_jobs")
         self.stats.add("store_blocks", n)
