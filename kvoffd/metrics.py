@@ -118,6 +118,10 @@ class Metrics:
         self.errors = Counter("kvoffd_errors", "ERROR replies, by code", ["code"], registry=r)
         self.engine_events = Counter("kvoffd_engine_events", "Engine registrations and departures",
                                      ["event"], registry=r)
+        self.kv_events_published = Counter("kvoffd_kv_events_published", "KV events (BlockStored, BlockRemoved, "
+                                           "AllBlocksCleared) sent on --kv-events-address", registry=r)
+        self.kv_events_dropped = Counter("kvoffd_kv_events_dropped", "KV events dropped before sending: the "
+                                         "publisher thread was behind and its queue full", registry=r)
         self.start_time = Gauge("kvoffd_start_time_seconds", "When this daemon started (unix time): a change "
                                 "means a restart, and the cache it held is gone", registry=r)
         self.start_time.set_to_current_time()

@@ -378,8 +378,11 @@ class KvoffdClient:
     # --- jobs ----------------------------------------------------------------------------------------
 
     def submit_store(self, engine_id: str, job_id: int, keys: Sequence[bytes] | bytes,
-                     block_ids: Sequence[int] | bytes, event: int = -1) -> None:
-        self._submit(P.Store(engine_id=engine_id, job_id=job_id, keys=keys, block_ids=block_ids, event=event))
+                     block_ids: Sequence[int] | bytes, event: int = -1, tokens: bytes = b"",
+                     parents: bytes = b"") -> None:
+        """``tokens``/``parents``: what KV events show of the blocks (P.Store); empty: nothing."""
+        self._submit(P.Store(engine_id=engine_id, job_id=job_id, keys=keys, block_ids=block_ids, event=event,
+                             tokens=tokens, parents=parents))
 
     def submit_load(self, engine_id: str, job_id: int, keys: Sequence[bytes] | bytes,
                     block_ids: Sequence[int] | bytes, lease_id: int = 0, event: int = -1) -> None:

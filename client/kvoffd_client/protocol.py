@@ -20,7 +20,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import msgspec
 from msgspec import Meta
@@ -309,13 +309,30 @@ Memory = Union[CpuFd, CudaIpc]  # noqa: UP007 - msgspec's tagged union (the tag 
 SegmentLength = Annotated[int, Meta(ge=1, le=1 << 40)]
 
 
+#: Most tokens one block may hold (``KvEventsLayout.block_size``).
+MAX_BLOCK_TOKENS = 1 << 20
+
+
+class KvEventsLayout(msgspec.Struct, kw_only=True):
+    """``layout.kv_events``: this engine's keys *are* its block hashes, so a daemon that publishes KV
+    events (``kv_events`` in HELLO_OK) may show them to routers. ``hash``: how the engine's vLLM shows
+    a hash in its events (``int64``: the low 64 bits, vLLM's default; ``bytes``: the hash itself);
+    ``block_size``: tokens per block (the size of a described STORE's ``tokens``)."""
+
+    hash: Literal["int64", "bytes"]
+    block_size: Annotated[int, Meta(ge=1, le=MAX_BLOCK_TOKENS)]
+
+
 class Layout(msgspec.Struct, kw_only=True):
     """Where each block lives in the engine's memory: block b occupies [offset + b*stride, +length)
-    of every segment. Bounds against the region are the backend's (they need the mapping)."""
+    of every segment. Bounds against the region are the backend's (they need the mapping).
+    ``kv_events`` (optional): see :class:`KvEventsLayout`; absent, nothing is published of the
+    engine's namespace."""
 
     num_blocks: Annotated[int, Meta(ge=1, le=1 << 40)]
     segments: Annotated[list[tuple[U63, U63, SegmentLength]], Meta(min_length=1, max_length=65536)]
     desc: str = ""  # free text (e.g. "LBHNC fp32"), logged
+    kv_events: KvEventsLayout | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks > 1:
@@ -410,7 +427,15 @@ class _Job(Message):
 
 
 class Store(_Job, tag="store"):
-    """Copy engine blocks ``block_ids[i]`` into the pool under ``keys[i]``."""
+    """Copy engine blocks ``block_ids[i]`` into the pool under ``keys[i]``.
+
+    ``tokens`` and ``parents`` (optional, only to a daemon whose HELLO_OK lists the ``kv_events``
+    capability) describe the blocks for KV events: each block's token ids (little-endian uint32,
+    the namespace's block size per key) and the key of the block before it (32 zero bytes: none).
+    """
+
+    tokens: bytes = b""
+    parents: bytes = b""
 
 
 class Load(_Job, tag="load"):

@@ -221,6 +221,15 @@ def _persistence(p: dict) -> str:
     return line + f", verified {_dur(p.get('verified_s'))} after start ({p.get('verify_failures', 0)} corrupt)"
 
 
+def _kv_events(ev: Any) -> str:
+    """The KV-event endpoints (--kv-events-address), or "off"."""
+    if not isinstance(ev, dict) or not ev.get("endpoint"):
+        return "off"
+    topic = f", topic {ev['topic']!r}" if ev.get("topic") else ""
+    return (f"{ev['endpoint']} (replay {ev.get('replay_endpoint', '?')}{topic}; "
+            f"{ev.get('published', 0):,} published, {ev.get('dropped', 0):,} dropped)")
+
+
 def cmd_status(args: argparse.Namespace, client: Any) -> int:
     t0 = time.monotonic()
     rtt = _call(client.ping)
@@ -237,6 +246,7 @@ def cmd_status(args: argparse.Namespace, client: Any) -> int:
         ("daemon", f"{d.get('id', '?')} (pid {d.get('pid', '?')}, version {d.get('version', '?')})"),
         ("address", d.get("address") or args.address),
         ("metrics", d.get("metrics_address") or "-"),
+        ("kv events", _kv_events(d.get("kv_events"))),
         ("uptime", _dur(d.get("uptime_s"))),
         ("backends", ", ".join(_backend(b) for b in d.get("backends", [])) or "-"),
         ("ping", f"{rtt * 1000:.2f} ms"),

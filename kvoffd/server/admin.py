@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvoffd.cache.index import Index
 from kvoffd.cache.persist import Keeper
@@ -20,16 +20,20 @@ from kvoffd.server.sessions import Conn, Sessions
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import DropReason, ErrorCode, ProtocolError
 
+if TYPE_CHECKING:
+    from kvoffd.events.publisher import KvEventPublisher
+
 log = logging.getLogger(__name__)
 
 
 class Admin:
     """``describe_daemon`` gives the STATS reply's ``daemon`` section (the server's own facts: ids,
-    addresses, backends, descriptors), so this module needs nothing of the loop."""
+    addresses, backends, descriptors), so this module needs nothing of the loop. ``kv_events``
+    (--kv-events-address; None: off) hears of each CLEAR of every namespace."""
 
     def __init__(self, *, sessions: Sessions, jobs: Jobs, index: Index, pool: Pool, metrics: Metrics,
                  verify: bool, eviction_policy: str, persist: Keeper,
-                 describe_daemon: Callable[[], dict[str, Any]]) -> None:
+                 describe_daemon: Callable[[], dict[str, Any]], kv_events: KvEventPublisher | None = None) -> None:
         self.sessions = sessions
         self.jobs = jobs
         self.index = index
@@ -39,6 +43,7 @@ class Admin:
         self.eviction_policy = eviction_policy
         self.persist = persist  # the pool file's keeper: STATS' ``persistence`` section
         self.describe_daemon = describe_daemon
+        self.kv_events = kv_events
 
     def clear(self, conn: Conn, msg: P.Clear) -> P.Message:
         if msg.namespace and not self.index.knows(msg.namespace):
@@ -47,6 +52,8 @@ class Admin:
         in_flight = sum(1 for e in engines if not msg.namespace or e.namespace == msg.namespace
                         for _ in range(e.mapped.in_flight))
         removed = self.index.clear(msg.namespace, in_use={e.namespace for e in engines})
+        if not msg.namespace and self.kv_events is not None:  # one AllBlocksCleared, not a removal per block
+            self.kv_events.all_cleared()
         log.info("cleared %s: %d blocks removed, %d jobs in flight", msg.namespace or "all namespaces", removed,
                  in_flight)
         return P.Cleared(seq=msg.seq, removed_blocks=removed, in_flight_jobs=in_flight)

@@ -22,7 +22,7 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from kvoffd.server.sessions import Conn, Engine, Lease, Reply, Sessions
 from kvoffd.transfer.base import Direction, JobExpired, past
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import DropReason, ErrorCode, MissReason, NoticeCode, ProtocolError
+
+if TYPE_CHECKING:
+    from kvoffd.events.publisher import KvEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +74,11 @@ def _failed_future(exc: BaseException) -> asyncio.Future:
 
 
 class Jobs:
-    """The data path's requests. ``running`` is every accepted job until its notice."""
+    """The data path's requests. ``running`` is every accepted job until its notice. ``kv_events``
+    (--kv-events-address; None: off) keeps what a STORE tells of its blocks for their KV events."""
 
     def __init__(self, *, sessions: Sessions, index: Index, pool: Pool, metrics: Metrics, verify: bool,
-                 persist: Keeper, reply: Reply, spawn: Spawn) -> None:
+                 persist: Keeper, reply: Reply, spawn: Spawn, kv_events: KvEventPublisher | None = None) -> None:
         """``persist``: the pool file's keeper (kvoffd/cache/persist.py): adopted blocks are checked on
         their first LOAD, and loaded blocks get new last-use stamps."""
         self.sessions = sessions
@@ -85,6 +89,7 @@ class Jobs:
         self.persist = persist
         self.reply = reply
         self.spawn = spawn
+        self.kv_events = kv_events
         self.running: set[Job] = set()
 
     def in_flight(self) -> tuple[dict[str, int], float]:
@@ -167,6 +172,7 @@ class Jobs:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"rank {eng.rank} of namespace {eng.namespace!r} reads the copy "
                                 f"rank {eng.table.rank} stores (replicas); it does not store", seq=msg.seq,
                                 job_id=msg.job_id)
+        described = self._described(eng, msg, len(keys))  # KV events: the blocks' tokens and parents
         plan = self.index.prepare_store(eng.table, keys)
         m = self.metrics
         if plan.evicted:
@@ -188,12 +194,32 @@ class Jobs:
         # the copy starts first; the per-key bookkeeping below runs while the bytes move
         fut = self._submit(eng, Direction.STORE, block_ids, slots, msg)
         self.index.add_pending(plan)
+        if described:
+            self._note_described(eng, msg, plan)
         job = Job(conn=conn, engine=eng, msg=msg, direction=Direction.STORE, started=t0, entries=plan.entries,
                   idx=plan.copy_idx, block_ids=block_ids, slots=slots, failed=dropped, code=code, future=fut,
                   plan=plan)
         self._begin(job)
         self.spawn(self._finish_store(job))
         return None
+
+    def _described(self, eng: Engine, msg: P.Store, n: int) -> bool:
+        """Whether this STORE's ``tokens``/``parents`` are kept for its blocks' events; ``bad_field``
+        when they do not fit its keys. A daemon without KV events ignores them (it never asked)."""
+        if self.kv_events is None or not (msg.tokens or msg.parents):
+            return False
+        try:
+            return self.kv_events.check_described(eng.namespace, eng.rank, n, msg.tokens, msg.parents)
+        except ProtocolError as e:
+            e.seq, e.job_id = msg.seq, msg.job_id
+            raise
+
+    def _note_described(self, eng: Engine, msg: P.Store, plan: StorePlan) -> None:
+        ev = self.kv_events
+        assert ev is not None
+        ident = ev.identity(eng.namespace)
+        assert ident is not None  # check_described said so, in this same callback
+        ev.note_described(plan.entries, plan.copy_idx, msg.tokens, msg.parents, ident.block_size)
 
     async def _finish_store(self, job: Job) -> None:
         plan, entries = job.plan, job.entries

@@ -31,6 +31,7 @@ from kvoffd.cache.index import Index
 from kvoffd.cache.persist import keeper, open_pool
 from kvoffd.cache.pool import Pool
 from kvoffd.config import Config
+from kvoffd.events.publisher import make_publisher
 from kvoffd.metrics import Metrics
 from kvoffd.runtime import ensure_private_dir, load_or_create_token
 from kvoffd.server.admin import Admin
@@ -105,15 +106,18 @@ class Server:
                 self.by_kind.setdefault(k, b)
         self.fds = FdBudget()
         self.metrics = Metrics(__version__)
+        self.kv_events = make_publisher(cfg, self.metrics, self.index)  # --kv-events-address (None: off)
         self.sessions = Sessions(daemon_id=self.daemon_id, index=self.index, metrics=self.metrics, fds=self.fds,
-                                 by_kind=self.by_kind, engine_timeout_s=cfg.engine_timeout_s, reply=self._send)
+                                 by_kind=self.by_kind, engine_timeout_s=cfg.engine_timeout_s, reply=self._send,
+                                 capabilities=("kv_events",) if self.kv_events is not None else ())
         self.registrar = Registrar(sessions=self.sessions, index=self.index, pool=self.pool, metrics=self.metrics,
-                                   fds=self.fds, by_kind=self.by_kind)
+                                   fds=self.fds, by_kind=self.by_kind, kv_events=self.kv_events)
         self.jobs = Jobs(sessions=self.sessions, index=self.index, pool=self.pool, metrics=self.metrics,
-                         verify=cfg.verify, persist=self.persist, reply=self._send, spawn=self._spawn)
+                         verify=cfg.verify, persist=self.persist, reply=self._send, spawn=self._spawn,
+                         kv_events=self.kv_events)
         self.admin = Admin(sessions=self.sessions, jobs=self.jobs, index=self.index, pool=self.pool,
                            metrics=self.metrics, verify=cfg.verify, eviction_policy=cfg.eviction_policy,
-                           persist=self.persist, describe_daemon=self.describe)
+                           persist=self.persist, describe_daemon=self.describe, kv_events=self.kv_events)
         self.metrics.watch_live_state(self.admin.live_state)
         self._routes = self._table()
         self._tasks: set[asyncio.Task] = set()
@@ -167,7 +171,8 @@ class Server:
         return {"id": self.daemon_id, "pid": os.getpid(), "version": __version__, "protocol": P.PROTOCOL_VERSION,
                 "uptime_s": round(time.time() - self.started, 3), "address": self.bound_address,
                 "metrics_address": self.metrics_address, "backends": [b.describe() for b in self.backends],
-                "fds": self.fds.describe(), "listening": not (self._guard and self._guard.paused)}
+                "fds": self.fds.describe(), "listening": not (self._guard and self._guard.paused),
+                "kv_events": self.kv_events.describe() if self.kv_events is not None else None}
 
     # ------------------------------------------------------------------------------------------------
     # socket
@@ -194,6 +199,8 @@ class Server:
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if "cpu_fd" in self.by_kind:
             self._bind_fd_socket()
+        if self.kv_events is not None:
+            self.kv_events.bind()
         return self.bound_address
 
     def _bind_fd_socket(self) -> None:
@@ -216,6 +223,8 @@ class Server:
         self.persist.start(loop)
         if self.fd_handover is not None:
             self.fd_handover.start(loop)
+        if self.kv_events is not None:
+            self.kv_events.start()
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain)
         self._guard = ListenerGuard(self._ctx, self.sock, self._listener, self._zmq_fd, self.fds)
@@ -252,6 +261,8 @@ class Server:
         await self.persist.close()  # seals what is left: the next daemon adopts it
         if self.fd_handover is not None:
             self.fd_handover.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.sock is not None:
             self.sock.close(0)
             if self._listener is not None:

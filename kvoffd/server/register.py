@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvoffd.cache.index import Index
 from kvoffd.cache.pool import MIN_SLOT_BYTES, Pool
+from kvoffd.events.wire import parse_identity
 from kvoffd.metrics import Metrics
 from kvoffd.server.fdbudget import FdBudget
 from kvoffd.server.limits import MAX_ENGINES_PER_CONN, MAX_SEGMENTS
@@ -24,20 +25,25 @@ from kvoffd.transfer.base import AttachError, TransferBackend
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import ErrorCode, ProtocolError
 
+if TYPE_CHECKING:
+    from kvoffd.events.publisher import KvEventPublisher
+
 log = logging.getLogger(__name__)
 
 
 class Registrar:
-    """Serves REGISTER for the sessions (an ``is_async`` row of the server's table)."""
+    """Serves REGISTER for the sessions (an ``is_async`` row of the server's table). ``kv_events``
+    (--kv-events-address; None: off) is told each registered namespace's ``layout.kv_events``."""
 
     def __init__(self, *, sessions: Sessions, index: Index, pool: Pool, metrics: Metrics, fds: FdBudget,
-                 by_kind: dict[str, TransferBackend]) -> None:
+                 by_kind: dict[str, TransferBackend], kv_events: KvEventPublisher | None = None) -> None:
         self.sessions = sessions
         self.index = index
         self.pool = pool
         self.metrics = metrics
         self.fds = fds
         self.by_kind = by_kind
+        self.kv_events = kv_events
 
     async def register(self, conn: Conn, msg: P.Register) -> P.Message | None:
         """Map an engine's memory (in an executor: slow) and create its table; a refusal changes
@@ -116,6 +122,8 @@ class Registrar:
         except ProtocolError:
             await loop.run_in_executor(None, backend.detach, mapped)
             raise
+        if self.kv_events is not None:  # whether its keys are block hashes, before its first STORE
+            self.kv_events.set_identity(msg.namespace, parse_identity(msg.layout.kv_events))
         self.sessions.attach(Engine(engine_id=msg.engine_id, conn=conn, namespace=msg.namespace, rank=msg.rank,
                                     world_size=msg.world_size, mapped=mapped, backend=backend, table=table), old)
         log.info("engine %s registered: pid %d, namespace %s rank %d/%d%s, %d blocks of %d bytes (%s, %s)",

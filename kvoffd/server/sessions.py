@@ -20,7 +20,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvoffd.cache.index import Entry, Index, Table
@@ -129,10 +129,12 @@ class Lease:
 class Sessions:
     """Connections, engines and leases, and the requests that change them (HELLO, UNREGISTER, RELEASE;
     REGISTER's mapping is kvoffd/server/register.py, which ends in ``attach``). The server sets
-    ``auth_token`` and ``fd_handover`` when it binds."""
+    ``auth_token`` and ``fd_handover`` when it binds. ``capabilities``: what HELLO_OK lists besides
+    the requests and memory kinds every daemon serves (``kv_events`` with --kv-events-address)."""
 
     def __init__(self, *, daemon_id: str, index: Index, metrics: Metrics, fds: FdBudget,
-                 by_kind: dict[str, TransferBackend], engine_timeout_s: float, reply: Reply) -> None:
+                 by_kind: dict[str, TransferBackend], engine_timeout_s: float, reply: Reply,
+                 capabilities: Sequence[str] = ()) -> None:
         self.daemon_id = daemon_id
         self.index = index
         self.metrics = metrics
@@ -140,6 +142,7 @@ class Sessions:
         self.by_kind = by_kind
         self.engine_timeout_s = engine_timeout_s
         self.reply = reply
+        self.capabilities = tuple(capabilities)
         self.auth_token: bytes | None = None  # tcp:// only: HELLO must carry it
         self.fd_handover: FdServer | None = None  # where CPU engines hand over their memory (cpu_fd)
         self.conns: dict[bytes, Conn] = {}
@@ -165,7 +168,7 @@ class Sessions:
         if conn is None:
             conn = self._open_conn(ident, msg)
         conn.last_seen = time.monotonic()
-        caps = ["lease", "explain", "replicas"] + [f"memory:{k}" for k in self.by_kind]
+        caps = ["lease", "explain", "replicas", *(f"memory:{k}" for k in self.by_kind), *self.capabilities]
         return P.HelloOk(seq=msg.seq, daemon_id=self.daemon_id, pid=os.getpid(), capabilities=caps,
                          limits={"max_frame_bytes": P.MAX_FRAME_BYTES, "max_keys": P.MAX_KEYS,
                                  "max_jobs": MAX_JOBS_PER_CONN, "key_size": P.KEY_SIZE},

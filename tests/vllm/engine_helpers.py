@@ -119,9 +119,10 @@ def build_tiny_mla(path: Path, seed: int = 0) -> Path:
 class Daemon:
     """A real kvoffd subprocess on a private socket, with kill/restart for the degradation drills."""
 
-    def __init__(self, workdir: Path, pool: str = "256MiB", pool_path: str = "none"):
+    def __init__(self, workdir: Path, pool: str = "256MiB", extra: tuple[str, ...] = (), pool_path: str = "none"):
         """``pool_path``: the persistent pool's file (warm restarts); "none" keeps it in private memory."""
         self.workdir = workdir
+        self.extra = extra  # more daemon flags
         self.pool_path = pool_path
         self.address = f"ipc://{workdir}/kvoffd.sock"
         self.pool = pool
@@ -135,7 +136,7 @@ class Daemon:
         self.log_f = open(self.log, "a")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvoffd", "--address", self.address, "--pool-size", self.pool,
-             "--metrics-address", "127.0.0.1:0", "--log-level", "info", "--pool-path", self.pool_path],
+             "--metrics-address", "127.0.0.1:0", "--log-level", "info", "--pool-path", self.pool_path, *self.extra],
             stdout=self.log_f, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         c = KvoffdClient(self.address, name="test", heartbeat=False)

@@ -115,6 +115,9 @@ class KvoffdMetadata(KVConnectorMetadata):
     store_keys: list[bytes] = field(default_factory=list)
     store_block_ids: list[int] = field(default_factory=list)
     store_req_ids: list[str] = field(default_factory=list)  # requests whose blocks the job reads
+    # For KV events (only when the daemon publishes them): each stored block's tokens and parent key.
+    store_tokens: bytes = b""
+    store_parents: bytes = b""
     # Finished requests the scheduler keeps allocated until every worker says their stores are done.
     await_stores: list[str] = field(default_factory=list)
     # Requests preempted this step: their blocks may be reused by this very step's forward.

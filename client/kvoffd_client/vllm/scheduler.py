@@ -22,6 +22,7 @@ from kvoffd_client.vllm.common import (
     Settings,
     log,
 )
+from kvoffd_client.vllm.events import NO_PARENT, block_tokens, kv_events_layout
 from kvoffd_client.vllm.groups import NULL_BLOCK_ID, GroupKind, group_key
 from kvoffd_client.vllm.identity import CacheIdentity, fold_key
 
@@ -100,6 +101,8 @@ class KvoffdScheduler:
         # and are dropped when the daemon restarts.
         self._known: OrderedDict[bytes, float] = OrderedDict()
         self._known_daemon: str | None = None
+        # keys are block hashes: a daemon that publishes KV events is sent each stored block's tokens
+        self._describable = identity is not None and bool(kv_events_layout(identity))
         self._orphans: dict[int, float] = {}  # lookups abandoned in flight: seq -> give-up time
         self._prefetched = 0
         self._job_ids = iter(range(1, 1 << 62))
@@ -414,6 +417,9 @@ class KvoffdScheduler:
         block_ids: list[int] = []
         req_ids: list[str] = []
         seen: set[bytes] = set()
+        hello = self.client.hello if self.client is not None else None
+        describe = self._describable and "kv_events" in (getattr(hello, "capabilities", None) or ())
+        tokens, parents = bytearray(), bytearray()
         for req_id, n_sched in so.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
             if st is None or n_sched <= 0:
@@ -448,6 +454,9 @@ class KvoffdScheduler:
                     seen.add(k)
                     keys.append(k)
                     block_ids.append(b)
+                    if describe:
+                        tokens += block_tokens(req.all_token_ids, i * bs, bs)
+                        parents += all_keys[i - 1] if i else NO_PARENT
                     added = True
                     if g in self._window_groups:
                         if not job:
@@ -459,6 +468,8 @@ class KvoffdScheduler:
         if keys:
             job = job or next(self._job_ids)
             meta.store_job_id, meta.store_keys, meta.store_block_ids, meta.store_req_ids = job, keys, block_ids, req_ids
+            if describe:
+                meta.store_tokens, meta.store_parents = bytes(tokens), bytes(parents)
             self._store_jobs[job] = _StoreJob(keys, req_ids)
             for r in req_ids:
                 self._reqs[r].store_jobs.add(job)

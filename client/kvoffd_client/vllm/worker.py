@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvoffd_client.client import DaemonUnavailable, KvoffdClient, KvoffdError
 from kvoffd_client.protocol import Notice
 from kvoffd_client.vllm.common import KvoffdMetadata, KvoffdStats, KvoffdWorkerMeta, Settings, log
+from kvoffd_client.vllm.events import kv_events_layout
 from kvoffd_client.vllm.identity import CacheIdentity
 
 if TYPE_CHECKING:
@@ -133,6 +134,7 @@ class KvoffdWorker:
             self._shutdown_client()
             return
         layout["desc"] = f"{self.identity.fields.get('layout')} {layout.get('desc', '')}"[:200]
+        layout.update(kv_events_layout(self.identity))  # whether the daemon may publish KV events
         self._registered = True
         try:
             reg = self.client.register(self.engine_id, self.identity.namespace, self.rank,
@@ -261,7 +263,10 @@ class KvoffdWorker:
                 raise DaemonUnavailable()
             if self._cuda is not None:
                 event = self._cuda.ring.record()
-            self.client.submit_store(self.engine_id, job, meta.store_keys, meta.store_block_ids, event=event)
+            described = self.rank == 0 and meta.store_tokens  # one rank describes blocks for KV events
+            self.client.submit_store(self.engine_id, job, meta.store_keys, meta.store_block_ids, event=event,
+                                     tokens=meta.store_tokens if described else b"",
+                                     parents=meta.store_parents if described else b"")
         except (DaemonUnavailable, KvoffdError):
             if self._cuda is not None:
                 self._cuda.ring.release(event)

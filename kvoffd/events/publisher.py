@@ -1,0 +1,374 @@
+"""The KV-event publisher: an index observer that tells routers what this node's pool holds.
+
+It speaks vLLM's ZmqEventPublisher protocol, so a router that consumes vLLM's KV events needs only a
+second endpoint:
+
+* a PUB socket sends ``[topic, seq, payload]``: ``seq`` an 8-byte big-endian batch number from 0,
+  ``payload`` a msgpack EventBatch (kvoffd/events/wire.py);
+* a ROUTER socket answers a replay request ``[b"", start_seq]`` (8 bytes, big-endian) with every
+  buffered batch from ``start_seq`` on, each as ``[b"", topic, seq, payload]``, then the end marker
+  ``[b"", b"", -1 as 8 signed bytes, b""]``: a subscriber that joined late or saw a gap catches up.
+
+Why it is shaped like this:
+
+* It is an ``IndexObserver`` (kvoffd/cache/index.py): the index calls ``committed``/``freeing`` on
+  the loop thread inside its own callbacks; they only append the keys to a list (no encoding, no
+  syscall). One flush per loop turn (``call_soon``)
+  turns the turn's events into one batch and hands it to the publisher thread through a bounded
+  queue. When the thread is behind, the batch is dropped and counted
+  (``kvoffd_kv_events_dropped_total``): the loop never waits for a router. Batches are numbered on
+  the loop, so a dropped one leaves a gap in ``seq`` that no replay fills: a subscriber can tell.
+* A slow subscriber never slows the daemon or the other subscribers: PUB drops what exceeds its
+  per-subscriber high-water mark; that subscriber sees a gap in ``seq`` and asks the replay socket.
+* Only rank 0's table of a namespace is published: a block serves a lookup only once every rank
+  holds it, and one event per block (not one per rank) is what a router counts.
+* A namespace is published only if its engines said, at REGISTER, that their keys are their block
+  hashes (``layout.kv_events``); the daemon cannot turn any other key back into a hash.
+* A CLEAR of one namespace is its removals (``freeing``); a CLEAR of every namespace is one
+  ``AllBlocksCleared`` (``all_cleared``, told by the CLEAR handler: the index's ``cleared`` moment
+  names one namespace at a time, and a router needs "everything" once, not a removal per block).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import queue
+import sys
+import threading
+import time
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from kvoffd.cache.index import IndexObserver
+from kvoffd.events.wire import (
+    LOCALITY,
+    MEDIUM_CPU,
+    OWNERSHIP,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventIdentity,
+    external_hashes,
+)
+from kvoffd_client.protocol import KEY_SIZE, ErrorCode, ProtocolError
+
+if TYPE_CHECKING:
+    from kvoffd.cache.index import Entry, Index
+    from kvoffd.config import Config
+    from kvoffd.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+QUEUE_BATCHES = 1024  # batches waiting for the publisher thread; beyond, a batch is dropped and counted
+REPLAY_BATCHES = 10_000  # batches kept for replay (vLLM's default buffer_steps)
+PUB_HWM = 100_000  # messages queued per subscriber before ZeroMQ drops for it (vLLM's default)
+MAX_NAMESPACES = 4096  # namespaces whose event identity is remembered (oldest forgotten first)
+MAX_DESCRIBED = 1 << 20  # stored blocks whose tokens wait for their commit; beyond, they are not kept
+_NO_PARENT = bytes(KEY_SIZE)
+MAX_INBOUND = 4096  # bytes of any frame a subscriber sends (a bigger one drops its connection)
+_IDLE_S = 0.05  # the thread looks at the replay socket at least this often
+
+
+class EventKind(enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One event to be: built on the loop without encoding; the thread makes the wire event."""
+
+    kind: EventKind
+    identity: EventIdentity | None = None
+    keys: list[bytes] = field(default_factory=list)
+    medium: str = MEDIUM_CPU
+    tokens: bytes = b""  # one described block: its token ids (uint32 LE) ...
+    parent: bytes = b""  # ... and its parent's key (empty: none)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    publish: str
+    replay: str
+    topic: str = ""
+
+
+def replay_endpoint_for(endpoint: str) -> str:
+    """The default replay endpoint: the next tcp port (port 0: any free one), or ``<path>.replay``."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[6:].rpartition(":")
+        return f"tcp://{host}:{int(port) + 1 if int(port) else 0}"
+    return endpoint + ".replay"
+
+
+class KvEventPublisher(IndexObserver):
+    """An index observer that publishes vLLM KV events; see the module doc. Of the index's moments it
+    needs ``committed`` (BlockStored) and ``freeing`` (BlockRemoved); the others stay no-ops."""
+
+    def __init__(self, endpoints: Endpoints, metrics: Metrics, queue_batches: int = QUEUE_BATCHES,
+                 replay_batches: int = REPLAY_BATCHES):
+        self.endpoints = endpoints
+        self.metrics = metrics
+        self.bound = Endpoints("", "", endpoints.topic)
+        self._topic = endpoints.topic.encode()
+        self._identities: OrderedDict[str, EventIdentity] = OrderedDict()
+        self._described: dict[Entry, tuple[bytes, bytes]] = {}  # pending entry -> (tokens, parent key)
+        self._pending: list[_Pending] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: queue.Queue[tuple[int, list[_Pending]] | None] = queue.Queue(maxsize=queue_batches)
+        self._next_seq = 0  # numbered on the loop: a dropped batch leaves a gap subscribers can see
+        self._replay_buf: deque[tuple[int, bytes]] = deque(maxlen=replay_batches)
+        self._ctx = zmq.Context()
+        self._pub: zmq.Socket | None = None
+        self._replay: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._bad_replays = 0
+
+    # --- life ---------------------------------------------------------------------------------------
+    def bind(self) -> Endpoints:
+        """Bind both sockets (on the caller's thread; the publisher thread owns them from ``start``).
+        Raises OSError with the endpoint named, as the daemon's own bind does."""
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+            self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND)  # subscriptions: a topic, never more
+            self._pub.bind(self.endpoints.publish)
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.SNDHWM, self._replay_buf.maxlen + 16)  # a whole replay fits
+            self._replay.setsockopt(zmq.RCVHWM, 64)
+            self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND)  # a request is 8 bytes
+            self._replay.bind(self.endpoints.replay)
+        except zmq.ZMQError as e:
+            self.close()
+            raise OSError(f"cannot bind the KV-event sockets ({self.endpoints.publish}, "
+                          f"{self.endpoints.replay}): {e}") from None
+        self.bound = Endpoints(self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
+                               self._replay.getsockopt_string(zmq.LAST_ENDPOINT), self.endpoints.topic)
+        return self.bound
+
+    def start(self) -> None:
+        if self._pub is None:
+            self.bind()
+        self._thread = threading.Thread(target=self._run, name="kvoffd-kv-events", daemon=True)
+        self._thread.start()
+        log.info("KV events on %s (replay %s%s)", self.bound.publish, self.bound.replay,
+                 f", topic {self.bound.topic!r}" if self.bound.topic else "")
+
+    def close(self) -> None:
+        """Send what is queued (the thread drains its queue first), then close the sockets."""
+        if self._thread is not None:
+            self._flush()
+            self._queue.put(None)
+            self._thread.join(5)
+            self._thread = None
+        for s in (self._pub, self._replay):
+            if s is not None:
+                s.close(0)
+        self._pub = self._replay = None
+        if not self._ctx.closed:
+            self._ctx.term()
+
+    def describe(self) -> dict[str, object]:
+        m = self.metrics
+        return {"endpoint": self.bound.publish, "replay_endpoint": self.bound.replay, "topic": self.bound.topic,
+                "namespaces": len(self._identities), "published": int(m.kv_events_published._value.get()),
+                "dropped": int(m.kv_events_dropped._value.get())}
+
+    # --- what the server tells it ------------------------------------------------------------------
+    def set_identity(self, namespace: str, identity: EventIdentity | None) -> None:
+        """An engine registered in ``namespace``; ``identity`` None: its keys are not block hashes."""
+        if identity is None:
+            self._identities.pop(namespace, None)
+            return
+        self._identities[namespace] = identity
+        self._identities.move_to_end(namespace)
+        while len(self._identities) > MAX_NAMESPACES:
+            self._identities.popitem(last=False)
+
+    def tier_changed(self, medium: str, namespace: str, stored: list[bytes], removed: list[bytes]) -> None:
+        """Another tier (a disk tier: ``MEDIUM_DISK``) now holds ``stored`` and no longer ``removed``,
+        rank 0's keys of ``namespace``; published like the pool's own, under its ``medium``. Loop
+        thread only, like the observer calls."""
+        ident = self._identities.get(namespace)
+        if ident is None:
+            return
+        if stored:
+            self._add(_Pending(EventKind.STORED, ident, list(stored), medium))
+        if removed:
+            self._add(_Pending(EventKind.REMOVED, ident, list(removed), medium))
+
+    def check_described(self, namespace: str, rank: int, n: int, tokens: bytes, parents: bytes) -> bool:
+        """Whether a STORE's ``tokens``/``parents`` are to be kept for its events (rank 0 of a published
+        namespace); ProtocolError ``bad_field`` when their sizes do not fit ``n`` keys."""
+        ident = self._identities.get(namespace)
+        want = 4 * n * ident.block_size if ident is not None else None
+        if want is not None and (len(tokens) != want or len(parents) != n * KEY_SIZE):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"a STORE of {n} keys describes its blocks with "
+                                f"{len(tokens)} bytes of tokens and {len(parents)} of parents; this namespace "
+                                f"needs {want} ({ident.block_size} tokens per block, uint32) and {n * KEY_SIZE}")
+        return want is not None and rank == 0 and len(self._described) < MAX_DESCRIBED
+
+    def note_described(self, entries: Sequence[Entry], idx: Sequence[int], tokens: bytes, parents: bytes,
+                       block_size: int) -> None:
+        """Keep the described blocks' tokens and parents until their entries commit (or are freed)."""
+        step = 4 * block_size
+        for e, i in zip(entries, idx, strict=True):
+            self._described[e] = (tokens[i * step:(i + 1) * step], parents[i * KEY_SIZE:(i + 1) * KEY_SIZE])
+
+    def identity(self, namespace: str) -> EventIdentity | None:
+        return self._identities.get(namespace)
+
+    # --- IndexObserver ------------------------------------------------------------------------------
+    def committed(self, entries: Sequence[Entry]) -> None:
+        t = entries[0].table  # a commit is one table's
+        ident = self._identities.get(t.namespace) if t.rank == 0 else None
+        if ident is None:
+            return
+        if not self._described:
+            self._add(_Pending(EventKind.STORED, ident, [e.key for e in entries]))
+            return
+        plain: list[bytes] = []
+        for e in entries:  # a described block is its own event (its parent and tokens are its own)
+            d = self._described.pop(e, None)
+            if d is None:
+                plain.append(e.key)
+            else:
+                self._add(_Pending(EventKind.STORED, ident, [e.key], tokens=d[0], parent=d[1]))
+        if plain:
+            self._add(_Pending(EventKind.STORED, ident, plain))
+
+    def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+        if self._described:
+            for e in entries:
+                self._described.pop(e, None)
+        by_ns: dict[str, list[bytes]] = {}
+        for e in entries:
+            if e.ready and e.table.rank == 0:
+                by_ns.setdefault(e.table.namespace, []).append(e.key)
+        for ns, keys in by_ns.items():
+            ident = self._identities.get(ns)
+            if ident is not None:
+                self._add(_Pending(EventKind.REMOVED, ident, keys))
+
+    # --- what the CLEAR handler tells it ----------------------------------------------------------
+    def all_cleared(self) -> None:
+        """A CLEAR of every namespace is done: one AllBlocksCleared instead of a removal per block (the
+        turn's pending events, the removals its ``freeing`` calls just added included, describe blocks
+        that are gone too). One namespace's CLEAR is its removals: nothing to do here."""
+        self._pending.clear()
+        self._add(_Pending(EventKind.CLEARED))
+
+    def _add(self, p: _Pending) -> None:
+        if not self._pending:
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            self._loop.call_soon(self._flush)
+        self._pending.append(p)
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if not batch or self._thread is None:
+            return
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        try:
+            self._queue.put_nowait((seq, batch))
+        except queue.Full:
+            self.metrics.kv_events_dropped.inc(len(batch))
+
+    # --- the publisher thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        enc = msgspec.msgpack.Encoder()
+        while True:
+            try:
+                item = self._queue.get(timeout=_IDLE_S)
+            except queue.Empty:
+                item = (0, [])
+            if item is None:
+                return
+            seq, batch = item
+            if batch:
+                try:
+                    self._send(enc, seq, batch)
+                except Exception:  # never let one bad batch stop the stream
+                    log.exception("KV events: a batch could not be published")
+                    self.metrics.kv_events_dropped.inc(len(batch))
+            try:
+                while self._replay.poll(0):
+                    self._serve_replay()
+            except Exception:
+                log.exception("KV events: a replay request failed")
+
+    def _send(self, enc: msgspec.msgpack.Encoder, seq: int, batch: list[_Pending]) -> None:
+        events = [_wire(p) for p in batch]
+        payload = enc.encode(EventBatch(ts=time.time(), events=events))
+        seq_bytes = seq.to_bytes(8, "big")
+        try:
+            self._pub.send_multipart((self._topic, seq_bytes, payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # PUB drops per subscriber itself; a subscriber that misses it replays
+        self._replay_buf.append((seq, payload))
+        self.metrics.kv_events_published.inc(len(events))
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart(zmq.NOBLOCK)
+        if len(frames) != 3 or len(frames[2]) != 8:
+            self._bad_replays += 1
+            if self._bad_replays in (1, 10, 100) or self._bad_replays % 1000 == 0:
+                log.warning("KV events: ignoring a malformed replay request (%d frames; %d so far)",
+                            len(frames), self._bad_replays)
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in list(self._replay_buf):
+            if seq >= start_seq:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload),
+                                            flags=zmq.NOBLOCK)
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+
+
+def _wire(p: _Pending) -> BlockStored | BlockRemoved | AllBlocksCleared:
+    if p.kind is EventKind.CLEARED:
+        return AllBlocksCleared()
+    hashes = external_hashes(p.keys, p.identity.hash_form)
+    if p.kind is EventKind.STORED and p.tokens:
+        parent = external_hashes([p.parent], p.identity.hash_form)[0] if p.parent != _NO_PARENT else None
+        return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=_token_list(p.tokens),
+                           block_size=p.identity.block_size, lora_id=None, medium=p.medium, lora_name=None,
+                           group_idx=p.identity.group_idx, locality=LOCALITY, ownership=OWNERSHIP)
+    if p.kind is EventKind.STORED:
+        return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                           block_size=p.identity.block_size, lora_id=None, medium=p.medium, lora_name=None,
+                           group_idx=p.identity.group_idx, locality=LOCALITY, ownership=OWNERSHIP)
+    return BlockRemoved(block_hashes=hashes, medium=p.medium, group_idx=p.identity.group_idx, locality=LOCALITY,
+                        ownership=OWNERSHIP)
+
+
+def make_publisher(cfg: Config, metrics: Metrics, index: Index) -> KvEventPublisher | None:
+    """The publisher ``--kv-events-address`` asks for (None when off), watching ``index``."""
+    if not cfg.kv_events_address:
+        return None
+    replay = cfg.kv_events_replay_address or replay_endpoint_for(cfg.kv_events_address)
+    pub = KvEventPublisher(Endpoints(cfg.kv_events_address, replay, cfg.kv_events_topic), metrics)
+    index.observers.append(pub)
+    return pub
+
+
+def _token_list(tokens: bytes) -> list[int]:
+    a = array("I")
+    a.frombytes(tokens)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()
