@@ -134,6 +134,8 @@ class Config:
     verify: bool = False  # per-block checksums (integrity mode)
     auth_token_file: str = field(default_factory=default_auth_token_file)  # tcp:// clients must send it
     eviction_policy: str = DEFAULT_POLICY  # admission/eviction of the pool (kvoffd/cache/policy.py)
+    disk_path: str = ""  # the disk tier's directory (kvoffd/cache/tiers/disk.py); "" = no disk tier
+    disk_size: int = 0  # bytes of disk tier per block size
 
     @property
     def metrics_host_port(self) -> tuple[str, int] | None:
@@ -157,6 +159,10 @@ _FLAGS = [
                              "HELLO (created at first start). Default: <runtime dir>/auth-token"),
     ("eviction_policy", str, f"Admission and eviction of the pool's blocks: {', '.join(sorted(POLICIES))}. "
                              f"Default: {DEFAULT_POLICY} (docs/benchmarks.md, trace replay)"),
+    ("disk_path", str, "Directory of the disk (NVMe) tier under the pool: blocks evicted from the pool are "
+                       "kept there and found again after a restart. Default: none (no disk tier)"),
+    ("disk_size", str, "Bytes of the disk tier, with units (e.g. 2TiB; per block size). Required with "
+                       "--disk-path"),
 ]
 
 
@@ -205,6 +211,10 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
             cfg.auth_token_file = str(raw["auth_token_file"])
         if "eviction_policy" in raw:
             cfg.eviction_policy = str(raw["eviction_policy"]).lower()
+        if "disk_path" in raw:
+            cfg.disk_path = str(raw["disk_path"])
+        if "disk_size" in raw:
+            cfg.disk_size = parse_size(str(raw["disk_size"]))
         for flag in ("allow_remote", "verify"):
             if flag in raw:
                 v = raw[flag]
@@ -222,6 +232,10 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         raise ConfigError("--engine-timeout must be between 0.5 and 3600 seconds")
     if not 0 <= cfg.copy_threads <= 256:
         raise ConfigError("--copy-threads must be between 0 and 256")
+    if cfg.disk_path and cfg.disk_size < (1 << 20):
+        raise ConfigError("--disk-path needs --disk-size of at least 1MiB (e.g. --disk-size 512GiB)")
+    if cfg.disk_size and not cfg.disk_path:
+        raise ConfigError("--disk-size needs --disk-path (the directory of the disk tier)")
     if cfg.pool_size < (1 << 20):
         raise ConfigError("--pool-size must be at least 1MiB")
     cfg.address = check_address(cfg.address, cfg.allow_remote)

@@ -145,6 +145,18 @@ class IndexObserver(Protocol):
         """
 
 
+class TierObserver(IndexObserver, Protocol):
+    """An observer that also wants the two moments a lower tier needs (kvoffd/cache/tiers/manager.py):
+    the index calls these only on observers that define them."""
+
+    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+        """``entries`` were evicted for room (capacity or a chunk drained), not cleared or failed; called
+        just before ``freeing`` with the same bytes still in place: the moment to spill them."""
+
+    def cleared(self, namespace: str) -> None:
+        """CLEAR of ``namespace`` ("" = all) just unlinked its entries: forget them below too."""
+
+
 class Index:
     """Pins are lazy with respect to the LRU: pinning is ``entry.pins += 1`` and nothing else (callers
     do it inline: lookups with leases pin thousands of blocks per step); eviction skips pinned entries
@@ -256,13 +268,14 @@ class Index:
                 e.in_lru = True
 
     # --- stores -------------------------------------------------------------------------------------------
-    def plan(self, table: Table, keys: list[bytes]) -> StorePlan:
+    def plan(self, table: Table, keys: list[bytes], admit: bool = True) -> StorePlan:
         """Slots for the keys not yet present that the policy admits, evicting LRU blocks (or the
         policy's victims) as needed; no entries yet.
 
         Split from ``add_pending`` so the server can start the copy first and do the per-key
         bookkeeping while the bytes move. Keys beyond what the pool can hold are dropped from the
-        end: the leading blocks of a prefix are the ones a later lookup can use.
+        end: the leading blocks of a prefix are the ones a later lookup can use. ``admit=False``
+        skips the admission policy (a promotion from a lower tier: the block was just asked for).
         """
         entries = table.entries
         want = [i for i, k in enumerate(keys) if k not in entries]
@@ -275,7 +288,7 @@ class Index:
         refused: list[int] = []
         size = table.slot_bytes
         pol = self._policies.get(size)
-        if pol is not None and want:
+        if pol is not None and want and admit:
             want, refused = self._admit(pol, table, keys, want)
         if not want:
             return StorePlan([], [], present, [], refused)
@@ -340,6 +353,14 @@ class Index:
         table.entries.update(zip([e.key for e in out], out, strict=True))
         self._slot_entry.update(zip(slots, out, strict=True))
         return out
+
+    def _tell_evicted(self, slot_bytes: int, slots: list[int]) -> None:
+        """``TierObserver.evicted`` for the observers that have it (the slots are still owned here)."""
+        for o in self.observers:
+            hook = getattr(o, "evicted", None)
+            if hook is not None and slots:
+                owner = self._slot_entry
+                hook(slot_bytes, [owner[s] for s in slots])
 
     def _free(self, slot_bytes: int, slots: list[int]) -> None:
         """Give slots back to the pool (their entries are gone for good)."""
@@ -469,6 +490,7 @@ class Index:
             freed.append(e.slot)
             self._remember(self.evicted, (t.namespace, e.key), now)
         self.resident -= len(freed)
+        self._tell_evicted(slot_bytes, freed)
         self._free(slot_bytes, freed)
         self.evictions += len(freed)
         return len(freed)
@@ -496,6 +518,7 @@ class Index:
             freed.append(e.slot)
             self._remember(self.evicted, (t.namespace, k), now)
         self.resident -= len(freed)
+        self._tell_evicted(slot_bytes, freed)
         self._free(slot_bytes, freed)
         self.evictions += len(freed)
         return len(freed)
@@ -565,6 +588,7 @@ class Index:
             d.progress_at = time.monotonic()
             self.evictions += len(freed)
             self.reclaim_evictions += len(freed)
+            self._tell_evicted(d.slot_bytes, freed)
             self._free(d.slot_bytes, freed)  # the chunk changes hands here if that was its last slot
         if not self.pool.draining(d.chunk):
             self._drain = None
@@ -602,6 +626,10 @@ class Index:
                 self._free(t.slot_bytes, free)
             if in_use is not None and name not in in_use:
                 self.forget_if_idle(name)
+        for o in self.observers:
+            hook = getattr(o, "cleared", None)
+            if hook is not None:
+                hook(namespace)
         if namespace:
             self.evicted = OrderedDict((k, v) for k, v in self.evicted.items() if k[0] != namespace)
             self.failed = OrderedDict((k, v) for k, v in self.failed.items() if k[0] != namespace)

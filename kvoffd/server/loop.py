@@ -28,6 +28,7 @@ import zmq
 from kvoffd import __version__, sdnotify
 from kvoffd.cache.index import Entry, Index
 from kvoffd.cache.pool import MIN_SLOT_BYTES, Pool
+from kvoffd.cache.tiers.manager import PROMOTE_WAIT_S, make_tiers
 from kvoffd.config import Config
 from kvoffd.metrics import Metrics
 from kvoffd.runtime import ensure_private_dir, load_or_create_token
@@ -113,6 +114,7 @@ class Daemon:
         self.started = time.time()
         self.pool = Pool(cfg.pool_size)
         self.index = Index(self.pool, cfg.eviction_policy)
+        self.tiers = make_tiers(self.index, cfg.disk_path, cfg.disk_size, cfg.verify)  # below the pool
         self.backends = _make_backends(cfg, self.pool)
         self.by_kind: dict[str, TransferBackend] = {}
         for b in self.backends:
@@ -130,7 +132,7 @@ class Daemon:
         self._dropped: dict[bytes, str] = {}  # connections dropped by the daemon -> why (bounded)
         self._version_warned = -VERSION_WARN_EVERY_S  # monotonic time of the last version WARNING
         self._version_refused = 0  # HELLOs of another version refused since that WARNING
-        self.metrics = Metrics(__version__, self._live_state)
+        self.metrics = Metrics(__version__, self._live_state, self.tier_stats)
         self.ready = asyncio.Event()
         self._stopping = asyncio.Event()
         self._ctx = zmq.Context.instance()
@@ -240,6 +242,7 @@ class Daemon:
             self.bind()
         for b in self.backends:
             b.start()
+        self.tiers.start(loop)
         if self.fd_handover is not None:
             self.fd_handover.start(loop)
         fd = self.sock.getsockopt(zmq.FD)
@@ -277,6 +280,7 @@ class Daemon:
             self._close_conn(conn)
         if self._pids is not None:
             self._pids.close()
+        await self.tiers.aclose()
         for b in self.backends:
             b.close()
         if self.fd_handover is not None:
@@ -666,7 +670,10 @@ class Daemon:
     def _lookup(self, conn: Conn, msg: P.Lookup) -> P.Message | None:
         """Answer first, then count and pin: the client waits on the answer, and nothing else runs on
         the loop in between, so no eviction can take a block the answer promised."""
-        n, by_rank, reason = self.index.leading_hits(msg.namespace, msg.keys, want_entries=msg.lease_ms > 0)
+        tiers = self.tiers.enabled
+        n, by_rank, reason = self.index.leading_hits(msg.namespace, msg.keys, want_entries=msg.lease_ms > 0 or tiers)
+        if tiers:  # blocks below the pool are hits too: their promotion into pool slots starts now
+            n, by_rank, reason = self.tiers.extend_lookup(msg.namespace, msg.keys, n, by_rank, reason)
         ns = self.index.namespaces.get(msg.namespace)
         lease_id = 0
         pinned = 0
@@ -838,6 +845,29 @@ class Daemon:
 
     def _load(self, conn: Conn, msg: P.Load) -> P.Message | None:
         eng, keys, ids = self._check_job(conn, msg)
+        waiting = self.tiers.promotions(eng.table, keys)
+        if waiting:  # blocks a LOOKUP found below the pool, still on their way into it
+            jid = self._begin_job(conn, eng, msg.job_id, "load", time.monotonic())
+            self._spawn(self._load_promoted(conn, eng, msg, jid, keys, ids, waiting))
+            return None
+        return self._load_resident(conn, eng, msg, keys, ids)
+
+    async def _load_promoted(self, conn: Conn, eng: Engine, msg: P.Load, jid: int, keys: list[bytes],
+                             ids: np.ndarray, waiting: list[asyncio.Future]) -> None:
+        """A LOAD waits for its promotions (a failed or late one: those blocks fail), then runs as usual."""
+        left = (msg.expires_ns - time.monotonic_ns()) / 1e9 if msg.expires_ns else PROMOTE_WAIT_S
+        await asyncio.wait(waiting, timeout=max(0.0, min(left, PROMOTE_WAIT_S)))
+        self._end_job(conn, eng, msg.job_id, jid)
+        if eng.closing:
+            self._notice(conn, msg.job_id, list(range(len(keys))), ErrorCode.NOT_REGISTERED.value,
+                         "the engine left")
+            return
+        reply = self._load_resident(conn, eng, msg, keys, ids)
+        if reply is not None:
+            self._send(conn.ident, reply)
+
+    def _load_resident(self, conn: Conn, eng: Engine, msg: P.Load, keys: list[bytes],
+                       ids: np.ndarray) -> P.Message | None:
         failed: list[int] = []
         entries: list[Entry] = []
         ok_idx: list[int] = []
@@ -973,6 +1003,7 @@ class Daemon:
 
     def _clear(self, conn: Conn, msg: P.Clear) -> P.Message:
         if msg.namespace and msg.namespace not in self.index.namespaces:
+            self.tiers.cleared(msg.namespace)  # blocks below the pool from before a restart
             return P.Cleared(seq=msg.seq, removed_blocks=0, in_flight_jobs=0)
         in_flight = sum(1 for e in self.engines.values() if not msg.namespace or e.namespace == msg.namespace
                         for _ in range(e.mapped.in_flight))
@@ -1007,6 +1038,18 @@ class Daemon:
                 "engines": len(self.engines), "leases": len(self.leases), "resident_blocks": self.index.resident,
                 "in_flight": counts, "oldest_in_flight_s": oldest}
 
+    def tier_stats(self) -> list[dict[str, Any]]:
+        """Per tier (the pool first): ``kvoffctl status`` and the metrics collector read this."""
+        m = self.metrics
+        disk_hits = sum(self.tiers.hits.values())
+        dram = {"name": "dram", "capacity_bytes": self.pool.capacity_bytes, "resident_bytes": self.pool.used_bytes,
+                "resident_blocks": self.index.resident, "hits": m.lookup.hit_blocks - disk_hits,
+                "evictions": self.index.evictions, "admissions_refused": self.index.refused}
+        out = [dram] + [st.as_dict() for st in self.tiers.stats()]
+        if self.tiers.disabled:
+            out.append({"name": "disk", "disabled": self.tiers.disabled})
+        return out
+
     def stats(self) -> dict[str, Any]:
         m = self.metrics
         counts, oldest = self._in_flight()
@@ -1037,6 +1080,7 @@ class Daemon:
             "leases": len(self.leases),
             "engines": [e.describe() for e in self.engines.values()],
             "namespaces": self.index.namespace_stats(),
+            "tiers": self.tier_stats(),
             "in_flight_jobs": counts["store"] + counts["load"],
             "oldest_in_flight_s": round(oldest, 6),
         }

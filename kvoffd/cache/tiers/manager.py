@@ -1,0 +1,273 @@
+"""``Tiers``: what sits between the index and the tiers below the pool (today: the disk tier).
+
+It is an index observer (kvoffd/cache/index.py, ``IndexObserver``): blocks evicted from the pool are
+spilled (``evicted``), a CLEAR clears the tiers (``cleared``). And it is the one object the server calls
+for the rest, at two places: ``extend_lookup`` after the pool's leading hits (the blocks found below are
+hits too, and their promotion into pool slots starts at once) and ``promotions`` before a LOAD (which
+then waits for them, so the LOAD itself is an ordinary pool -> engine copy).
+
+Spilled bytes are copied out of the slot inside the observer call, into a staging buffer the tier owns
+until its write completes: the pool may hand the slot to the next STORE as soon as the call returns.
+The copy is bounded by ``spill_buffer_bytes`` in flight; past it a spill is dropped (counted ``busy``),
+never delayed, so a slow disk cannot stall stores or the loop.
+
+A promotion takes pool slots the way a STORE does (evicting as needed, bypassing admission: the block
+was just asked for) as pending entries, visible only once the tier has verified the bytes; a block that
+fails is aborted (its LOAD reports it failed, the engine recomputes). A slot is never freed while a
+read into it is in flight: the entry stays pinned until the tier resolves the read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvoffd.cache.index import Entry, Index, Table
+from kvoffd.cache.tiers.base import SpillResult, TableRef, Tier, TierStats
+from kvoffd_client.protocol import KEY_SIZE
+
+log = logging.getLogger(__name__)
+
+_K = KEY_SIZE
+PROMOTE_WAIT_S = 10.0  # a LOAD waits at most this long for a promotion (then those blocks fail)
+SPILL_BUFFER_BYTES = 256 << 20
+
+
+class Tiers:
+    def __init__(self, index: Index, tiers: Sequence[Tier], verify: bool = False,
+                 spill_buffer_bytes: int = SPILL_BUFFER_BYTES):
+        self.index = index
+        self.tiers = list(tiers)
+        self.verify = verify
+        self.spill_buffer_bytes = spill_buffer_bytes
+        self._refs: dict[Table, TableRef] = {}
+        self._promoting: dict[Entry, asyncio.Future] = {}
+        self._spilling: set[asyncio.Future] = set()
+        self._spill_bytes = 0  # staged, not yet written
+        self.hits: dict[str, int] = {t.name: 0 for t in self.tiers}
+        self.spill_busy = 0
+        self.disabled = ""  # why a configured tier is not running (kvoffctl status shows it)
+        if self.tiers:
+            index.observers.append(self)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tiers)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        for t in self.tiers:
+            t.start(loop)
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """Let spills in flight land in the index (a clean stop keeps them), then close the tiers."""
+        pending = [f for f in self._spilling if not f.done()] + [f for f in self._promoting.values() if not f.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        for t in self.tiers:
+            t.close()
+
+    def _ref(self, t: Table) -> TableRef:
+        ref = self._refs.get(t)
+        if ref is None:
+            ns = self.index.namespaces[t.namespace]
+            ref = self._refs[t] = TableRef(t.namespace, t.rank, ns.world_size, ns.layouts[t.rank])
+        return ref
+
+    # --- the observer seam ------------------------------------------------------------------------
+    def committed(self, entries: Sequence[Entry]) -> None:
+        pass  # a tier is written when a block leaves the pool, not when it enters
+
+    def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+        pass  # evicted entries were spilled by ``evicted`` just before; the others are not kept
+
+    def cleared(self, namespace: str) -> None:
+        for t in self.tiers:
+            t.clear(namespace)
+        self._refs = {t: r for t, r in self._refs.items() if namespace and r.namespace != namespace}
+
+    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+        """Spill what the pool evicts (visible blocks, admitted once), unless a tier holds it already."""
+        tier = self.tiers[0]
+        groups: dict[Table, list[Entry]] = {}
+        for e in entries:
+            if e.ready:
+                groups.setdefault(e.table, []).append(e)
+        for t, es in groups.items():
+            keys = b"".join([e.key for e in es])
+            todo = [e for e, have in zip(es, tier.contains(self._ref(t), keys).tolist(), strict=True) if not have]
+            room = max(0, self.spill_buffer_bytes - self._spill_bytes) // slot_bytes
+            if len(todo) > room:
+                self.spill_busy += len(todo) - room
+                todo = todo[:room]
+            if todo:
+                self._spill(tier, t, slot_bytes, todo)
+
+    def _spill(self, tier: Tier, t: Table, slot_bytes: int, todo: list[Entry]) -> None:
+        nbytes = len(todo) * slot_bytes
+        staging = mmap.mmap(-1, nbytes)  # page-aligned: O_DIRECT writes straight from it
+        dst = np.frombuffer(staging, dtype=np.uint8)
+        buf = self.index.pool.buffer
+        for i, e in enumerate(todo):
+            dst[i * slot_bytes:(i + 1) * slot_bytes] = buf[e.slot:e.slot + slot_bytes]
+        view = memoryview(staging)
+        src = [view[i * slot_bytes:(i + 1) * slot_bytes] for i in range(len(todo))]
+        fut = tier.write(self._ref(t), b"".join([e.key for e in todo]), src)
+        self._spill_bytes += nbytes
+        self._spilling.add(fut)
+
+        def done(f: asyncio.Future) -> None:  # the staging buffer goes with the last view of it
+            self._spilling.discard(f)
+            self._spill_bytes -= nbytes
+
+        fut.add_done_callback(done)
+
+    # --- lookups and loads ------------------------------------------------------------------------
+    def extend_lookup(self, namespace: str, keys: bytes, n: int, by_rank: dict[int, list[Entry]],
+                      reason: str) -> tuple[int, dict[int, list[Entry]], str]:
+        """The LOOKUP's hits past the pool's ``n`` leading ones: keys every rank holds in the pool, in
+        a promotion under way, or in a tier. The tier's blocks get pool slots and their reads start
+        now. Returns the new hit count, the entries by rank (pool ones and pending promotions, for a
+        lease to pin) and the first miss's reason."""
+        ns = self.index.namespaces.get(namespace)
+        total = len(keys) // _K
+        if not self.tiers or ns is None or n >= total or len(ns.tables) < ns.world_size:
+            return n, by_rank, reason
+        rest = keys[n * _K:]
+        limit = total - n
+        walks = []
+        for r in range(ns.world_size):
+            t = ns.tables[r]
+            lead, wanted = self._walk(t, rest, limit)
+            limit = len(lead)
+            walks.append((t, lead, wanted))
+            if not limit:
+                return n, by_rank, reason
+        keep = {id(e) for e in self._lead_entries(by_rank)}
+        pinned = [e for t, lead, _ in walks for e in lead if e is not None and id(e) not in keep]
+        pinned += self._lead_entries(by_rank)
+        for e in pinned:  # what this answer promises must survive the evictions the promotions cause
+            e.pins += 1
+        try:
+            for t, lead, wanted in walks:
+                limit = min(limit, self._promote(t, rest, lead, wanted, limit))
+        finally:
+            for e in pinned:
+                self.index.unpin(e)
+        if not limit:
+            return n, by_rank, reason
+        out = {r: list(by_rank.get(r, ()))[:n] + walks[r][1][:limit] for r in range(ns.world_size)}
+        m = n + limit
+        if m < total:
+            miss = (namespace, keys[m * _K:(m + 1) * _K])
+            reason = "evicted" if miss in self.index.evicted else "failed" if miss in self.index.failed else "absent"
+        else:
+            reason = ""
+        return m, out, reason
+
+    @staticmethod
+    def _lead_entries(by_rank: dict[int, list[Entry]]) -> list[Entry]:
+        return [e for es in by_rank.values() for e in es]
+
+    def _walk(self, t: Table, rest: bytes, limit: int) -> tuple[list, list[int]]:
+        """The leading keys of ``rest`` this rank can serve: its entry (pool or promotion under way) or
+        None for a tier block, and the positions of the tier blocks to promote."""
+        on = self.tiers[0].contains(self._ref(t), rest[:limit * _K]).tolist()
+        get = t.entries.get
+        lead: list[Entry | None] = []
+        wanted: list[int] = []
+        for i in range(limit):
+            e = get(rest[i * _K:(i + 1) * _K])
+            if e is not None:
+                if e.ready or e in self._promoting:
+                    lead.append(e)
+                    continue
+                break  # being stored by a STORE: not readable yet
+            if not on[i]:
+                break
+            lead.append(None)
+            wanted.append(i)
+        return lead, wanted
+
+    def _promote(self, t: Table, rest: bytes, lead: list, wanted: list[int], limit: int) -> int:
+        """Pool slots and reads for this rank's tier blocks among the first ``limit``; returns how many
+        leading keys stay hits (fewer when the pool had no room for all)."""
+        wanted = [i for i in wanted if i < limit]
+        if not wanted:
+            return limit
+        keys = [rest[i * _K:(i + 1) * _K] for i in wanted]
+        plan = self.index.plan(t, keys, admit=False)
+        if plan.dropped:
+            limit = min(limit, wanted[plan.dropped[0]])
+        if not plan.want:
+            return limit
+        entries = self.index.add_pending(t, keys, plan.want, plan.slots)
+        for j, e in zip(plan.want, entries, strict=True):
+            lead[wanted[j]] = e
+        size = t.slot_bytes
+        buf = self.index.pool.buffer
+        dest = [memoryview(buf[e.slot:e.slot + size]) for e in entries]
+        tier = self.tiers[0]
+        self.hits[tier.name] += len(entries)
+        fut = tier.read(self._ref(t), b"".join([e.key for e in entries]), dest)
+        for e in entries:
+            self._promoting[e] = fut
+        fut.add_done_callback(lambda f: self._promoted(entries, f))
+        return limit
+
+    def _promoted(self, entries: list[Entry], fut: asyncio.Future) -> None:
+        for e in entries:
+            self._promoting.pop(e, None)
+        ok = fut.result() if not fut.cancelled() and fut.exception() is None else np.zeros(len(entries), bool)
+        good = [e for e, g in zip(entries, ok.tolist(), strict=True) if g]
+        bad = [e for e, g in zip(entries, ok.tolist(), strict=True) if not g]
+        if self.verify and good:
+            buf = self.index.pool.buffer
+            for e in good:
+                e.checksum = zlib.crc32(buf[e.slot:e.slot + e.table.slot_bytes])
+        if good:
+            self.index.commit(good)
+        if bad:
+            self.index.abort(bad)
+
+    def promotions(self, t: Table, keys: list[bytes]) -> list[asyncio.Future]:
+        """The promotions a LOAD of ``keys`` must wait for (none: the common case, one dict test)."""
+        if not self._promoting:
+            return []
+        get = t.entries.get
+        futs = {self._promoting.get(e) for e in map(get, keys) if e is not None}
+        futs.discard(None)
+        return [f for f in futs if not f.done()]
+
+    # --- figures --------------------------------------------------------------------------------
+    def stats(self) -> list[TierStats]:
+        out = []
+        for t in self.tiers:
+            st = t.stats()
+            st.hits = self.hits[t.name]
+            if self.spill_busy:
+                st.spills_dropped[SpillResult.BUSY.value] = self.spill_busy
+            out.append(st)
+        return out
+
+
+def make_tiers(index: Index, disk_path: str, disk_size: int, verify: bool) -> Tiers:
+    """The tiers the configuration asks for. A tier that cannot start (an unusable ``--disk-path``) is
+    logged and left out: the daemon serves from the pool alone rather than not at all."""
+    tiers: list[Tier] = []
+    disabled = ""
+    if disk_path:
+        from kvoffd.cache.tiers.disk import DiskTier
+        try:
+            tiers.append(DiskTier(disk_path, disk_size))
+        except OSError as e:
+            disabled = f"disk tier disabled: {e}"
+            log.error("%s; serving from the pool alone", disabled)
+    out = Tiers(index, tiers, verify)
+    out.disabled = disabled
+    return out
+
