@@ -102,10 +102,9 @@ class _TierState(Collector):
         fam = CounterMetricFamily("kvoffd_tier_spills_dropped", "Blocks not spilled to this tier, by reason (full: "
                                   "no room or ENOSPC; busy: too many spills in flight; error: I/O error)",
                                   labels=["tier", "reason"])
-        for t in tiers:
-            if t["name"] != "dram":
-                for r in SPILL_DROP_REASONS:
-                    fam.add_metric([t["name"], r], t.get("spills_dropped", {}).get(r, 0))
+        for t in tiers:  # the pool too (zero: it spills to the tier below it): every tier has every series
+            for r in SPILL_DROP_REASONS:
+                fam.add_metric([t["name"], r], t.get("spills_dropped", {}).get(r, 0))
         yield fam
 
 

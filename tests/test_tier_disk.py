@@ -12,6 +12,8 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 from kvtest import chain_keys, start_daemon, wait_until
@@ -100,6 +102,10 @@ def test_evicted_blocks_come_back_from_disk_byte_exact(make_daemon, tmp_path):
     # promoted blocks are ordinary pool blocks now: a second lookup hits the pool, not the disk
     before = rig.tier()["hits"]
     assert rig.c.lookup("disk", old[:10]).hits == 10 and rig.tier()["hits"] == before
+    r = subprocess.run([sys.executable, "-m", "kvoffd.ops.ctl", "--address", d.address, "status"],
+                       capture_output=True, text=True, timeout=30)
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("tier disk"))
+    assert f"{t['promotions']} promoted (0 failed)" in line and "tier dram" in r.stdout, r.stdout
     rig.close()
 
 
