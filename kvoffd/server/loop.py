@@ -670,10 +670,9 @@ class Daemon:
     def _lookup(self, conn: Conn, msg: P.Lookup) -> P.Message | None:
         """Answer first, then count and pin: the client waits on the answer, and nothing else runs on
         the loop in between, so no eviction can take a block the answer promised."""
-        tiers = self.tiers.enabled
-        n, by_rank, reason = self.index.leading_hits(msg.namespace, msg.keys, want_entries=msg.lease_ms > 0 or tiers)
-        if tiers:  # blocks below the pool are hits too: their promotion into pool slots starts now
-            n, by_rank, reason = self.tiers.extend_lookup(msg.namespace, msg.keys, n, by_rank, reason)
+        n, by_rank, reason = self.index.leading_hits(msg.namespace, msg.keys, want_entries=msg.lease_ms > 0)
+        if self.tiers.enabled and n < P.count_keys(msg.keys):  # blocks below the pool are hits too: their
+            n, by_rank, reason = self.tiers.extend_lookup(msg.namespace, msg.keys, n, by_rank, reason)  # promotion starts now
         ns = self.index.namespaces.get(msg.namespace)
         lease_id = 0
         pinned = 0

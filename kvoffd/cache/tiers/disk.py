@@ -194,6 +194,10 @@ class DiskTier:
             rec = c.table.recs[p]
             items.append((i, diskio.ReadItem(int(rec["slot"]), int(rec["crc"]), keys[i * _KEY:(i + 1) * _KEY],
                                              dest[i])))
+        gone = n - len(items)
+        if gone:  # removed since the caller's ``contains`` (a CLEAR; never the tier's own eviction)
+            self.st.promotion_failures += gone
+            log.warning("disk tier: %d of %d blocks to read are no longer held", gone, n)
         if not items:
             fut.set_result(np.zeros(n, dtype=bool))
             return fut
@@ -214,8 +218,9 @@ class DiskTier:
         st.read_bytes += res.nbytes
         st.io_errors += res.io_errors
         st.checksum_failures += res.checksum_failures
-        if res.first_error:
-            log.warning("disk tier: %s (%d blocks of this batch are misses)", res.first_error,
+        if res.first_error or res.checksum_failures:
+            log.warning("disk tier: %s%d blocks failed their checksum (%d blocks of this batch are misses)",
+                        res.first_error + "; " if res.first_error else "", res.checksum_failures,
                         res.ok.count(False))
         bad = [it for (_, it), ok in zip(part, res.ok, strict=True) if not ok]
         if bad:  # never served again: forget the records that still name these bytes

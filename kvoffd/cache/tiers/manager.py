@@ -49,6 +49,7 @@ class Tiers:
         self._promoting: dict[Entry, asyncio.Future] = {}
         self._spilling: set[asyncio.Future] = set()
         self._spill_bytes = 0  # staged, not yet written
+        self._held: list | None = None  # spills staged during a LOOKUP's promotions, written after them
         self.hits: dict[str, int] = {t.name: 0 for t in self.tiers}
         self.spill_busy = 0
         self.disabled = ""  # why a configured tier is not running (kvoffctl status shows it)
@@ -116,8 +117,15 @@ class Tiers:
             dst[i * slot_bytes:(i + 1) * slot_bytes] = buf[e.slot:e.slot + slot_bytes]
         view = memoryview(staging)
         src = [view[i * slot_bytes:(i + 1) * slot_bytes] for i in range(len(todo))]
-        fut = tier.write(self._ref(t), b"".join([e.key for e in todo]), src)
         self._spill_bytes += nbytes
+        args = (tier, self._ref(t), b"".join([e.key for e in todo]), src, nbytes)
+        if self._held is not None:  # a LOOKUP is promoting: its reads go first (see extend_lookup)
+            self._held.append(args)
+        else:
+            self._write(*args)
+
+    def _write(self, tier: Tier, ref: TableRef, keys: bytes, src: list[memoryview], nbytes: int) -> None:
+        fut = tier.write(ref, keys, src)
         self._spilling.add(fut)
 
         def done(f: asyncio.Future) -> None:  # the staging buffer goes with the last view of it
@@ -147,17 +155,27 @@ class Tiers:
             walks.append((t, lead, wanted))
             if not limit:
                 return n, by_rank, reason
+        if n and not by_rank:  # no lease asked: the pool's hits, to hold while the promotions evict
+            by_rank = {r: [ns.tables[r].visible[keys[i * _K:(i + 1) * _K]] for i in range(n)]
+                       for r in range(ns.world_size)}
         keep = {id(e) for e in self._lead_entries(by_rank)}
         pinned = [e for t, lead, _ in walks for e in lead if e is not None and id(e) not in keep]
         pinned += self._lead_entries(by_rank)
         for e in pinned:  # what this answer promises must survive the evictions the promotions cause
             e.pins += 1
+        # The promotions evict pool blocks, whose spills would take tier slots: one of them could be a
+        # block about to be read. So the spills wait until every read is submitted (a read in flight
+        # keeps its slot from reuse).
+        self._held = []
         try:
             for t, lead, wanted in walks:
                 limit = min(limit, self._promote(t, rest, lead, wanted, limit))
         finally:
+            held, self._held = self._held, None
             for e in pinned:
                 self.index.unpin(e)
+            for args in held:
+                self._write(*args)
         if not limit:
             return n, by_rank, reason
         out = {r: list(by_rank.get(r, ()))[:n] + walks[r][1][:limit] for r in range(ns.world_size)}
@@ -241,7 +259,7 @@ class Tiers:
         get = t.entries.get
         futs = {self._promoting.get(e) for e in map(get, keys) if e is not None}
         futs.discard(None)
-        return [f for f in futs if not f.done()]
+        return list(futs)  # done ones too: until ``_promoted`` ran (a callback later), the blocks are not visible
 
     # --- figures --------------------------------------------------------------------------------
     def stats(self) -> list[TierStats]:
