@@ -270,7 +270,6 @@ class DiskTier:
             self._count_spills(out)
             fut.set_result(out)
             return fut
-        c.busy[slots] += 1
         tasks = _split(items, c.slot_bytes)
         batch = _Batch(fut, len(tasks), results=[out, tid, self._gen.get(tid, 0)])
         for part in tasks:
@@ -301,7 +300,10 @@ class DiskTier:
             keep = ~present
             pos = c.table.insert(tid, k[keep], slots[ok][keep].astype(np.uint32),
                                  np.array(res.crcs, dtype=np.uint32)[ok][keep])
-            c.owner[slots[ok][keep]] = pos
+            placed = pos >= 0  # both of a key's buckets full (about never): that block is not kept
+            c.owner[slots[ok][keep][placed]] = pos[placed]
+            for j in np.flatnonzero(ok)[keep][~placed].tolist():
+                out[part[j][0]] = SpillResult.FULL
         batch.left -= 1
         if not batch.left:
             self._count_spills(out)
@@ -316,7 +318,8 @@ class DiskTier:
 
     def _alloc(self, c: _SizeClass, k: int) -> np.ndarray:
         """Up to ``k`` slots by CLOCK: free ones, or ones whose block was not looked at since the hand
-        last passed (its record removed now, before the slot is rewritten). Busy slots are skipped."""
+        last passed (its record removed now, before the slot is rewritten). Busy slots are skipped; the
+        slots returned are busy (the caller's write) until ``_write_done``."""
         got: list[np.ndarray] = []
         need, scanned = k, 0
         while need and scanned < 2 * c.nslots:
@@ -327,6 +330,7 @@ class DiskTier:
             sel = idx[ok][:need]
             end = int(sel[-1]) + 1 if len(sel) == need else hi
             c.ref[lo:end] = 0  # the second chance, spent
+            c.busy[sel] += 1  # taken now: a sweep that wraps around must not hand them out twice
             ev = sel[c.owner[sel] != NONE]
             if len(ev):
                 c.table.remove(c.owner[ev].astype(np.int64))

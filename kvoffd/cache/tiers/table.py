@@ -6,15 +6,17 @@ structured array at a load factor of 3/4 (59 bytes per block), and the array *is
 ``numpy.memmap`` next to the data, so it survives a restart and a SIGKILL (the kernel keeps the dirty
 pages) without a write-ahead log.
 
-Open addressing with linear probing; the key is already a hash, so its first word (mixed with the
-table id) is the probe start. ``lookup`` and ``insert`` take whole batches and run the probe sequence
-for all keys at once (one numpy pass per probe step, a handful of steps at this load factor): a
-LOOKUP of 1,024 keys is a few array operations, not 1,024 Python dict probes.
+Layout: buckets of ``BUCKET`` records; a key may live in either of two buckets (its first and second
+key words, mixed with the table id, pick them: the key is already a hash) and goes to the emptier
+one. With two choices a bucket overflows about never at this load factor; if both are full the
+insert says so (-1) and the caller drops that block. There is no probing and so no tombstone: a
+removal just empties its record, and nothing ever needs a rebuild (a rebuild would be an O(capacity)
+stall of the event loop). ``lookup`` and ``insert`` take whole batches: a LOOKUP of 1,024 keys is a
+few numpy gathers over their 2 x 8 candidate records, not 1,024 Python probes.
 
-Crash safety: a record is published by writing its ``tid`` last (0 = empty, TOMB = removed); a torn
-record (SIGKILL between the field stores) is either invisible or names a slot whose bytes fail the
-checksum, which covers the key as well as the data (``kvoffd/cache/tiers/disk.py``). Tombstones are
-swept by rebuilding into a new file and renaming it over the old one.
+Crash safety: a record is published by writing its ``tid`` last (0 = empty); a torn record (SIGKILL
+between the field stores) is either invisible or names a slot whose bytes fail the checksum, which
+covers the key as well as the data (``kvoffd/cache/tiers/disk.py``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ import numpy as np
 
 RECORD = np.dtype([("k", "<u8", (4,)), ("tid", "<u4"), ("slot", "<u4"), ("crc", "<u4")])
 EMPTY = 0
-TOMB = 0xFFFFFFFF
+BUCKET = 8
 LOAD_FACTOR = 0.75
 _HEADER = 64
-_MAGIC = b"KVOFFTB1"
+_MAGIC = b"KVOFFTB2"
 _MIX = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
+_LANES = np.arange(BUCKET, dtype=np.int64)
 
 
 def keys_u64(keys: bytes) -> np.ndarray:
@@ -40,46 +43,29 @@ def keys_u64(keys: bytes) -> np.ndarray:
 
 
 class BlockTable:
-    """``capacity`` records for up to ``max_blocks`` blocks, in memory or in the file ``path``."""
+    """Records for up to ``max_blocks`` blocks, in memory or in the file ``path``."""
 
     def __init__(self, max_blocks: int, path: str | None = None):
         self.max_blocks = max_blocks
-        self.cap = max(16, math.ceil(max_blocks / LOAD_FACTOR))
+        self.nbuckets = max(2, math.ceil(max_blocks / LOAD_FACTOR / BUCKET))
+        self.cap = self.nbuckets * BUCKET
         self.path = path
-        self.recs = self._open(path, self.cap)
-        live = (self.recs["tid"] != EMPTY) & (self.recs["tid"] != TOMB)
-        self.used = int(np.count_nonzero(live))
-        self.tombs = int(np.count_nonzero(self.recs["tid"] == TOMB))
+        self._mm = self._open(path, self.cap)
+        self.recs = np.asarray(self._mm)  # a plain ndarray on the same pages: memmap's subclass hooks cost µs per op
+        self._tids = self.recs["tid"]
+        self._k0 = self.recs["k"][:, 0]
+        self.used = int(np.count_nonzero(self._tids != EMPTY))
         if path is not None and os.path.exists(path + ".old"):
             self._import(path + ".old")
-
-    def _import(self, old_path: str) -> None:
-        """The records of a table of another capacity (``--disk-size`` changed), rehashed into this one;
-        those that do not fit are dropped (their blocks become misses)."""
-        with open(old_path, "rb") as f:
-            head = f.read(16)
-        if head[:8] == _MAGIC:
-            cap = int.from_bytes(head[8:16], "little")
-            old = np.memmap(old_path, dtype=RECORD, mode="r", offset=_HEADER, shape=(cap,))
-            t = old["tid"]
-            sel = np.array(old[(t != EMPTY) & (t != TOMB)])[: self.max_blocks]
-            for tid in np.unique(sel["tid"]):
-                s = sel[sel["tid"] == tid]
-                self.insert(int(tid), s["k"], s["slot"], s["crc"])
-            del old
-            self.flush()
-        os.unlink(old_path)
 
     @staticmethod
     def _open(path: str | None, cap: int) -> np.ndarray:
         if path is None:
             return np.zeros(cap, dtype=RECORD)
         size = _HEADER + cap * RECORD.itemsize
-        fresh = not os.path.exists(path) or os.path.getsize(path) != size
-        if fresh:
-            old = path + ".old"
+        if not os.path.exists(path) or os.path.getsize(path) != size:
             if os.path.exists(path):
-                os.replace(path, old)  # another size: rehashed below by the caller (reopen)
+                os.replace(path, path + ".old")  # another capacity: imported by __init__
             with open(path + ".tmp", "wb") as f:
                 f.write(_MAGIC + cap.to_bytes(8, "little") + bytes(_HEADER - 16))
                 f.truncate(size)
@@ -89,104 +75,91 @@ class BlockTable:
                 raise ValueError(f"{path} is not a kvoffd block table")
         return np.memmap(path, dtype=RECORD, mode="r+", offset=_HEADER, shape=(cap,))
 
+    def _import(self, old_path: str) -> None:
+        """The records of a table of another capacity (``--disk-size`` changed), rehashed into this one;
+        those that do not fit are dropped (their blocks become misses)."""
+        with open(old_path, "rb") as f:
+            head = f.read(16)
+        if head[:8] == _MAGIC:
+            cap = int.from_bytes(head[8:16], "little")
+            old = np.memmap(old_path, dtype=RECORD, mode="r", offset=_HEADER, shape=(cap,))
+            sel = np.array(old[old["tid"] != EMPTY])[: self.max_blocks]
+            del old
+            for tid in np.unique(sel["tid"]):
+                s = sel[sel["tid"] == tid]
+                self.insert(int(tid), s["k"], s["slot"], s["crc"])
+            self.flush()
+        os.unlink(old_path)
+
     @property
     def nbytes(self) -> int:
         return self.cap * RECORD.itemsize
 
-    def _start(self, tid: int, k: np.ndarray) -> np.ndarray:
-        return ((k[:, 0] ^ np.uint64(tid * _MIX & _M64)) % np.uint64(self.cap)).astype(np.int64)
+    def _candidates(self, tid: int, k: np.ndarray) -> np.ndarray:
+        """(n, 2 * BUCKET) record positions: the key's two buckets."""
+        mix = np.uint64(tid * _MIX & _M64)
+        nb = np.uint64(self.nbuckets)
+        b1 = ((k[:, 0] ^ mix) % nb).astype(np.int64)
+        b2 = ((k[:, 1] ^ mix) % nb).astype(np.int64)
+        b2 = np.where(b2 == b1, (b1 + 1) % self.nbuckets, b2)
+        return np.concatenate([b1[:, None] * BUCKET + _LANES, b2[:, None] * BUCKET + _LANES], axis=1)
 
     def lookup(self, tid: int, keys: np.ndarray) -> np.ndarray:
         """Record position of each key (``keys``: (n, 4) uint64), -1 where absent. Vectorised."""
         n = len(keys)
-        out = np.full(n, -1, dtype=np.int64)
         if not n or not self.used:
-            return out
-        pos = self._start(tid, keys)
-        active = np.arange(n)
-        recs, cap = self.recs, self.cap
-        for _ in range(cap):
-            p = pos[active]
-            tids = recs["tid"][p]
-            match = (tids == tid) & (recs["k"][p] == keys[active]).all(axis=1)
-            out[active[match]] = p[match]
-            go = ~(match | (tids == EMPTY))
-            active = active[go]
-            if not active.size:
-                break
-            pos[active] = (pos[active] + 1) % cap
+            return np.full(n, -1, dtype=np.int64)
+        pos = self._candidates(tid, keys)
+        match = (self._tids[pos] == tid) & (self._k0[pos] == keys[:, :1])
+        found = match.any(axis=1)
+        out = np.where(found, pos[np.arange(n), match.argmax(axis=1)], -1)
+        hit = np.flatnonzero(found)
+        if hit.size:  # the whole key, for those whose first word matched
+            same = (self.recs["k"][out[hit]] == keys[hit]).all(axis=1)
+            out[hit[~same]] = -1
         return out
 
     def insert(self, tid: int, keys: np.ndarray, slots: np.ndarray, crcs: np.ndarray) -> np.ndarray:
-        """Records for keys not present (the caller checked; keys unique); returns their positions.
-        Fields first, ``tid`` last: see the module docstring."""
+        """Records for keys not present (the caller checked; keys unique); returns their positions, -1
+        where both buckets were full. Fields first, ``tid`` last: see the module docstring."""
         n = len(keys)
         out = np.full(n, -1, dtype=np.int64)
-        if not n:
-            return out
-        if self.used + self.tombs + n > 0.9 * self.cap:
-            self.rebuild()
-        if self.used + n > self.cap - 1:
-            raise ValueError("block table full")
-        pos = self._start(tid, keys)
         active = np.arange(n)
-        recs, cap = self.recs, self.cap
-        while active.size:
-            p = pos[active]
-            tids = recs["tid"][p]
-            free = (tids == EMPTY) | (tids == TOMB)
-            cand = np.flatnonzero(free)
-            if cand.size:
-                _, first = np.unique(p[cand], return_index=True)  # one key per free record per step
-                win = cand[first]
-                w, wp = active[win], p[win]
-                self.tombs -= int(np.count_nonzero(recs["tid"][wp] == TOMB))
-                recs["k"][wp] = keys[w]
-                recs["slot"][wp] = slots[w]
-                recs["crc"][wp] = crcs[w]
-                recs["tid"][wp] = tid
-                out[w] = wp
-                keep = np.ones(active.size, dtype=bool)
-                keep[win] = False
-                active = active[keep]
-            pos[active] = (pos[active] + 1) % cap
-        self.used += n
+        recs = self.recs
+        for _ in range(2 * BUCKET + 1):
+            if not active.size:
+                break
+            pos = self._candidates(tid, keys[active])
+            free = self._tids[pos] == EMPTY
+            f1, f2 = free[:, :BUCKET].sum(axis=1), free[:, BUCKET:].sum(axis=1)
+            half = np.where(f2 > f1, BUCKET, 0)
+            lane = np.argmax(np.take_along_axis(free, half[:, None] + _LANES, axis=1), axis=1)
+            room = np.maximum(f1, f2) > 0
+            target = pos[np.arange(active.size), half + lane]
+            active, target = active[room], target[room]  # both buckets full: stays -1
+            _, first = np.unique(target, return_index=True)  # one key per record per round
+            w, wp = active[first], target[first]
+            recs["k"][wp] = keys[w]
+            recs["slot"][wp] = slots[w]
+            recs["crc"][wp] = crcs[w]
+            self._tids[wp] = tid
+            out[w] = wp
+            self.used += len(w)
+            keep = np.ones(active.size, dtype=bool)
+            keep[first] = False
+            active = active[keep]
         return out
 
     def remove(self, positions: np.ndarray) -> None:
-        """Tombstone these records (positions of live records)."""
+        """Empty these records (positions of live records)."""
         if len(positions):
-            self.recs["tid"][positions] = TOMB
+            self._tids[positions] = EMPTY
             self.used -= len(positions)
-            self.tombs += len(positions)
 
     def live(self) -> np.ndarray:
         """Positions of the live records."""
-        t = self.recs["tid"]
-        return np.flatnonzero((t != EMPTY) & (t != TOMB))
-
-    def rebuild(self) -> None:
-        """Sweep the tombstones: the live records rehashed into a fresh table (a new file renamed over
-        the old one, so a crash leaves one or the other)."""
-        pos = self.live()
-        old = np.array(self.recs[pos])  # a copy: the memmap goes below
-        if self.path is not None:
-            self.recs.flush()
-            del self.recs
-            tmp = self.path + ".new"
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            fresh = self._open(tmp, self.cap)
-        else:
-            fresh = np.zeros(self.cap, dtype=RECORD)
-        self.recs, self.used, self.tombs = fresh, 0, 0
-        for tid in np.unique(old["tid"]):
-            sel = old[old["tid"] == tid]
-            self.insert(int(tid), sel["k"], sel["slot"], sel["crc"])
-        if self.path is not None:
-            self.recs.flush()
-            os.replace(self.path + ".new", self.path)
+        return np.flatnonzero(self._tids != EMPTY)
 
     def flush(self) -> None:
         if self.path is not None:
-            self.recs.flush()
+            self._mm.flush()
