@@ -119,8 +119,9 @@ def build_tiny_mla(path: Path, seed: int = 0) -> Path:
 class Daemon:
     """A real kvoffd subprocess on a private socket, with kill/restart for the degradation drills."""
 
-    def __init__(self, workdir: Path, pool: str = "256MiB"):
+    def __init__(self, workdir: Path, pool: str = "256MiB", extra: tuple[str, ...] = ()):
         self.workdir = workdir
+        self.extra = extra  # more daemon flags (e.g. a disk tier)
         self.address = f"ipc://{workdir}/kvoffd.sock"
         self.pool = pool
         self.proc: subprocess.Popen | None = None
@@ -133,7 +134,7 @@ class Daemon:
         self.log_f = open(self.log, "a")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvoffd", "--address", self.address, "--pool-size", self.pool,
-             "--metrics-address", "127.0.0.1:0", "--log-level", "info"],
+             "--metrics-address", "127.0.0.1:0", "--log-level", "info", *self.extra],
             stdout=self.log_f, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         c = KvoffdClient(self.address, name="test", heartbeat=False)
