@@ -188,12 +188,14 @@ class DiskTier:
         fut = self._loop.create_future()
         c, _, pos = self._find(table, keys)
         n = len(pos)
+        found = np.flatnonzero(pos >= 0)
         items: list[tuple[int, diskio.ReadItem]] = []
-        for i in np.flatnonzero(pos >= 0).tolist():
-            p = int(pos[i])
-            rec = c.table.recs[p]
-            items.append((i, diskio.ReadItem(int(rec["slot"]), int(rec["crc"]), keys[i * _KEY:(i + 1) * _KEY],
-                                             dest[i])))
+        if found.size:
+            recs = c.table.recs
+            slots = recs["slot"][pos[found]].astype(np.int64)
+            crcs = recs["crc"][pos[found]].tolist()
+            items = [(i, diskio.ReadItem(s, crc, keys[i * _KEY:(i + 1) * _KEY], dest[i]))
+                     for i, s, crc in zip(found.tolist(), slots.tolist(), crcs, strict=True)]
         gone = n - len(items)
         if gone:  # removed since the caller's ``contains`` (a CLEAR; never the tier's own eviction)
             self.st.promotion_failures += gone
@@ -201,8 +203,7 @@ class DiskTier:
         if not items:
             fut.set_result(np.zeros(n, dtype=bool))
             return fut
-        slots = np.array([it.slot for _, it in items], dtype=np.int64)
-        np.add.at(c.busy, slots, 1)
+        c.busy[slots] += 1  # distinct keys, distinct records, distinct slots
         tasks = _split(items, c.slot_bytes)
         batch = _Batch(fut, len(tasks))
         for part in tasks:
@@ -213,7 +214,7 @@ class DiskTier:
     def _read_done(self, c: _SizeClass, batch: _Batch, n: int, part: list, res) -> None:
         if isinstance(res, Exception):
             res = diskio.ReadResult(ok=[False] * len(part), io_errors=len(part), first_error=str(res))
-        np.subtract.at(c.busy, np.array([it.slot for _, it in part], dtype=np.int64), 1)
+        c.busy[np.array([it.slot for _, it in part], dtype=np.int64)] -= 1
         st = self.st
         st.read_bytes += res.nbytes
         st.io_errors += res.io_errors

@@ -194,8 +194,10 @@ class Tiers:
     def _walk(self, t: Table, rest: bytes, limit: int) -> tuple[list, list[int]]:
         """The leading keys of ``rest`` this rank can serve: its entry (pool or promotion under way) or
         None for a tier block, and the positions of the tier blocks to promote."""
-        on = self.tiers[0].contains(self._ref(t), rest[:limit * _K]).tolist()
         get = t.entries.get
+        if get(rest[:_K]) is None and not self.tiers[0].contains(self._ref(t), rest[:_K])[0]:
+            return [], []  # the usual miss (a new prompt): one key asked, not all of them
+        on = self.tiers[0].contains(self._ref(t), rest[:limit * _K]).tolist()
         lead: list[Entry | None] = []
         wanted: list[int] = []
         for i in range(limit):

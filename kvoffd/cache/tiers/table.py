@@ -97,12 +97,11 @@ class BlockTable:
 
     def _candidates(self, tid: int, k: np.ndarray) -> np.ndarray:
         """(n, 2 * BUCKET) record positions: the key's two buckets."""
-        mix = np.uint64(tid * _MIX & _M64)
-        nb = np.uint64(self.nbuckets)
-        b1 = ((k[:, 0] ^ mix) % nb).astype(np.int64)
-        b2 = ((k[:, 1] ^ mix) % nb).astype(np.int64)
-        b2 = np.where(b2 == b1, (b1 + 1) % self.nbuckets, b2)
-        return np.concatenate([b1[:, None] * BUCKET + _LANES, b2[:, None] * BUCKET + _LANES], axis=1)
+        b = ((k[:, :2] ^ np.uint64(tid * _MIX & _M64)) % np.uint64(self.nbuckets)).astype(np.int64)
+        same = b[:, 1] == b[:, 0]
+        if same.any():
+            b[same, 1] = (b[same, 0] + 1) % self.nbuckets
+        return (b[:, :, None] * BUCKET + _LANES).reshape(len(k), 2 * BUCKET)
 
     def lookup(self, tid: int, keys: np.ndarray) -> np.ndarray:
         """Record position of each key (``keys``: (n, 4) uint64), -1 where absent. Vectorised."""
