@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvoffd.cache.tiers.base import SpillResult, TableRef  # noqa: E402
-from kvoffd.cache.tiers.disk import DiskTier  # noqa: E402
+from kvoffd.cache.tiers.disk import DISK_THREADS, DiskTier  # noqa: E402
 from kvoffd.config import parse_size  # noqa: E402
 
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-bytes", default="2MiB")
     ap.add_argument("--total", default="1GiB", help="bytes written and read by each side")
     ap.add_argument("--batch", type=int, default=64, help="blocks per tier call")
-    ap.add_argument("--threads", type=int, default=4, help="the tier's I/O threads")
+    ap.add_argument("--threads", type=int, default=DISK_THREADS, help="the tier's I/O threads (default: the daemon's)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     block, total = parse_size(a.block_bytes), parse_size(a.total)

@@ -79,7 +79,7 @@ def build(directory: str, n: int, seed: int = 1) -> tuple[np.ndarray, int]:
         k = rng.integers(0, 2**63, size=(m, 4), dtype=np.int64).astype(np.uint64)
         pos = t.insert(1, k, np.arange(lo, lo + m, dtype=np.uint32), np.zeros(m, dtype=np.uint32))
         if first is None:
-            first = k[pos >= 0][:200_000].copy()  # (a key whose two buckets were full is not indexed)
+            first = k[pos >= 0][:400_000].copy()  # (a key whose two buckets were full is not indexed)
     t.flush()
     return first, t.used
 

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 NONE = np.uint32(0xFFFFFFFF)
 TASK_BYTES = 8 << 20  # a batch is split into tasks of about this many bytes, spread over the threads
-DISK_THREADS = 4
+DISK_THREADS = max(2, min(8, os.cpu_count() or 2))  # reads verify a crc32 each: the threads are also the checksum cores
 _KEY = 32
 
 
