@@ -6,8 +6,8 @@ rank, world size and layout), and per block size ``blocks-<bytes>.dat`` (slot ``
 ``index-<bytes>.kvx`` (:class:`~kvoffd.cache.tiers.table.BlockTable`). ``--disk-size`` bounds each
 block size's file (a daemon serves one model, so one block size, in the usual case).
 
-Slots are reused by CLOCK (a reference bit set by lookups and reads, one sweep per allocation batch):
-a block found again survives one more sweep. A slot being read or written is never handed out, and a
+Slots are reused by CLOCK with a 2-bit count (raised by lookups, lowered by each pass of the hand): a
+block found again n times survives n more sweeps (up to 3). A slot being read or written is never handed out, and a
 record is removed before its slot is rewritten and inserted only after the write completed — so a
 SIGKILL mid-spill leaves the old record gone and the new one absent, never a record naming half-written
 bytes. Everything here runs on the loop thread except the functions of ``diskio``, run by ``IoPool``.
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 NONE = np.uint32(0xFFFFFFFF)
 TASK_BYTES = 8 << 20  # a batch is split into tasks of about this many bytes, spread over the threads
+REF_MAX = 3  # CLOCK with a 2-bit count: 77.5% vs 75.7% of unbounded for 1 bit (simulated, conversation trace)
 DISK_THREADS = max(2, min(8, os.cpu_count() or 2))  # reads verify a crc32 each: the threads are also the checksum cores
 _KEY = 32
 
@@ -181,7 +182,8 @@ class DiskTier:
         c, _, pos = self._find(table, keys)
         found = pos >= 0
         if c is not None and found.any():
-            c.ref[c.table.recs["slot"][pos[found]]] = 1
+            s = c.table.recs["slot"][pos[found]]
+            c.ref[s] = np.minimum(c.ref[s], REF_MAX - 1) + 1
         return found
 
     def read(self, table: TableRef, keys: bytes, dest: Sequence[memoryview]) -> asyncio.Future:
@@ -330,8 +332,10 @@ class DiskTier:
             ok = (c.busy[lo:hi] == 0) & ((c.owner[lo:hi] == NONE) | (c.ref[lo:hi] == 0))
             sel = idx[ok][:need]
             end = int(sel[-1]) + 1 if len(sel) == need else hi
-            c.ref[lo:end] = 0  # the second chance, spent
+            passed = c.ref[lo:end]
+            passed -= passed > 0  # one chance spent per pass (a block asked for n times survives n passes)
             c.busy[sel] += 1  # taken now: a sweep that wraps around must not hand them out twice
+            c.ref[sel] = 0  # the new block starts unreferenced
             ev = sel[c.owner[sel] != NONE]
             if len(ev):
                 c.table.remove(c.owner[ev].astype(np.int64))

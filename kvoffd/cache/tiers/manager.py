@@ -24,6 +24,7 @@ import logging
 import mmap
 import zlib
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -50,6 +51,8 @@ class Tiers:
         self._spilling: set[asyncio.Future] = set()
         self._spill_bytes = 0  # staged, not yet written
         self._held: list | None = None  # spills staged during a LOOKUP's promotions, written after them
+        self._staged: dict[tuple[Table, bytes], memoryview] = {}  # spilled, write not done: served from here
+        self.staged_hits = 0
         self.hits: dict[str, int] = {t.name: 0 for t in self.tiers}
         self.spill_busy = 0
         self.disabled = ""  # why a configured tier is not running (kvoffctl status shows it)
@@ -90,6 +93,7 @@ class Tiers:
         for t in self.tiers:
             t.clear(namespace)
         self._refs = {t: r for t, r in self._refs.items() if namespace and r.namespace != namespace}
+        self._staged = {k: v for k, v in self._staged.items() if namespace and k[0].namespace != namespace}
 
     def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
         """Spill what the pool evicts (visible blocks, admitted once), unless a tier holds it already."""
@@ -100,7 +104,8 @@ class Tiers:
                 groups.setdefault(e.table, []).append(e)
         for t, es in groups.items():
             keys = b"".join([e.key for e in es])
-            todo = [e for e, have in zip(es, tier.contains(self._ref(t), keys).tolist(), strict=True) if not have]
+            todo = [e for e, have in zip(es, tier.contains(self._ref(t), keys).tolist(), strict=True)
+                    if not have and (t, e.key) not in self._staged]
             room = max(0, self.spill_buffer_bytes - self._spill_bytes) // slot_bytes
             if len(todo) > room:
                 self.spill_busy += len(todo) - room
@@ -118,19 +123,25 @@ class Tiers:
         view = memoryview(staging)
         src = [view[i * slot_bytes:(i + 1) * slot_bytes] for i in range(len(todo))]
         self._spill_bytes += nbytes
-        args = (tier, self._ref(t), b"".join([e.key for e in todo]), src, nbytes)
+        keys = [e.key for e in todo]
+        for k, v in zip(keys, src, strict=True):  # until the write lands, a lookup is served from here
+            self._staged[(t, k)] = v
+        args = (tier, t, keys, src, nbytes)
         if self._held is not None:  # a LOOKUP is promoting: its reads go first (see extend_lookup)
             self._held.append(args)
         else:
             self._write(*args)
 
-    def _write(self, tier: Tier, ref: TableRef, keys: bytes, src: list[memoryview], nbytes: int) -> None:
-        fut = tier.write(ref, keys, src)
+    def _write(self, tier: Tier, t: Table, keys: list[bytes], src: list[memoryview], nbytes: int) -> None:
+        fut = tier.write(self._ref(t), b"".join(keys), src)
         self._spilling.add(fut)
 
         def done(f: asyncio.Future) -> None:  # the staging buffer goes with the last view of it
             self._spilling.discard(f)
             self._spill_bytes -= nbytes
+            for k, v in zip(keys, src, strict=True):
+                if self._staged.get((t, k)) is v:
+                    del self._staged[(t, k)]
 
         fut.add_done_callback(done)
 
@@ -195,19 +206,22 @@ class Tiers:
         """The leading keys of ``rest`` this rank can serve: its entry (pool or promotion under way) or
         None for a tier block, and the positions of the tier blocks to promote."""
         get = t.entries.get
-        if get(rest[:_K]) is None and not self.tiers[0].contains(self._ref(t), rest[:_K])[0]:
+        staged = self._staged
+        if (get(rest[:_K]) is None and (t, rest[:_K]) not in staged
+                and not self.tiers[0].contains(self._ref(t), rest[:_K])[0]):
             return [], []  # the usual miss (a new prompt): one key asked, not all of them
         on = self.tiers[0].contains(self._ref(t), rest[:limit * _K]).tolist()
         lead: list[Entry | None] = []
         wanted: list[int] = []
         for i in range(limit):
-            e = get(rest[i * _K:(i + 1) * _K])
+            k = rest[i * _K:(i + 1) * _K]
+            e = get(k)
             if e is not None:
                 if e.ready or e in self._promoting:
                     lead.append(e)
                     continue
                 break  # being stored by a STORE: not readable yet
-            if not on[i]:
+            if not on[i] and (t, k) not in staged:
                 break
             lead.append(None)
             wanted.append(i)
@@ -228,16 +242,42 @@ class Tiers:
         entries = self.index.add_pending(t, keys, plan.want, plan.slots)
         for j, e in zip(plan.want, entries, strict=True):
             lead[wanted[j]] = e
+        tier = self.tiers[0]
+        self.hits[tier.name] += len(entries)
+        entries = self._from_staging(t, entries)
+        if not entries:
+            return limit
         size = t.slot_bytes
         buf = self.index.pool.buffer
         dest = [memoryview(buf[e.slot:e.slot + size]) for e in entries]
-        tier = self.tiers[0]
-        self.hits[tier.name] += len(entries)
         fut = tier.read(self._ref(t), b"".join([e.key for e in entries]), dest)
         for e in entries:
             self._promoting[e] = fut
         fut.add_done_callback(lambda f: self._promoted(entries, f))
         return limit
+
+    def _from_staging(self, t: Table, entries: list[Entry]) -> list[Entry]:
+        """Blocks spilled moments ago, whose write has not landed, are copied back from the staging
+        buffer (the bytes of a committed slot) and made visible at once; returns the others."""
+        if not self._staged:
+            return entries
+        size = t.slot_bytes
+        buf = self.index.pool.buffer
+        done: list[Entry] = []
+        rest: list[Entry] = []
+        for e in entries:
+            v = self._staged.get((t, e.key))
+            if v is None:
+                rest.append(e)
+                continue
+            buf[e.slot:e.slot + size] = np.frombuffer(v, dtype=np.uint8)
+            if self.verify:
+                e.checksum = zlib.crc32(buf[e.slot:e.slot + size])
+            done.append(e)
+        if done:
+            self.staged_hits += len(done)
+            self.index.commit(done)
+        return rest
 
     def _promoted(self, entries: list[Entry], fut: asyncio.Future) -> None:
         for e in entries:
@@ -268,7 +308,9 @@ class Tiers:
         out = []
         for t in self.tiers:
             st = t.stats()
+            st = replace(st, spills_dropped=dict(st.spills_dropped), notes=dict(st.notes))  # not the tier's own
             st.hits = self.hits[t.name]
+            st.promotions += self.staged_hits  # served from a spill still in flight
             if self.spill_busy:
                 st.spills_dropped[SpillResult.BUSY.value] = self.spill_busy
             out.append(st)
