@@ -67,3 +67,37 @@ def test_one_daemon_per_directory(tmp_path):
             DiskTier(str(tmp_path / "disk"), 1 << 20)
     finally:
         a.close()
+
+
+async def _staged(path: str) -> None:
+    """The disk tier's I/O threads are not started: every spill stays in flight. A lookup of blocks
+    just evicted is served from their staging copies, byte-exact, without a read."""
+    from kvoffd.cache.index import Index
+    from kvoffd.cache.pool import Pool
+    from kvoffd.cache.tiers.manager import Tiers
+
+    index = Index(Pool(16 * SLOT, chunk_bytes=16 * SLOT), "lru")
+    tier = DiskTier(path, 64 * SLOT, threads=1)
+    tier._loop = asyncio.get_running_loop()  # futures resolve on this loop; no thread ever runs a write
+    tiers = Tiers(index, [tier])
+    t = index.table("unit", 0, 1, SLOT, (SLOT,))
+    keys = [hashlib.sha256(b"s%d" % i).digest() for i in range(32)]
+    for lo in (0, 16):  # the second half evicts the first
+        ks = keys[lo:lo + 16]
+        p = index.plan(t, ks)
+        entries = index.add_pending(t, ks, p.want, p.slots)
+        for e in entries:
+            index.pool.view(e.slot, SLOT)[:] = np.frombuffer(hashlib.sha256(e.key).digest() * (SLOT // 32), np.uint8)
+        index.commit(entries)
+    assert tier.stats().spills == 0 and len(tiers._staged) == 16  # all in flight
+    n, by_rank, _ = tiers.extend_lookup("unit", b"".join(keys[:8]), 0, {}, "")
+    assert n == 8 and tiers.staged_hits == 8
+    for k in keys[:8]:
+        e = t.visible[k]  # visible at once: no read to wait for
+        assert bytes(index.pool.view(e.slot, SLOT)) == hashlib.sha256(k).digest() * (SLOT // 32)
+    assert not tiers.promotions(t, keys[:8])
+    tier.close()
+
+
+def test_a_block_whose_spill_has_not_landed_is_served_from_staging(tmp_path):
+    asyncio.run(_staged(str(tmp_path / "disk")))
