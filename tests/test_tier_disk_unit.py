@@ -34,7 +34,10 @@ async def _pressure(path: str) -> None:
     try:
         keys, src, want = _blocks(0, 64)
         assert all(r is SpillResult.WRITTEN for r in await tier.write(REF, keys, src))
-        assert tier.contains(REF, keys).all()  # every reference bit set: the next sweep must wrap
+        dst0 = mmap.mmap(-1, 64 * SLOT)
+        v0 = memoryview(dst0)
+        assert (await tier.read(REF, keys, [v0[j * SLOT:(j + 1) * SLOT] for j in range(64)])).all()
+        # every block just read (a use): the next sweep passes all of them once and must wrap around
         keys2, src2, want2 = _blocks(64, 48)
         res = await tier.write(REF, keys2, src2)
         assert all(r is SpillResult.WRITTEN for r in res)

@@ -6,7 +6,7 @@ rank, world size and layout), and per block size ``blocks-<bytes>.dat`` (slot ``
 ``index-<bytes>.kvx`` (:class:`~kvoffd.cache.tiers.table.BlockTable`). ``--disk-size`` bounds each
 block size's file (a daemon serves one model, so one block size, in the usual case).
 
-Slots are reused by CLOCK with a 2-bit count (raised by lookups, lowered by each pass of the hand): a
+Slots are reused by CLOCK with a 2-bit count (raised by each read, lowered by each pass of the hand): a
 block found again n times survives n more sweeps (up to 3). A slot being read or written is never handed out, and a
 record is removed before its slot is rewritten and inserted only after the write completed — so a
 SIGKILL mid-spill leaves the old record gone and the new one absent, never a record naming half-written
@@ -46,7 +46,7 @@ class _SizeClass:
     files: diskio.Files
     table: BlockTable
     owner: np.ndarray  # slot -> record position (NONE: free)
-    ref: np.ndarray  # CLOCK reference bits
+    ref: np.ndarray  # CLOCK counts (0..REF_MAX)
     busy: np.ndarray  # reads and writes in flight per slot: never handed out meanwhile
     hand: int = 0
 
@@ -179,12 +179,7 @@ class DiskTier:
         return c, tid, c.table.lookup(tid, keys_u64(keys))
 
     def contains(self, table: TableRef, keys: bytes) -> np.ndarray:
-        c, _, pos = self._find(table, keys)
-        found = pos >= 0
-        if c is not None and found.any():
-            s = c.table.recs["slot"][pos[found]]
-            c.ref[s] = np.minimum(c.ref[s], REF_MAX - 1) + 1
-        return found
+        return self._find(table, keys)[2] >= 0  # no side effect: only a read counts as a use
 
     def read(self, table: TableRef, keys: bytes, dest: Sequence[memoryview]) -> asyncio.Future:
         fut = self._loop.create_future()
@@ -206,6 +201,7 @@ class DiskTier:
             fut.set_result(np.zeros(n, dtype=bool))
             return fut
         c.busy[slots] += 1  # distinct keys, distinct records, distinct slots
+        c.ref[slots] = np.minimum(c.ref[slots], REF_MAX - 1) + 1  # a use: CLOCK keeps it longer
         tasks = _split(items, c.slot_bytes)
         batch = _Batch(fut, len(tasks))
         for part in tasks:
@@ -320,8 +316,7 @@ class DiskTier:
                 self.st.spills_dropped[r.value] = self.st.spills_dropped.get(r.value, 0) + 1
 
     def _alloc(self, c: _SizeClass, k: int) -> np.ndarray:
-        """Up to ``k`` slots by CLOCK: free ones, or ones whose block was not looked at since the hand
-        last passed (its record removed now, before the slot is rewritten). Busy slots are skipped; the
+        """Up to ``k`` slots by CLOCK: free ones, or ones whose count the hand has worn down to 0 (its record removed now, before the slot is rewritten). Busy slots are skipped; the
         slots returned are busy (the caller's write) until ``_write_done``."""
         got: list[np.ndarray] = []
         need, scanned = k, 0
