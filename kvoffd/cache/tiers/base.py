@@ -96,8 +96,10 @@ class Tier(Protocol):
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start threads/connections; futures are resolved on ``loop``."""
 
-    def contains(self, table: TableRef, keys: bytes) -> np.ndarray:
-        """A bool per 32-byte key of the binary ``keys``: held here now (vectorised; no I/O)."""
+    def contains(self, table: TableRef, keys: bytes, touch: bool = False) -> np.ndarray:
+        """A bool per 32-byte key of the binary ``keys``: held here now (vectorised; no I/O).
+        ``touch``: the blocks were used above (evicted from the pool again): a hint for the tier's
+        replacement policy. A read is a use by itself."""
 
     def read(self, table: TableRef, keys: bytes, dest: Sequence[memoryview]) -> asyncio.Future:
         """Fill ``dest[i]`` with block ``i``'s bytes; resolves to a bool array (True: verified). Reads

@@ -178,8 +178,13 @@ class DiskTier:
             return None, 0, np.full(len(keys) // _KEY, -1, dtype=np.int64)
         return c, tid, c.table.lookup(tid, keys_u64(keys))
 
-    def contains(self, table: TableRef, keys: bytes) -> np.ndarray:
-        return self._find(table, keys)[2] >= 0  # no side effect: only a read counts as a use
+    def contains(self, table: TableRef, keys: bytes, touch: bool = False) -> np.ndarray:
+        c, _, pos = self._find(table, keys)
+        found = pos >= 0
+        if touch and c is not None and found.any():  # used again above: CLOCK keeps it longer
+            s = c.table.recs["slot"][pos[found]]
+            c.ref[s] = np.minimum(c.ref[s], REF_MAX - 1) + 1
+        return found
 
     def read(self, table: TableRef, keys: bytes, dest: Sequence[memoryview]) -> asyncio.Future:
         fut = self._loop.create_future()

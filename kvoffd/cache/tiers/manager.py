@@ -104,7 +104,8 @@ class Tiers:
                 groups.setdefault(e.table, []).append(e)
         for t, es in groups.items():
             keys = b"".join([e.key for e in es])
-            todo = [e for e, have in zip(es, tier.contains(self._ref(t), keys).tolist(), strict=True)
+            have_it = tier.contains(self._ref(t), keys, touch=True).tolist()  # used in the pool since
+            todo = [e for e, have in zip(es, have_it, strict=True)
                     if not have and (t, e.key) not in self._staged]
             room = max(0, self.spill_buffer_bytes - self._spill_bytes) // slot_bytes
             if len(todo) > room:
