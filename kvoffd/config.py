@@ -235,7 +235,7 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     if cfg.disk_path and "eviction_policy" not in raw:
         # Under a disk tier, admission at the pool keeps refused blocks out of the disk too (they never
         # reach it): measured on the conversation trace (docs/benchmarks.md, disk tier), pool + disk
-        # hit 70.9% of the unbounded ratio with lru and 50.9% with the doorkeeper.
+        # hit 73.2% of the unbounded ratio with lru and 50.5% with the doorkeeper.
         cfg.eviction_policy = LRU.name
     if cfg.disk_path and cfg.disk_size < (1 << 20):
         raise ConfigError("--disk-path needs --disk-size of at least 1MiB (e.g. --disk-size 512GiB)")
