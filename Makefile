@@ -69,6 +69,7 @@ bench: install-test
 
 lint: install-test
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff format --check . || true
 
 clean:

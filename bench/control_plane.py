@@ -140,7 +140,7 @@ def main() -> None:
                     in_flight += 1
                 got = c.take_notices()
                 if not got:
-                    c._pump(1)
+                    c.poll(1)
                 for n_ in got:
                     assert n_.ok, n_
                 done += len(got)

@@ -1,8 +1,8 @@
 """Loop cost per block of a 1,024-block STORE in the index, by eviction policy (issue 15 point 2).
 
 Times what the event loop does for one STORE besides the copy: the LOOKUP that precedes it (the
-policy's ``on_lookup_miss``), ``Index.plan`` (admission, allocation, the victims), ``add_pending``
-and ``commit``, on a full pool of 65,536 slots, with a real Index and Pool. Each outcome is reported
+policy's ``on_lookup_miss``), ``Index.prepare_store`` (admission, allocation, the victims), ``add_pending``
+and ``complete_store``, on a full pool of 65,536 slots, with a real Index and Pool. Each outcome is reported
 apart: ``stored`` (1,024 new blocks admitted, 1,024 victims evicted) and ``refused`` (the default
 refuses a first request once the pool is full: no slot, no copy).
 
@@ -35,10 +35,11 @@ def measure(policy: str, rounds: int = 30) -> dict[str, float]:
 
     def store(ks: list[bytes]) -> tuple[float, int, int]:
         t0 = time.perf_counter_ns()
-        index.leading_hits("ns", b"".join(ks))
-        p = index.plan(t, ks)
-        index.commit(index.add_pending(t, ks, p.want, p.slots))
-        return (time.perf_counter_ns() - t0) / len(ks), len(p.want), len(p.refused)
+        index.lookup("ns", b"".join(ks))
+        p = index.prepare_store(t, ks)
+        index.add_pending(p)
+        index.complete_store(p, True)
+        return (time.perf_counter_ns() - t0) / len(ks), len(p.copy_idx), len(p.refused)
 
     for i in range(0, CAP, BATCH):  # full, every block asked for twice
         store(keys[i:i + BATCH])

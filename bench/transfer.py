@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -31,7 +32,7 @@ from standin import Engine, Spec  # noqa: E402
 
 from kvoffd.cache.pool import Pool  # noqa: E402
 from kvoffd.transfer.base import Direction, MappedMemory  # noqa: E402
-from kvoffd.transfer.cuda import CudaBackend  # noqa: E402
+from kvoffd.transfer.cuda import CudaBackend, copy_runs_one_by_one  # noqa: E402
 from kvoffd.transfer.pinning import Pinner  # noqa: E402
 from kvoffd_client.protocol import parse_layout  # noqa: E402
 
@@ -162,12 +163,12 @@ async def bench_layout(backend: CudaBackend, pool: Pool, layout: str, args: argp
         row(f"[{layout}] store+load together GB/s", f"{r['both']:.1f}")
         for spec_s in args.batch:
             br, bb = (int(x) for x in spec_s.split(":"))
-            old = backend.batch_runs, backend.batch_bytes
-            backend.batch_runs, backend.batch_bytes = br, bb << 20
+            old = backend.tuning
+            backend.tuning = dataclasses.replace(old, batch_runs=br, batch_bytes=bb << 20)
             ts = await timed(lambda: backend.copy(S, m, a_ids, sa), args.iters)
             tl = await timed(lambda: backend.copy(L, m, b_ids, sb), args.iters)
             tb = await timed(both, args.iters)
-            backend.batch_runs, backend.batch_bytes = old
+            backend.tuning = old
             r[f"batch{br}:{bb}"] = (gbps(nbytes, ts), gbps(nbytes, tl), gbps(2 * nbytes, tb))
             row(f"[{layout}] batch {br} runs/{bb} MiB: store/load/both", f"{gbps(nbytes, ts):.1f}/"
                 f"{gbps(nbytes, tl):.1f}/{gbps(2 * nbytes, tb):.1f}")
@@ -177,11 +178,13 @@ async def bench_layout(backend: CudaBackend, pool: Pool, layout: str, args: argp
             lat_l = await timed(lambda nb=nb: backend.copy(L, m, b_ids[:nb], sb[:nb]), 30)
             r[f"lat{nb}"] = (lat_s * 1e6, lat_l * 1e6)
             row(f"[{layout}] latency {nb} block(s) store/load", f"{lat_s * 1e6:.0f}/{lat_l * 1e6:.0f} us")
-        # per-run cuMemcpyAsync loop (reference)
-        backend.method = "loop"
+        # per-run cuMemcpyAsync loop (reference): the backend's path for a driver without
+        # cuMemcpyBatchAsync, forced on this instance for the measurement only
+        backend._copy_runs = lambda drv, stream, _attrs, src, dst, lens: copy_runs_one_by_one(drv, stream, src,
+                                                                                             dst, lens)
         t_ls = await timed(lambda: backend.copy(S, m, a_ids, sa), 2)
         t_ll = await timed(lambda: backend.copy(L, m, b_ids, sb), 2)
-        backend.method = "batch"
+        del backend._copy_runs
         r["loop"] = (gbps(nbytes, t_ls), gbps(nbytes, t_ll))
         row(f"[{layout}] per-run cuMemcpyAsync loop store/load", f"{r['loop'][0]:.1f}/{r['loop'][1]:.1f}")
         if layout == "blocks" and not args.skip_matmul:
@@ -471,8 +474,7 @@ def main() -> None:
     args = ap.parse_args()
     print("kvoffd transfer benchmark", flush=True)
     if args.pin_configs != "none" and not args.daemon_only:
-        cfgs = ([{"threads": 4, "remap_private": True}, {"threads": 4}, {"threads": 8, "remap_private": True},
-                 {"threads": 4, "remap_private": True}]
+        cfgs = ([{"threads": 4}, {"threads": 8}, {"threads": 4}]
                 if args.pin_configs == "default" else json.loads(args.pin_configs))
         bench_pinning(args.pin_size, cfgs)
     try:

@@ -25,7 +25,7 @@ Processes (every engine is its own process; the parent only orchestrates):
        least the last token too: the connector offers (num_tokens - 1) // block_size blocks);
      - in-process copy: the same blocks from this process's own pinned buffer with the same
        batched DMA the daemon uses (kvoffd.transfer.base.run_descriptors/coalesce and
-       CudaBackend._batch: cuMemcpyBatchAsync, the daemon's batch sizes), on a copy stream the
+       transfer.cuda.copy_runs: cuMemcpyBatchAsync, the daemon's batch sizes), on a copy stream the
        compute stream waits on; the vLLM-native-style baseline;
   4. N *contending* engines (default 4), each with its own prompt, do kvoffd hits started together
      behind a barrier.
@@ -604,7 +604,7 @@ class InProcessCopy:
 
     Slots are scattered (a permutation), as in the daemon's pool. On CUDA the descriptors come from
     kvoffd.transfer.base.run_descriptors/coalesce and go to the copy engines through the daemon's own
-    CudaBackend._batch (cuMemcpyBatchAsync, cut at the daemon's default batch_runs/batch_bytes), on a
+    transfer.cuda.copy_runs (cuMemcpyBatchAsync, cut by batch_cuts at the daemon's defaults), on a
     high-priority stream the compute stream then waits on (no host round trip). On CPU (smoke):
     torch index copies.
     """
@@ -622,12 +622,9 @@ class InProcessCopy:
         self.slots = np.random.default_rng(3).permutation(max_blocks).astype(np.int64)
         self.method = "torch index copy (CPU)"
         if cuda:
-            import inspect
-            from types import SimpleNamespace
-
             from kvoffd.transfer import cuda_driver as cudart
             from kvoffd.transfer.base import MappedMemory
-            from kvoffd.transfer.cuda import CudaBackend
+            from kvoffd.transfer.cuda import CudaTuning
             from kvoffd_client.protocol import parse_layout
 
             num_blocks, segs = parse_layout(w.cache.layout)
@@ -637,12 +634,10 @@ class InProcessCopy:
             dev = torch.cuda.current_device()
             self.drv.use_device(dev)
             self.attrs = cudart.copy_attributes(dev, store=False)
-            defaults = inspect.signature(CudaBackend.__init__).parameters
-            self.batcher = SimpleNamespace(batch_runs=defaults["batch_runs"].default,
-                                           batch_bytes=defaults["batch_bytes"].default)
+            self.tuning = CudaTuning()  # the daemon's default batch_runs/batch_bytes
             self.stream = torch.cuda.Stream(priority=-1)
             self.use_batch = self.drv.has_batch
-            self.method = ("cuMemcpyBatchAsync (kvoffd's CudaBackend._batch)" if self.drv.has_batch
+            self.method = ("cuMemcpyBatchAsync (kvoffd's transfer.cuda.copy_runs)" if self.drv.has_batch
                            else "cuMemcpyAsync per run (driver without cuMemcpyBatchAsync)")
 
     def fill(self, table: Any, n: int) -> None:
@@ -658,17 +653,18 @@ class InProcessCopy:
             self.w.cache.blocks[t.from_numpy(table_np[:n])] = self.stage2d[t.from_numpy(self.slots[:n])]
             return
         from kvoffd.transfer.base import coalesce, run_descriptors
-        from kvoffd.transfer.cuda import CudaBackend
+        from kvoffd.transfer.cuda import batch_cuts, copy_runs
 
         eng, host, lens = run_descriptors(self.mapped, table_np[:n], self.slots[:n] * self.bb,
                                           self.stage.data_ptr())
         eng += self.w.cache.buf.data_ptr()
-        src, dst, lens = coalesce(host, eng, lens)
+        src, dst, lens = (np.ascontiguousarray(x, dtype=np.uint64) for x in coalesce(host, eng, lens))
         stream = self.stream.cuda_stream
         self.drv.use_device(self.torch.cuda.current_device())
         if self.use_batch:
             try:
-                CudaBackend._batch(self.batcher, self.drv, stream, self.attrs, src, dst, lens)
+                for i, j in batch_cuts(lens, self.tuning):
+                    copy_runs(self.drv, stream, self.attrs, src[i:j], dst[i:j], lens[i:j])
             except Exception as e:  # noqa: BLE001 - measure with the daemon's fallback instead, and say so
                 self.use_batch = False
                 self.method = f"cuMemcpyAsync per run (cuMemcpyBatchAsync failed here: {e})"

@@ -34,11 +34,12 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
     except ImportError:
         uvloop = None
-    from kvoffd.server.loop import AddressInUse, Daemon
+    from kvoffd.server.endpoint import AddressInUse
+    from kvoffd.server.loop import Server
 
     async def run() -> int:
         try:
-            daemon = Daemon(cfg)
+            daemon = Server(cfg)
             daemon.bind()
         except (AddressInUse, OSError, RuntimeError, MemoryError) as e:
             logging.getLogger("kvoffd").error("cannot start: %s", e)
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
 
         def stop() -> None:
-            sdnotify.stopping(f"draining {len(daemon._jobs)} jobs")
+            sdnotify.stopping(f"draining {daemon.jobs_in_flight} jobs")
             daemon.stop()
 
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -15,11 +15,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvoffd_client.protocol import PROTOCOL_VERSION, ErrorCode
+from kvoffd_client.protocol import PROTOCOL_VERSION, DropReason, ErrorCode, MissReason
 
 DIRECTIONS = ("store", "load")
-MISS_REASONS = ("absent", "evicted", "namespace_mismatch", "failed")
-DROP_REASONS = ("pool_full", "clear", "failed")
+MISS_REASONS = tuple(r.value for r in MissReason)
+DROP_REASONS = tuple(r.value for r in DropReason)
 POOL_STATES = ("capacity", "used", "pinned", "free_chunks", "total")
 
 _SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -134,8 +134,7 @@ class _LookupCounters(Collector):
 
 
 class Metrics:
-    def __init__(self, version: str, read_state: Callable[[], dict[str, Any]],
-                 read_tiers: Callable[[], list[dict[str, Any]]] | None = None):
+    def __init__(self, version: str, read_state: Callable[[], dict[str, Any]] | None = None):
         # no *_created series: they double the series count and kvoffd_start_time_seconds says it once
         disable_created_metrics()
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -195,6 +194,14 @@ class Metrics:
             self.errors.labels(code.value)
         for ev in ("registered", "unregistered", "disconnected", "timed_out"):
             self.engine_events.labels(ev)
-        r.register(_LiveState(read_state))
-        if read_tiers is not None:
-            r.register(_TierState(read_tiers))
+        if read_state is not None:
+            self.watch_live_state(read_state)
+
+    def watch_live_state(self, read_state: Callable[[], dict[str, Any]]) -> None:
+        """Export the gauges ``read_state`` gives at each scrape (the server calls it once it has the
+        objects that state lives in, which themselves count into this registry)."""
+        self.registry.register(_LiveState(read_state))
+
+    def watch_tiers(self, read_tiers: Callable[[], list[dict[str, Any]]]) -> None:
+        """Export the per-tier figures ``read_tiers`` gives at each scrape (the pool is tier "dram")."""
+        self.registry.register(_TierState(read_tiers))

@@ -3,9 +3,13 @@ and parentheses)."""
 
 from __future__ import annotations
 
+from kvoffd_client.protocol import start_ticks  # HELLO's identity field is defined there
+
+__all__ = ["is_zombie", "start_ticks"]
+
 
 def _fields(pid: int) -> list[bytes] | None:
-    """The fields after the command name: [0] is the state (field 3), [19] the start time (field 22)."""
+    """The fields after the command name: [0] is the state (field 3)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -13,12 +17,6 @@ def _fields(pid: int) -> list[bytes] | None:
         return None
     fields = data[data.rfind(b")") + 2:].split()
     return fields if len(fields) > 19 else None
-
-
-def start_ticks(pid: int) -> int:
-    """When the process started, in clock ticks since boot: with the pid, its identity. 0 if unknown."""
-    fields = _fields(pid)
-    return int(fields[19]) if fields and fields[19].isdigit() else 0
 
 
 def is_zombie(pid: int) -> bool:

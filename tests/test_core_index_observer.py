@@ -3,7 +3,8 @@
 A real Index over a real Pool, with LRU and with the default policy: an observer hears every entry that
 becomes visible, and every slot before it goes back to the pool — while the slot still holds the
 block's bytes and before anything else can take it — for each way a slot is given back (eviction,
-CLEAR, a failed store, a corrupt entry discarded).
+CLEAR, a failed store, a corrupt entry discarded); which of those were evictions; blocks that left
+while a ref still held them (their slot comes back later); and each cleared namespace.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvoffd.cache.index import Entry, Index
+from kvoffd.cache.index import Entry, Index, IndexObserver
 from kvoffd.cache.policy import DEFAULT_POLICY
 from kvoffd.cache.pool import Pool
 
@@ -24,16 +25,28 @@ def key(i: int) -> bytes:
     return hashlib.sha256(i.to_bytes(8, "little")).digest()
 
 
-class Recorder:
+class Recorder(IndexObserver):
     """Keeps what it is told, and what the slot held at that moment."""
 
     def __init__(self, pool: Pool):
         self.pool = pool
+        self.evictions: list[bytes] = []
+        self.gone_while_held: list[bytes] = []
+        self.namespaces_cleared: list[str] = []
         self.shown: list[bytes] = []
         self.freed: list[tuple[bytes, bool, bytes]] = []  # key, was ready, first bytes of its slot
 
     def committed(self, entries: Sequence[Entry]) -> None:
         self.shown += [e.key for e in entries]
+
+    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+        self.evictions += [e.key for e in entries]
+
+    def unlinked(self, entries: Sequence[Entry]) -> None:
+        self.gone_while_held += [e.key for e in entries]
+
+    def cleared(self, namespace: str) -> None:
+        self.namespaces_cleared.append(namespace)
 
     def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
         assert slot_bytes == SLOT
@@ -51,14 +64,11 @@ def _index(policy: str) -> tuple[Index, Recorder]:
 
 def _store(index: Index, keys: list[bytes], ok: bool = True) -> list[Entry]:
     t = index.table("obs", 0, 1, SLOT, (SLOT,))
-    p = index.plan(t, keys)
-    entries = index.add_pending(t, keys, p.want, p.slots)
+    plan = index.prepare_store(t, keys)
+    entries = index.add_pending(plan)
     for e in entries:  # the "copy": each slot holds its key's first bytes
         index.pool.view(e.slot, 8)[:] = memoryview(e.key[:8])
-    if ok:
-        index.commit(entries)
-    else:
-        index.abort(entries)
+    index.complete_store(plan, ok)
     return entries
 
 
@@ -72,30 +82,46 @@ def test_observer_hears_commits_and_every_free_while_the_bytes_are_still_there(p
 
     # A LOOKUP of the next chain makes the default policy admit it (second request); LRU admits anyway.
     more = [key(i) for i in range(10, 12)]
-    index.leading_hits("obs", b"".join(more))
+    index.lookup("obs", b"".join(more))
     _store(index, more)
-    index.leading_hits("obs", b"".join(more))
+    index.lookup("obs", b"".join(more))
     _store(index, more)
     evicted = [k for k, ready, head in rec.freed]
     assert len(evicted) == 2 and set(evicted) <= set(first)
     assert all(ready and head == k[:8] for k, ready, head in rec.freed)  # bytes intact when told
     assert rec.shown[4:] == more
+    assert rec.evictions == evicted
 
     # A failed store: its slots come back unready (nothing was committed).
     rec.freed.clear()
     index.clear("obs")
     cleared = {k for k, _, _ in rec.freed}
     assert cleared == (set(first) - set(evicted)) | set(more)
+    assert rec.namespaces_cleared == ["obs"] and rec.evictions == evicted  # a CLEAR is no eviction
     rec.freed.clear()
     failed = _store(index, [key(20)], ok=False)
     assert [(k, ready) for k, ready, _ in rec.freed] == [(failed[0].key, False)]
 
 
-def test_a_discarded_entry_is_freed_once_its_last_hold_drops():
+def test_a_discarded_entry_is_freed_once_its_last_ref_drops():
     index, rec = _index("lru")
     (e,) = _store(index, [key(1)])
-    e.pins += 1  # a LOAD reads it
+    hits = index.lookup("obs", e.key, with_entries=True)
+    index.hold(hits)  # a LOAD reads it
     index.discard(e)
-    assert rec.freed == []  # still being read: the slot is not given back yet
-    index.unpin(e)
+    assert rec.freed == [] and rec.gone_while_held == [key(1)]  # gone, but still read: slot kept
+    index.release([e])
     assert [k for k, _, _ in rec.freed] == [key(1)]
+
+
+def test_a_block_cleared_while_a_lease_holds_it_is_unlinked_then_freed_on_release():
+    index, rec = _index("lru")
+    held, free = _store(index, [key(1), key(2)])
+    hits = index.lookup("obs", held.key, with_entries=True)
+    index.hold(hits)
+    index.clear("obs")
+    assert rec.gone_while_held == [key(1)]
+    assert [k for k, _, _ in rec.freed] == [key(2)]
+    index.release([held])
+    assert [k for k, _, _ in rec.freed] == [key(2), key(1)]
+    assert rec.evictions == []

@@ -2,10 +2,10 @@
 
 What is checked: a refused admission takes no slot (so the server starts no copy); a block asked for a
 second time is admitted; victims are the policy's (tail first within a request, not LRU's head
-first); pinned blocks are never evicted and are tracked again when their pin drops; and after a long
+first); held blocks are never evicted and are tracked again when their last ref drops; and after a long
 random mix of stores (committed, aborted, cleared while in flight), lookups with leases, loads,
 discards, CLEARs and chunk reclamation between two slot sizes, the policy tracks exactly the ready
-unpinned-or-handed-back entries (``in_lru``) and never names a block that is gone.
+unheld-or-handed-back entries (``in_lru``) and never names a block that is gone.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from kvoffd.cache.index import Entry, Index, Table
+from kvoffd.cache.index import Entry, Index, StorePlan, Table
 from kvoffd.cache.policy import DEFAULT_POLICY, GuardedDoorkeeper
 from kvoffd.cache.pool import Pool
 
@@ -35,35 +35,34 @@ def small_index(slots: int, policy: str = DEFAULT_POLICY) -> tuple[Index, Table]
 
 def store(index: Index, t: Table, keys: list[bytes]):
     """One STORE, copied at once: plan, pending entries, commit. Returns the plan."""
-    p = index.plan(t, keys)
-    index.commit(index.add_pending(t, keys, p.want, p.slots))
+    p = index.prepare_store(t, keys)
+    index.add_pending(p)
+    index.complete_store(p, True)
     return p
 
 
 def load(index: Index, keys: list[bytes]) -> int:
-    """LOOKUP then LOAD of the hit prefix (pin, then unpin when the copy ends): the hits."""
-    n, by_rank, _ = index.leading_hits(NS, b"".join(keys), want_entries=True)
-    for e in by_rank.get(0, []):
-        e.pins += 1
-    for e in by_rank.get(0, []):
-        index.unpin(e)
-    return n
+    """LOOKUP then LOAD of the hit prefix (a ref each, released when the copy ends): the hits."""
+    hits = index.lookup(NS, b"".join(keys), with_entries=True)
+    index.hold(hits)
+    index.release(hits.by_rank.get(0, []))
+    return hits.n
 
 
 def test_refused_admission_takes_no_slot_and_a_second_request_is_admitted():
     index, t = small_index(4)
     first = [key(i) for i in range(4)]
-    assert store(index, t, first).want == [0, 1, 2, 3]  # free slots: everything with its parent is admitted
+    assert store(index, t, first).copy_idx == [0, 1, 2, 3]  # free slots: everything with its parent is admitted
     used = index.pool.used_bytes
     new = [key(i) for i in range(10, 13)]
     assert load(index, new) == 0
     p = store(index, t, new)
-    assert (p.want, p.slots, p.refused, p.dropped) == ([], [], [0, 1, 2], [])  # nothing to copy
+    assert (p.copy_idx, p.slots, p.refused, p.dropped) == ([], [], [0, 1, 2], [])  # nothing to copy
     assert index.pool.used_bytes == used and not any(k in t.entries for k in new)
     assert index.refused == 3 and index.evictions == 0
     assert load(index, new) == 0
     p = store(index, t, new)  # asked for again: the doorkeeper opens
-    assert p.want == [0, 1, 2] and not p.refused and len(p.slots) == 3
+    assert p.copy_idx == [0, 1, 2] and not p.refused and len(p.slots) == 3
     assert load(index, new) == 3 and index.evictions == 3 and index.resident == 4
 
 
@@ -71,7 +70,7 @@ def test_lru_policy_admits_everything():
     index, t = small_index(4, "lru")
     store(index, t, [key(i) for i in range(4)])
     p = store(index, t, [key(i) for i in range(10, 13)])
-    assert p.want == [0, 1, 2] and not p.refused and index.refused == 0
+    assert p.copy_idx == [0, 1, 2] and not p.refused and index.refused == 0
 
 
 def test_victims_are_the_policys_tail_first_not_lrus_head_first():
@@ -91,26 +90,24 @@ def test_victims_are_the_policys_tail_first_not_lrus_head_first():
         assert load(index, chain) == (3 if policy == DEFAULT_POLICY else 0)
 
 
-def test_pinned_victims_stay_and_are_tracked_again_when_unpinned():
+def test_held_victims_stay_and_are_tracked_again_when_released():
     index, t = small_index(4)
     chain = [key(i) for i in range(4)]
     store(index, t, chain)
     load(index, chain)
-    pinned = [t.visible[k] for k in chain]
-    for e in pinned:
-        e.pins += 1  # a lease on all four
+    held = index.prepare_load(t, chain).entries  # a ref on all four, as a lease holds them
+    assert [e.key for e in held] == chain
     pol = index._policies[SLOT]
     for _ in range(2):
         load(index, [key(50)])
         p = store(index, t, [key(50)])
-    assert p.dropped == [0] and not p.want  # admitted, no room: every victim was pinned
+    assert p.dropped == [0] and not p.copy_idx  # admitted, no room: every victim was held
     assert all(k in t.visible for k in chain) and index.evictions == 0
-    assert len(pol) == 0 and not any(e.in_lru for e in pinned)  # handed over, not evicted
-    for e in pinned:
-        index.unpin(e)
-    assert len(pol) == 4 and all(e.in_lru and (t, e.key) in pol for e in pinned)
+    assert len(pol) == 0 and not any(e.in_lru for e in held)  # handed over, not evicted
+    index.release(held)
+    assert len(pol) == 4 and all(e.in_lru and (t, e.key) in pol for e in held)
     load(index, [key(50)])
-    assert store(index, t, [key(50)]).want == [0]  # asked for again, and now a victim can go
+    assert store(index, t, [key(50)]).copy_idx == [0]  # asked for again, and now a victim can go
     assert index.evictions == 1
 
 
@@ -136,7 +133,7 @@ def test_random_operations_keep_the_policy_consistent(seed, caplog):
     index = Index(Pool(4 * chunk, chunk_bytes=chunk), DEFAULT_POLICY)
     tables = {"a": index.table("a", 0, 1, SLOT, (SLOT,)), "b": index.table("b", 0, 1, 2 * SLOT, (2 * SLOT,))}
     pool_of = {"a": 400, "b": 24}  # key universe per namespace: chains of random length, so stores overlap
-    in_flight: list[list[Entry]] = []
+    in_flight: list[StorePlan] = []
     leases: list[list[Entry]] = []
     caplog.set_level(logging.ERROR, logger="kvoffd.cache.index")
     for step in range(3000):
@@ -146,25 +143,23 @@ def test_random_operations_keep_the_policy_consistent(seed, caplog):
         keys = [key(start + i, ns.encode()) for i in range(rng.randint(1, 12))]
         op = rng.random()
         if op < 0.3:
-            n, by_rank, _ = index.leading_hits(ns, b"".join(keys), want_entries=True)
-            p = index.plan(t, keys)
-            in_flight.append(index.add_pending(t, keys, p.want, p.slots))
+            index.lookup(ns, b"".join(keys), with_entries=True)
+            p = index.prepare_store(t, keys)
+            index.add_pending(p)
+            in_flight.append(p)
         elif op < 0.6 and in_flight:
             job = in_flight.pop(rng.randrange(len(in_flight)))
-            (index.abort if rng.random() < 0.1 else index.commit)(job)
+            index.complete_store(job, rng.random() >= 0.1)
         elif op < 0.75:
-            n, by_rank, _ = index.leading_hits(ns, b"".join(keys), want_entries=True)
-            got = by_rank.get(0, [])
-            for e in got:
-                e.pins += 1
+            hits = index.lookup(ns, b"".join(keys), with_entries=True)
+            index.hold(hits)
+            got = hits.by_rank.get(0, [])
             if rng.random() < 0.5:
                 leases.append(got)  # held for a while, as a lease
             else:
-                for e in got:
-                    index.unpin(e)  # a load that ended
+                index.release(got)  # a load that ended
         elif op < 0.85 and leases:
-            for e in leases.pop(rng.randrange(len(leases))):
-                index.unpin(e)
+            index.release(leases.pop(rng.randrange(len(leases))))
         elif op < 0.88 and t.visible:
             index.discard(rng.choice(list(t.visible.values())))
         elif op < 0.89 and step > 600:
@@ -173,10 +168,9 @@ def test_random_operations_keep_the_policy_consistent(seed, caplog):
             pool_of[ns] = rng.choice([24, 96, 400])  # shift demand between the slot sizes: reclamation
         check_consistent(index)
     for job in in_flight:
-        index.commit(job)
+        index.complete_store(job, True)
     for lease in leases:
-        for e in lease:
-            index.unpin(e)
+        index.release(lease)
     check_consistent(index)
     assert index.reclaim_evictions > 0 and index.evictions > index.reclaim_evictions and index.refused > 0
     assert not [r for r in caplog.records if "does not hold" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""LOOKUP's scan (``Index.leading_hits``: runs compared as binaries) against one dict probe per key.
+"""LOOKUP's scan (``Index.lookup``: runs compared as binaries) against one dict probe per key.
 
 The index's ``visible`` dicts are the truth; the scan takes shortcuts through the runs that commits
 recorded. Random stores (some aborted, some overlapping what is there, into a pool small enough to
@@ -50,32 +50,25 @@ def test_scan_agrees_with_a_probe_per_key(steps) -> None:
         if op == "store":
             keys = [k for k in keys if k != NEVER]
             t = tables[rank]
-            p = index.plan(t, keys)
-            want, slots = p.want, p.slots
-            entries = index.add_pending(t, keys, want, slots)
-            if fail:
-                index.abort(entries)
-            else:
-                index.commit(entries)
+            p = index.prepare_store(t, keys)
+            index.add_pending(p)
+            index.complete_store(p, not fail)
         elif op == "discard":
             e = tables[rank].visible.get(KEYS[picks])
             if e is not None:
                 index.discard(e)
-        elif op == "load":  # what a LOAD does to the entries it reads: pin, then unpin as most recent
-            for k in keys:
-                e = tables[rank].visible.get(k)
-                if e is not None:
-                    e.pins += 1
-                    index.unpin(e)
+        elif op == "load":  # what a LOAD does to the entries it reads: a ref each, released as most recent
+            index.release(index.prepare_load(tables[rank], keys).entries)
         elif op == "clear":
             index.clear(NS)
         probe = keys or KEYS
         for ks in (probe, KEYS, list(reversed(KEYS)), keys[1:]):
-            n, by_rank, _ = index.leading_hits(NS, b"".join(ks), want_entries=True)
+            hits = index.lookup(NS, b"".join(ks), with_entries=True)
+            n, by_rank = hits.n, hits.by_rank
             assert n == _reference(index, ks)
             assert {r: [e.key for e in got] for r, got in by_rank.items()} == ({0: ks[:n], 1: ks[:n]} if n else {})
             assert all(e.table.rank == r and e.ready and not e.dead for r, got in by_rank.items() for e in got)
-            assert index.leading_hits(NS, b"".join(ks))[0] == n
+            assert index.lookup(NS, b"".join(ks)).n == n
 
 
 def test_a_prompt_stored_in_chunks_is_found_whole_and_broken_runs_are_not_trusted() -> None:
@@ -85,18 +78,18 @@ def test_a_prompt_stored_in_chunks_is_found_whole_and_broken_runs_are_not_truste
     # three steps, each storing a chunk of this prompt followed by another request's blocks
     for lo, hi in ((0, 10), (10, 25), (25, 40)):
         keys = KEYS[lo:hi] + other[lo % 8:lo % 8 + 2]
-        p = index.plan(t, keys)
-        want, slots = p.want, p.slots
-        index.commit(index.add_pending(t, keys, want, slots))
-    assert index.leading_hits(NS, b"".join(KEYS))[0] == 40
+        p = index.prepare_store(t, keys)
+        index.add_pending(p)
+        index.complete_store(p, True)
+    assert index.lookup(NS, b"".join(KEYS)).n == 40
     # the prompt diverges from the first run after 9 of its keys, where the run goes on with others
-    assert index.leading_hits(NS, b"".join(KEYS[:9] + [NEVER] + KEYS[9:]))[0] == 9
-    assert index.leading_hits(NS, b"".join(KEYS[:12] + [NEVER] + other[:2]))[0] == 12
+    assert index.lookup(NS, b"".join(KEYS[:9] + [NEVER] + KEYS[9:])).n == 9
+    assert index.lookup(NS, b"".join(KEYS[:12] + [NEVER] + other[:2])).n == 12
     index.discard(t.visible[KEYS[17]])  # a hole in the middle run
-    assert index.leading_hits(NS, b"".join(KEYS))[0] == 17
-    assert index.leading_hits(NS, b"".join(KEYS[18:]))[0] == 22
-    n, by_rank, reason = index.leading_hits(NS, b"".join(KEYS[:20]), want_entries=True)
-    assert (n, [e.key for e in by_rank[0]], reason) == (17, KEYS[:17], "failed")
+    assert index.lookup(NS, b"".join(KEYS)).n == 17
+    assert index.lookup(NS, b"".join(KEYS[18:])).n == 22
+    hits = index.lookup(NS, b"".join(KEYS[:20]), with_entries=True)
+    assert (hits.n, [e.key for e in hits.by_rank[0]], hits.miss_reason) == (17, KEYS[:17], "failed")
 
 
 def test_a_run_with_an_evicted_member_is_not_trusted() -> None:
@@ -104,14 +97,12 @@ def test_a_run_with_an_evicted_member_is_not_trusted() -> None:
     t = index.table(NS, 0, 1, SLOT, (SLOT,))
 
     def store(keys: list[bytes]) -> None:
-        p = index.plan(t, keys)
-        want, slots = p.want, p.slots
-        index.commit(index.add_pending(t, keys, want, slots))
+        p = index.prepare_store(t, keys)
+        index.add_pending(p)
+        index.complete_store(p, True)
 
     store(KEYS[:3])
-    e = t.visible[KEYS[0]]
-    e.pins += 1  # a LOAD reads KEYS[0]: afterwards it is the most recently used
-    index.unpin(e)
+    index.release(index.prepare_load(t, [KEYS[0]]).entries)  # a LOAD reads KEYS[0]: now the most recent
     store([KEYS[3]])  # evicts KEYS[1], the least recently used, from the middle of the run
     assert KEYS[1] not in t.visible and KEYS[2] in t.visible
-    assert index.leading_hits(NS, b"".join(KEYS[:3]))[0] == 1
+    assert index.lookup(NS, b"".join(KEYS[:3])).n == 1

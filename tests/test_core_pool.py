@@ -1,7 +1,7 @@
 """The pool and the index's sharing of it between slot sizes (issue 18, defects 4 and 5).
 
 Unit level, on a real Pool and Index: lazy carving (a slot costs the same whatever the slot size),
-chunks handed from one slot size to another by draining, pinned entries never touched, and a bound
+chunks handed from one slot size to another by draining, held entries never touched, and a bound
 on the work one store may do.
 """
 
@@ -19,10 +19,10 @@ KB = 1024
 
 def _store(index: Index, table: Table, keys: list[bytes]) -> int:
     """One STORE's bookkeeping, the copy assumed done: returns the blocks that got a slot."""
-    p = index.plan(table, keys)
-    want, slots = p.want, p.slots
-    index.commit(index.add_pending(table, keys, want, slots))
-    return len(slots)
+    p = index.prepare_store(table, keys)
+    index.add_pending(p)
+    index.complete_store(p, True)
+    return len(p.slots)
 
 
 def _table(index: Index, name: str, slot: int) -> Table:
@@ -78,8 +78,8 @@ def test_a_second_slot_size_takes_its_fair_share_of_a_full_pool():
         stored_a += _store(index, a, ka[200 + 16 * step:216 + 16 * step])
         stored_b += _store(index, b, kb[8 * step:8 * step + 8])
     assert _chunk_bytes_of(pool, 8 * KB) == _chunk_bytes_of(pool, 4 * KB) == 4 * 64 * KB
-    assert index.leading_hits("b", b"".join(kb[152:160]))[0] == 8  # B's last store is there
-    assert index.leading_hits("a", b"".join(ka[504:520]))[0] == 16  # and A's
+    assert index.lookup("b", b"".join(kb[152:160])).n == 8  # B's last store is there
+    assert index.lookup("a", b"".join(ka[504:520])).n == 16  # and A's
     assert stored_a == 20 * 16 and stored_b >= 19 * 8, (stored_a, stored_b)
     assert pool.reclaimed_chunks == 4
     pool.close()
@@ -105,43 +105,39 @@ def test_three_slot_sizes_settle_without_moving_chunks_back_and_forth():
     pool.close()
 
 
-def test_reclaim_skips_a_chunk_with_pinned_entries_and_never_evicts_them():
+def test_reclaim_skips_a_chunk_with_held_entries_and_never_evicts_them():
     pool = Pool(4 * 64 * KB, chunk_bytes=64 * KB)  # 4 chunks of 16 slots of 4 KiB
     index = Index(pool)
     a, b = _table(index, "a", 4 * KB), _table(index, "b", 8 * KB)
     ka = chain_keys(64, b"a")
     assert _store(index, a, ka) == 64
     oldest_chunk = pool.chunk_of(a.visible[ka[0]].slot)
-    pinned = [e for e in a.visible.values() if pool.chunk_of(e.slot) == oldest_chunk][:1]
-    for e in pinned:
-        e.pins += 1  # as a lease does
+    held = index.prepare_load(a, [e.key for e in a.visible.values() if pool.chunk_of(e.slot) == oldest_chunk][:1]
+                              ).entries  # a ref, as a lease holds it
     kb = chain_keys(64, b"b")
     got = sum(_store(index, b, kb[8 * i:8 * i + 8]) for i in range(4))
     assert got > 0
-    assert oldest_chunk in pool.chunks_of(4 * KB), "the chunk holding a pinned entry was taken"
-    assert all(e.key in a.visible and not e.dead for e in pinned)
+    assert oldest_chunk in pool.chunks_of(4 * KB), "the chunk holding a held entry was taken"
+    assert len(held) == 1 and all(e.key in a.visible and not e.dead for e in held)
     pool.close()
 
 
-def test_when_every_chunk_holds_a_pin_the_store_drains_around_them_and_waits():
-    """All chunks pinned: the asker's store is dropped (never an eviction of a pinned entry); the
-    emptiest chunk is drained around its pin and changes hands once the pin drops."""
+def test_when_every_chunk_holds_a_ref_the_store_drains_around_them_and_waits():
+    """All chunks hold a held entry: the asker's store is dropped (never an eviction of a held entry);
+    the emptiest chunk is drained around it and changes hands once its ref drops."""
     pool = Pool(2 * 64 * KB, chunk_bytes=64 * KB)
     index = Index(pool)
     a, b = _table(index, "a", 4 * KB), _table(index, "b", 8 * KB)
     ka = chain_keys(32, b"a")
     assert _store(index, a, ka) == 32
-    pinned = [a.visible[ka[0]], a.visible[ka[16]]]  # one in each chunk
-    assert {pool.chunk_of(e.slot) for e in pinned} == set(pool.chunks_of(4 * KB))
-    for e in pinned:
-        e.pins += 1
+    held = index.prepare_load(a, [ka[0], ka[16]]).entries  # one in each chunk
+    assert {pool.chunk_of(e.slot) for e in held} == set(pool.chunks_of(4 * KB))
     kb = chain_keys(16, b"b")
     assert _store(index, b, kb[:8]) == 0  # dropped: pool_full
-    assert all(e.key in a.visible for e in pinned)
-    assert len(a.visible) == 32 - 15  # the drained chunk lost its 15 unpinned entries
-    index.unpin(pinned[0])
-    index.unpin(pinned[1])
-    assert _store(index, b, kb[:8]) == 8  # the pin dropped: the chunk changed hands
+    assert all(e.key in a.visible for e in held)
+    assert len(a.visible) == 32 - 15  # the drained chunk lost its 15 unheld entries
+    index.release(held)
+    assert _store(index, b, kb[:8]) == 8  # the ref dropped: the chunk changed hands
     assert pool.reclaimed_chunks == 1
     pool.close()
 

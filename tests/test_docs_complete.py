@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvoffd.config import _FLAGS, build_parser
-from kvoffd_client.protocol import ErrorCode
+from kvoffd_client.protocol import DropReason, ErrorCode, MissReason, NoticeCode, Op
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -28,6 +28,19 @@ def test_every_error_code_is_documented(code):
     assert f"`{code}`" in _doc("protocol.md"), f"docs/protocol.md does not define error code {code}"
     errors_row = next(line for line in _doc("metrics.md").splitlines() if "`kvoffd_errors_total`" in line)
     assert f"`{code}`" in errors_row, f"docs/metrics.md's kvoffd_errors_total row does not list {code}"
+
+
+@pytest.mark.parametrize("member", [*NoticeCode, *MissReason, *DropReason, *Op], ids=lambda m: f"{type(m).__name__}.{m.name}")
+def test_every_code_reason_and_message_type_is_in_protocol_md(member):
+    """The contract's string sets (notice codes, miss and drop reasons, message types) each named in
+    docs/protocol.md's list for its enum: a member added in code and not documented fails here."""
+    text = _doc("protocol.md")
+    section = text[text.index("## Message types, codes and reasons"):text.index("## Errors")]
+    if isinstance(member, Op):
+        listed = section.split("\n\n")[1]  # the message types paragraph
+    else:
+        listed = next(item for item in section.split("\n- ") if item.startswith(f"`{type(member).__name__}`"))
+    assert f"`{member.value}`" in listed, f"docs/protocol.md does not list {type(member).__name__} {member.value}"
 
 
 def test_every_daemon_setting_is_in_the_settings_table():

@@ -236,7 +236,7 @@ def _serve_hello(fake: zmq.Socket, client: KvoffdClient, timeout_s: float) -> by
     HELLO like a daemon would; the client's routing id, or None when no HELLO came in time."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        client._pump(0)
+        client.poll(0)
         if fake.poll(20):
             ident, body = fake.recv_multipart()
             fake.send_multipart([ident, P.encode(P.HelloOk(seq=P.decode(body).seq, daemon_id="fake"))])

@@ -238,7 +238,7 @@ def test_daemon_killed_with_jobs_in_flight_fails_them_promptly(make_daemon, froz
     c = KvoffdClient(d.address, timeout_s=5.0, job_deadline_s=30.0, link_grace_s=60.0)
     try:
         assert c.connect(10)
-        assert c._daemon is not None and c._daemon.watched
+        assert c._daemons.current is not None and c._daemons.current.watched
         c.register("k-0", "k", 0, 1, eng.memory, eng.layout)
         keys = chain_keys(B, b"killed")
         eng.fill(range(B), keys)

@@ -18,7 +18,7 @@ import time
 from kvtest import chain_keys, wait_until
 from reliability_util import RawPeer, ShmEngine, record, rss_kb
 
-from kvoffd.server.sessions import MAX_LEASED_KEYS_PER_CONN, MAX_SEGMENTS
+from kvoffd.server.limits import MAX_LEASED_KEYS_PER_CONN, MAX_SEGMENTS
 from kvoffd_client import protocol as P
 from kvoffd_client.client import KvoffdError
 

@@ -18,10 +18,14 @@ import time
 
 import pytest
 from kvtest import ROOT, chain_keys, wait_until
-from reliability_util import RawPeer, ShmEngine, fd_count, record, self_start_ticks
+from reliability_util import RawPeer, ShmEngine, fd_count, record
 
-from kvoffd.server.loop import HARD_FRAME_LIMIT
-from kvoffd.server.sessions import MAX_ENGINES_PER_CONN, MAX_JOBS_PER_CONN, MAX_LEASES_PER_CONN
+from kvoffd.server.limits import (
+    HARD_FRAME_LIMIT,
+    MAX_ENGINES_PER_CONN,
+    MAX_JOBS_PER_CONN,
+    MAX_LEASES_PER_CONN,
+)
 from kvoffd_client import protocol as P
 from kvoffd_client.client import KvoffdClient
 
@@ -361,7 +365,7 @@ def test_connection_churn_does_not_leak_descriptors(make_daemon):
     before = fd_count(pid)
     for _ in range(300):
         p = RawPeer(d.address)
-        p.hello(pid=os.getpid(), start_ticks=self_start_ticks())
+        p.hello(pid=os.getpid(), start_ticks=P.start_ticks())
         p.close()
     c = d.client()
     assert wait_until(lambda: fd_count(pid) <= before + 20, 2), \

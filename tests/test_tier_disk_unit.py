@@ -87,14 +87,15 @@ async def _staged(path: str) -> None:
     keys = [hashlib.sha256(b"s%d" % i).digest() for i in range(32)]
     for lo in (0, 16):  # the second half evicts the first
         ks = keys[lo:lo + 16]
-        p = index.plan(t, ks)
-        entries = index.add_pending(t, ks, p.want, p.slots)
+        p = index.prepare_store(t, ks)
+        entries = index.add_pending(p)
         for e in entries:
             index.pool.view(e.slot, SLOT)[:] = np.frombuffer(hashlib.sha256(e.key).digest() * (SLOT // 32), np.uint8)
-        index.commit(entries)
+        index.complete_store(p, True)
     assert tier.stats().spills == 0 and len(tiers._staged) == 16  # all in flight
-    n, by_rank, _ = tiers.extend_lookup("unit", b"".join(keys[:8]), 0, {}, "")
-    assert n == 8 and tiers.staged_hits == 8
+    wanted = b"".join(keys[:8])
+    hits = tiers.extend_lookup("unit", wanted, index.lookup("unit", wanted))
+    assert hits.n == 8 and tiers.staged_hits == 8
     for k in keys[:8]:
         e = t.visible[k]  # visible at once: no read to wait for
         assert bytes(index.pool.view(e.slot, SLOT)) == hashlib.sha256(k).digest() * (SLOT // 32)

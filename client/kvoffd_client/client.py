@@ -2,89 +2,35 @@
 
 Nothing here blocks forever: blocking calls take a timeout; the calls the engine makes every step
 (``send_lookup``/``take_reply``, ``submit_*``, ``take_notices``) never wait at all. The connection
-heals itself: ZeroMQ reconnects, the client says HELLO again and, if the daemon restarted, fails the
-jobs the old daemon took with it and registers its engines again.
+heals itself (``kvoffd_client.link``: ZeroMQ reconnects, the link says HELLO again); this module
+keeps what rides on it: requests and their replies, jobs and their notices, and, if the daemon
+restarted, failing the jobs the old daemon took with it and registering the engines again.
 
-Threading: one lock guards the socket. A background thread only sends heartbeats (so an idle engine
-is not mistaken for a dead one) and does nothing else.
+Threading: one lock (the link's) guards the socket and this state. The link's heartbeat thread only
+pumps (so link events are seen while the engine is idle) and pings.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import threading
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from kvoffd_client import protocol as P
-from kvoffd_client.fdpass import FdRefused, UntrustedSocket, check_socket_path, send_fd
-from kvoffd_client.liveness import DaemonProcess
-from kvoffd_client.paths import default_auth_token_file
+from kvoffd_client.errors import UNAVAILABLE, DaemonUnavailable, KvoffdError, answer
+from kvoffd_client.fdpass import FdRefused, send_fd
+from kvoffd_client.link import Link, LinkState, read_auth_token
+from kvoffd_client.liveness import EXPIRY_GRACE_S, DaemonProcess, DaemonWatch
+
+__all__ = ["EXPIRY_GRACE_S", "DaemonUnavailable", "KvoffdClient", "KvoffdError", "LinkState", "read_auth_token"]
 
 log = logging.getLogger("kvoffd_client")
 
-# plain ints: pyzmq's flag enums cost microseconds per ``&`` on the request path
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
-#: a request's blocking receive wakes as soon as its reply arrives; this bounds how far it can
-#: overshoot the request's deadline, and how often a quiet wait looks at the link
-RECV_SLICE_MS = 2
 _UNSOLICITED = (P.Notice, P.HelloOk)  # never the answer a request() waits for
-_UNAVAILABLE = "unavailable"  # the code of replies this client makes up for requests a lost daemon took
-
-
-#: a job still unanswered this long after its deadline is logged as overdue (it is never failed on
-#: a timer: see _reap_jobs)
-EXPIRY_GRACE_S = 2.0
-OVERDUE_LOG_EVERY_S = 10.0
-#: largest frame this client accepts; libzmq drops a peer that sends more (the daemon's replies stay
-#: far below: its own frame limit is 8 MiB, an EXPLAIN of 65,536 keys is ~6 MiB)
-MAX_RECV_FRAME = 4 * P.MAX_FRAME_BYTES
-#: how long a refused HELLO (untrusted socket path, wrong token) waits before it is tried again
-REFUSED_RETRY_S = 1.0
-
-
-def read_auth_token() -> str:
-    """The token a tcp:// daemon asks for: $KVOFFD_AUTH_TOKEN, else the file $KVOFFD_AUTH_TOKEN_FILE,
-    else <runtime dir>/auth-token (the daemon's default). Empty when none is readable."""
-    token = os.environ.get("KVOFFD_AUTH_TOKEN", "")
-    if token:
-        return token.strip()
-    path = os.environ.get("KVOFFD_AUTH_TOKEN_FILE") or default_auth_token_file()
-    try:
-        with open(path, encoding="ascii") as f:
-            return f.read(4096).strip()
-    except (OSError, ValueError):
-        return ""
-
-
-class KvoffdError(Exception):
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class DaemonUnavailable(KvoffdError):
-    def __init__(self, message: str = "the kvoffd daemon is not reachable"):
-        super().__init__(_UNAVAILABLE, message)
-
-
-def _start_ticks() -> int:
-    try:
-        with open("/proc/self/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 @dataclass(slots=True)
@@ -92,6 +38,11 @@ class _Job:
     n: int
     deadline: float  # when the daemon stops starting it (its expires_ns); past it + grace: overdue
     daemon: DaemonProcess | None  # the daemon that took it: only its notice or its exit ends the job
+
+
+def _lost_job_notice(job_id: int, job: _Job, code: str, message: str) -> P.Notice:
+    """The failed NOTICE this client makes up for a job that will get none: every block failed."""
+    return P.Notice(job_id=job_id, ok=False, failed=list(range(job.n)), code=code, message=message)
 
 
 class KvoffdClient:
@@ -109,58 +60,24 @@ class KvoffdClient:
                  job_deadline_s: float = 30.0, link_grace_s: float = 0.5, heartbeat: bool = True,
                  auth_token: str | None = None):
         self.address = address
-        # ipc://: HELLO goes out only while the socket's directory and the socket are this user's (or
-        # root's); tcp://: HELLO carries the daemon's token (docs/security.md)
-        self._ipc_path = address[6:] if address.startswith("ipc://") else None
-        self._tcp = address.startswith("tcp://")
-        self._auth_token = auth_token  # None: read at each HELLO (the daemon may create it after us)
-        self._refusal = ""  # the last reason HELLO was not sent or was refused (logged once)
-        self._refusals = 0  # how many times: connect() returns at once on a new one
-        self._down_logged = False  # "link down" was logged; HELLO_OK logs its return once
         self.name = name
         self.timeout_s = timeout_s
         self.job_deadline_s = job_deadline_s
         self.link_grace_s = link_grace_s
         self.daemon_id: str | None = None
-        self.hello: P.HelloOk | None = None
-        self._lock = threading.RLock()
-        self._ctx = zmq.Context.instance()
-        self._seq = itertools.count(1)
-        self._ready = False
-        self._hello_seq = 0
-        self._hello_seqs: set[int] = set()
-        self._hello_sent = 0.0
-        self._backoff = 0.05
-        self._next_try = 0.0
-        self._link_down_since: float | None = None
-        self._last_send = 0.0
+        self._link = Link(address, name=name, timeout_s=timeout_s, auth_token=auth_token)
+        self._lock = self._link.lock
+        self._seq = self._link.seqs
         self._last_pump = 0.0
         self._replies: dict[int, P.Message] = {}
         self._wanted: set[int] = set()
         self._notices: list[P.Notice] = []
         self._jobs: dict[int, _Job] = {}
-        self._daemon: DaemonProcess | None = None
-        self._old_daemons: list[DaemonProcess] = []  # replaced (a new daemon answered) with jobs left
-        self._next_overdue_check = 0.0
-        self._overdue_logged = 0.0
+        self._daemons = DaemonWatch(address, link_grace_s)  # which daemon took each job; is it gone
         self._registrations: dict[str, P.Register] = {}
         self._register_seqs: dict[int, str] = {}
-        self._closed = False
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_RECV_FRAME)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing to a daemon that is not there
-        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 250)  # a restarted daemon is found within ~0.3 s
-        self._sock.setsockopt(zmq.SNDHWM, 10_000)
-        self._sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)  # stable across reconnects
-        self._sock.setsockopt(zmq.RCVTIMEO, RECV_SLICE_MS)  # blocking receives only (request())
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._sock.connect(address)
-        self._hb: threading.Thread | None = None
         if heartbeat:
-            self._hb = threading.Thread(target=self._heartbeat, name="kvoffd-heartbeat", daemon=True)
-            self._hb.start()
+            self._link.start_heartbeat(lambda: self._pump(0))
 
     # ------------------------------------------------------------------------------------------------
     # connection state
@@ -168,82 +85,64 @@ class KvoffdClient:
     @property
     def connected(self) -> bool:
         """Whether the daemon is reachable now (processes pending link events first; never waits)."""
-        if self._closed or time.monotonic() - self._last_pump < 0.01:
-            return self._ready  # the engine asks per request per step: at most one pump per 10 ms
+        link = self._link
+        if link.closed or time.monotonic() - self._last_pump < 0.01:
+            return link.ready  # the engine asks per request per step: at most one pump per 10 ms
         with self._lock:
-            if not self._closed:
+            if not link.closed:
                 self._pump(0)
-            return self._ready
+            return link.ready
+
+    @property
+    def link_state(self) -> LinkState:
+        """The handshake's state (``down``, ``greeting``, ``ready``, ``closed``), without pumping."""
+        return self._link.state
+
+    @property
+    def hello(self) -> P.HelloOk | None:
+        """The daemon's last HELLO_OK (its id, pid, limits, fd socket); None before the first."""
+        return self._link.hello
 
     def connect(self, timeout_s: float | None = None) -> bool:
         """Handshake now, waiting up to ``timeout_s``. False (never an exception) when unreachable."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        link = self._link
         with self._lock:
-            self._next_try = 0.0
-            refusals = self._refusals
+            if link.closed:
+                return False
+            link.retry_now()
+            refusals = link.refusals
             while True:
                 self._pump(0)
-                if self._ready:
+                if link.ready:
                     return True
                 left = deadline - time.monotonic()
-                if left <= 0 or self._refusals != refusals:  # refused: ``refusal`` says why
+                if left <= 0 or link.refusals != refusals:  # refused: ``refusal`` says why
                     return False
                 self._pump(int(min(left, 0.05) * 1000) + 1)
+
+    def poll(self, timeout_ms: int = 0) -> None:
+        """Process what arrived (replies, notices, link events, lost jobs), waiting up to ``timeout_ms``
+        for a frame; what it finds is then returned by ``take_reply``/``take_notices``."""
+        with self._lock:
+            self._pump(timeout_ms)
 
     @property
     def refusal(self) -> str:
         """Why the last HELLO was refused or not sent (version mismatch, untrusted socket, bad token);
         empty once a HELLO succeeds."""
-        return self._refusal
+        return self._link.refusal
 
     def _unreachable(self) -> DaemonUnavailable:
-        why = f" ({self._refusal})" if self._refusal else ""
+        refusal = self._link.refusal
+        why = f" ({refusal})" if refusal else ""
         return DaemonUnavailable(f"no kvoffd answering at {self.address}{why}")
 
-    def _try_hello(self, now: float) -> None:
-        if self._hello_seq and now - self._hello_sent < max(self.timeout_s, 0.5):
-            return  # one HELLO at a time
-        if now < self._next_try:
-            return
-        if self._ipc_path is not None:
-            try:
-                check_socket_path(self._ipc_path, must_exist=False)
-            except UntrustedSocket as e:
-                self._refused(str(e), now)
-                return
-        seq = next(self._seq)
-        msg = P.Hello(seq=seq, client=self.name, pid=os.getpid(), start_ticks=_start_ticks(),
-                      capabilities=["lease"], token=self._token())
-        if self._send(msg):
-            self._hello_seq, self._hello_sent = seq, now
-            self._hello_seqs.add(seq)
-            self._backoff = 0.05
-        else:
-            self._next_try = now + self._backoff
-            self._backoff = min(self._backoff * 2, 0.25)
-
-    def _token(self) -> str:
-        if self._auth_token is not None:
-            return self._auth_token
-        return read_auth_token() if self._tcp else ""
-
-    def _refused(self, why: str, now: float) -> None:
-        """No HELLO now (untrusted socket path) or a refused one (unauthorized): retry later, quietly."""
-        if why != self._refusal:
-            log.error("kvoffd: not connecting to %s: %s", self.address, why)
-            self._refusal = why
-        self._refusals += 1
-        self._hello_seq = 0
-        self._next_try = now + REFUSED_RETRY_S
-
     def _on_hello(self, msg: P.HelloOk) -> None:
-        self._hello_seq = 0
-        self._hello_seqs.clear()
-        self._refusal = ""
+        came_back = self._link.accept(msg)
         restarted = self.daemon_id is not None and msg.daemon_id != self.daemon_id
-        if self._down_logged and not restarted:
+        if came_back and not restarted:
             log.warning("kvoffd at %s is back (same daemon %s)", self.address, msg.daemon_id)
-        self._down_logged = False
         if restarted:
             log.warning("kvoffd restarted (daemon %s -> %s): %d jobs in flight end once the old daemon is "
                         "gone, re-registering %d engines", self.daemon_id, msg.daemon_id, len(self._jobs),
@@ -251,11 +150,8 @@ class KvoffdClient:
             self._fail_requests("the daemon restarted; the request was lost")
         elif self.daemon_id is None:
             log.info("connected to kvoffd at %s (daemon %s)", self.address, msg.daemon_id)
-        if self._daemon is None or self._daemon.daemon_id != msg.daemon_id:
-            self._track_daemon(DaemonProcess(msg.daemon_id, msg.pid, self.address))
-        self.daemon_id, self.hello = msg.daemon_id, msg
-        self._ready = True
-        self._link_down_since = None
+        self._daemons.met(msg.daemon_id, msg.pid, self._jobs)
+        self.daemon_id = msg.daemon_id
         if restarted or not self._register_seqs:
             for reg in self._registrations.values():
                 try:
@@ -264,7 +160,7 @@ class KvoffdClient:
                     log.error("kvoffd: cannot re-register engine %s: %s", reg.engine_id, e)
                     continue
                 wire.seq = next(self._seq)
-                if self._send(wire):
+                if self._link.send(wire):
                     self._register_seqs[wire.seq] = reg.engine_id
 
     def _wire_register(self, reg: P.Register, timeout_s: float) -> P.Register:
@@ -284,119 +180,53 @@ class KvoffdClient:
             raise KvoffdError(P.ErrorCode.MEMORY_UNREACHABLE.value, f"cannot hand memory to {path}: {e}") from None
         return msgspec.structs.replace(reg, memory={"kind": "cpu_fd", "token": token, "size": mem["size"]})
 
-    def _track_daemon(self, new: DaemonProcess) -> None:
-        """A HELLO_OK named a daemon this client did not know: watch it; keep watching the one it
-        replaces while jobs it took are in flight (it may be frozen, not dead: the new one could
-        only bind the address if the old socket file was removed)."""
-        old = self._daemon
-        self._daemon = new
-        if old is not None:
-            if any(j.daemon is old for j in self._jobs.values()):
-                self._old_daemons.append(old)
-            else:
-                old.close()
-
-    def _daemon_gone(self, d: DaemonProcess | None, now: float) -> bool:
-        """Proof that no copy of ``d`` can run any more (see kvoffd_client.liveness)."""
-        if d is not None and d.exited():
-            return True
-        if d is not None and d.watched:
-            return False  # the process exists: frozen or slow, it may still copy
-        if d is not self._daemon:
-            return True  # unwatched and replaced: its link went down before the new daemon answered
-        return self._link_down_since is not None and now - self._link_down_since > self.link_grace_s
-
     def _reap_jobs(self, now: float) -> None:
         """Fail the jobs whose daemon is provably gone; log those overdue on a daemon that exists."""
-        if self._link_down_since is not None or self._old_daemons:
-            for d in {id(j.daemon): j.daemon for j in self._jobs.values()}.values():
-                if self._daemon_gone(d, now):
-                    code = "daemon_lost" if d is self._daemon else "daemon_restarted"
-                    self._fail_jobs_of(d, code, "the daemon that took the job is gone; nothing more is copied")
-            for d in [d for d in self._old_daemons if not any(j.daemon is d for j in self._jobs.values())]:
-                self._old_daemons.remove(d)
-                d.close()
-        if self._jobs and now >= self._next_overdue_check:
-            self._next_overdue_check = now + 1.0
-            late = [job for job in self._jobs.values() if job.deadline + EXPIRY_GRACE_S <= now]
-            if late and now - self._overdue_logged >= OVERDUE_LOG_EVERY_S:
-                self._overdue_logged = now
-                d = late[0].daemon
-                log.error("kvoffd: %d jobs unanswered %.1f s past their deadline, and daemon pid %s still "
-                          "exists (frozen or stalled?): their blocks stay reserved until it answers or exits",
-                          len(late), now - min(j.deadline for j in late), d.pid if d else "?")
+        for job_id, code in self._daemons.lost_jobs(self._jobs, now, self._link.down_since):
+            self._notices.append(_lost_job_notice(job_id, self._jobs.pop(job_id), code,
+                                                  "the daemon that took the job is gone; nothing more is copied"))
+        self._daemons.log_overdue(self._jobs, now)
 
     def _lost(self, why: str) -> None:
         """The daemon does not know this client (restarted, or dropped the connection as silent): say
         HELLO again. Jobs stay in flight: HELLO_OK tells whether the daemon that took them is still
         the one answering (then their notices still come), and _reap_jobs fails them once it is gone."""
-        if self._ready:
+        if self._link.lost():
             log.warning("kvoffd link lost (%s)", why)
-            self._down_logged = True
-        self._ready = False
-        self._hello_seq = 0
         self._fail_requests(why)
-
-    def _fail_jobs_of(self, daemon: DaemonProcess | None, code: str, why: str) -> None:
-        """The daemon that took these jobs is gone: they get failed notices (the engine recomputes)."""
-        for job_id in [j for j, job in self._jobs.items() if job.daemon is daemon]:
-            job = self._jobs.pop(job_id)
-            self._notices.append(P.Notice(job_id=job_id, ok=False, failed=list(range(job.n)), code=code,
-                                          message=why))
 
     def _fail_requests(self, why: str) -> None:
         """Requests in flight get an ``unavailable`` reply (a lookup sent to a daemon that died is a
         miss now, not after the engine's lookup timeout). They touch no engine memory."""
         for seq in self._wanted:
-            self._replies[seq] = P.Error(seq=seq, code=_UNAVAILABLE, message=why)
+            self._replies[seq] = P.Error(seq=seq, code=UNAVAILABLE, message=why)
         self._wanted.clear()
 
     # ------------------------------------------------------------------------------------------------
-    # I/O
-
-    def _send(self, msg: P.Message) -> bool:
-        try:
-            self._sock.send(P.encode(msg), _NOBLOCK)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as e:
-            log.debug("send failed: %s", e)
-            return False
-        self._last_send = time.monotonic()
-        return True
+    # incoming
 
     def _pump(self, timeout_ms: int = 0) -> None:
         """Process link events, incoming messages, reconnection and deadlines. Never blocks past timeout."""
+        link = self._link
+        if link.closed:
+            return  # close()d: nothing to take, no socket to ask
         now = self._last_pump = time.monotonic()
-        while self._monitor.getsockopt(_EVENTS) & _POLLIN:  # no system call, unlike poll()
-            ev = recv_monitor_message(self._monitor)
-            if ev["event"] == zmq.EVENT_DISCONNECTED:
-                if self._ready:
-                    log.warning("kvoffd at %s went away (link down): %d jobs in flight wait for it or its exit; "
-                                "requests fail until it is back", self.address, len(self._jobs))
-                    self._down_logged = True
-                self._link_down_since = self._link_down_since or now
-                self._ready = False
-                self._hello_seq = 0
-            elif ev["event"] == zmq.EVENT_CONNECTED:
-                self._next_try = 0.0
-        if (self._link_down_since is not None and self._wanted
-                and now - self._link_down_since > self.link_grace_s):
+        if link.watch(now):
+            log.warning("kvoffd at %s went away (link down): %d jobs in flight wait for it or its exit; "
+                        "requests fail until it is back", self.address, len(self._jobs))
+        if link.down_since is not None and self._wanted and now - link.down_since > self.link_grace_s:
             self._fail_requests("the connection to the daemon broke")
         self._read_all()  # first: a HELLO_OK already here must be seen before another HELLO goes out
-        if not self._ready:
-            self._try_hello(now)
-        if timeout_ms and self._sock.poll(timeout_ms, zmq.POLLIN):
+        if not link.ready:
+            link.greet(now)
+        if timeout_ms and link.wait(timeout_ms):
             self._read_all()
         if self._jobs:
             self._reap_jobs(now)
 
     def _read_all(self) -> None:
-        while self._sock.getsockopt(_EVENTS) & _POLLIN:
-            try:
-                frame = self._sock.recv(_NOBLOCK)
-            except zmq.Again:
-                break
+        recv = self._link.recv_nowait
+        while (frame := recv()) is not None:
             self._dispatch(frame)
 
     def _dispatch(self, frame: bytes) -> None:
@@ -413,24 +243,19 @@ class KvoffdClient:
                 self._notices.append(msg)
             return
         if isinstance(msg, P.HelloOk):
-            if msg.seq in self._hello_seqs:  # any HELLO of ours answered (the daemon answers each one)
+            if self._link.answers_hello(msg.seq):  # any HELLO of ours answered (the daemon answers each)
                 self._on_hello(msg)
             return
         if isinstance(msg, P.Error):
             if msg.code == P.ErrorCode.HELLO_REQUIRED.value:
                 self._lost(f"the daemon does not know this client: {msg.message}")
                 return
-            if msg.seq in self._hello_seqs:  # unauthorized, version_mismatch, too_many
-                self._hello_seqs.discard(msg.seq)
-                why = msg.message
-                if msg.code == P.ErrorCode.VERSION_MISMATCH.value:
-                    why = f"protocol version mismatch (this client speaks v{P.PROTOCOL_VERSION}): {why}"
-                self._refused(f"the daemon refused HELLO: {why}", time.monotonic())
+            if self._link.answers_hello(msg.seq):  # unauthorized, version_mismatch, too_many
+                self._link.refuse(msg, time.monotonic())
                 return
             job = self._jobs.pop(msg.job_id, None) if msg.job_id is not None else None
             if job is not None:  # the daemon refused the job: it is over, nothing was written
-                self._notices.append(P.Notice(job_id=msg.job_id, ok=False, failed=list(range(job.n)),
-                                              code=msg.code, message=msg.message))
+                self._notices.append(_lost_job_notice(msg.job_id, job, msg.code, msg.message))
                 return
         engine = self._register_seqs.pop(msg.seq, None)
         if engine is not None and msg.seq not in self._wanted:
@@ -441,17 +266,6 @@ class KvoffdClient:
             self._wanted.discard(msg.seq)
             self._replies[msg.seq] = msg
 
-    def _heartbeat(self) -> None:
-        while not self._closed:
-            time.sleep(0.5 if self._ready else 0.05)  # while the link is down, notice its return quickly
-            with self._lock:
-                if self._closed:
-                    return
-                self._pump(0)  # notices the link going down or up even while the engine is idle
-                interval = self.hello.heartbeat_s if self.hello else 2.0
-                if self._ready and time.monotonic() - self._last_send >= interval / 2:
-                    self._send(P.Ping(seq=0))
-
     # ------------------------------------------------------------------------------------------------
     # requests
 
@@ -459,10 +273,10 @@ class KvoffdClient:
         """Send without waiting; returns the seq to collect the reply with, or None when not connected."""
         with self._lock:
             self._pump(0)
-            if not self._ready:
+            if not self._link.ready:
                 return None
             msg.seq = next(self._seq)
-            if not self._send(msg):
+            if not self._link.send(msg):
                 return None
             self._wanted.add(msg.seq)
             return msg.seq
@@ -483,32 +297,27 @@ class KvoffdClient:
         """Send and wait (bounded) for the reply. Raises DaemonUnavailable or KvoffdError (ERROR reply)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
+        link = self._link
         with self._lock:
-            if not self._ready and not self.connect(timeout):
+            if not link.ready and not self.connect(timeout):
                 raise self._unreachable()
             # fast path: no full _pump per round trip (the heartbeat thread watches the link)
             msg.seq = seq = next(self._seq)
-            if not self._send(msg):
+            if not link.send(msg):
                 raise DaemonUnavailable(f"cannot send to kvoffd at {self.address}")
             self._wanted.add(seq)
-            sock = self._sock
             while True:
                 reply = self._replies.pop(seq, None)
                 if reply is not None:
-                    if isinstance(reply, P.Error):
-                        if reply.code == _UNAVAILABLE:
-                            raise DaemonUnavailable(reply.message)
-                        raise KvoffdError(reply.code, reply.message)
-                    return reply
+                    return answer(reply)
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._ready:
+                if left <= 0 or not link.ready:
                     self._wanted.discard(seq)
                     if left > 0:
                         raise DaemonUnavailable(f"the link to kvoffd broke before it answered {msg.op.value}")
                     raise DaemonUnavailable(f"kvoffd did not answer {msg.op.value} within {timeout} s")
-                try:  # a plain blocking receive: cheaper than poll(), which builds a Poller per call
-                    frame = sock.recv()
-                except zmq.Again:
+                frame = link.recv_slice()
+                if frame is None:
                     self._pump(0)  # quiet for RECV_SLICE_MS: look at the link
                     continue
                 try:
@@ -518,13 +327,11 @@ class KvoffdClient:
                     continue
                 if got.seq == seq and type(got) not in _UNSOLICITED:  # the answer: skip the general dispatch
                     self._wanted.discard(seq)
-                    if isinstance(got, P.Error):
-                        if got.code == P.ErrorCode.HELLO_REQUIRED.value:
-                            self._dispatch_msg(got)  # says HELLO again
-                            raise DaemonUnavailable(f"kvoffd did not do the {msg.op.value}: it does not know "
-                                                    f"this connection ({got.message})")
-                        raise KvoffdError(got.code, got.message)
-                    return got
+                    if isinstance(got, P.Error) and got.code == P.ErrorCode.HELLO_REQUIRED.value:
+                        self._dispatch_msg(got)  # says HELLO again
+                        raise DaemonUnavailable(f"kvoffd did not do the {msg.op.value}: it does not know "
+                                                f"this connection ({got.message})")
+                    return answer(got)
                 self._dispatch_msg(got)
 
     # --- engine registration ------------------------------------------------------------------------
@@ -537,7 +344,7 @@ class KvoffdClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             self._registrations[engine_id] = msg
-            if not self._ready and not self.connect(timeout):
+            if not self._link.ready and not self.connect(timeout):
                 raise self._unreachable()
             reply = self.request(self._wire_register(msg, timeout), timeout_s)
         assert isinstance(reply, P.Registered)
@@ -546,7 +353,7 @@ class KvoffdClient:
     def unregister(self, engine_id: str, timeout_s: float | None = None) -> None:
         with self._lock:
             self._registrations.pop(engine_id, None)
-            if self._ready:
+            if self._link.ready:
                 self.request(P.Unregister(engine_id=engine_id), timeout_s)
 
     # --- lookups -------------------------------------------------------------------------------------
@@ -565,8 +372,8 @@ class KvoffdClient:
     def release(self, lease_id: int) -> None:
         if lease_id:
             with self._lock:
-                if self._ready:
-                    self._send(P.Release(seq=0, lease_id=lease_id))
+                if self._link.ready:
+                    self._link.send(P.Release(seq=0, lease_id=lease_id))
 
     # --- jobs ----------------------------------------------------------------------------------------
 
@@ -582,7 +389,7 @@ class KvoffdClient:
     def _submit(self, msg: P.Store | P.Load) -> None:
         with self._lock:
             self._pump(0)
-            if not self._ready:
+            if not self._link.ready:
                 raise DaemonUnavailable()
             if msg.job_id in self._jobs:
                 raise KvoffdError(P.ErrorCode.DUPLICATE_JOB.value, f"job {msg.job_id} is already in flight")
@@ -591,9 +398,9 @@ class KvoffdClient:
             # The daemon will not start the job (or any further part of it) after job_deadline_s; the
             # job still ends only with its notice, or once that daemon is gone (see _reap_jobs).
             msg.expires_ns = int((now + self.job_deadline_s) * 1e9)
-            if not self._send(msg):
+            if not self._link.send(msg):
                 raise DaemonUnavailable("cannot send to kvoffd")
-            self._jobs[msg.job_id] = _Job(P.count_keys(msg.keys), now + self.job_deadline_s, self._daemon)
+            self._jobs[msg.job_id] = _Job(P.count_keys(msg.keys), now + self.job_deadline_s, self._daemons.current)
 
     def take_notices(self) -> list[P.Notice]:
         """Completion notices that arrived (real or synthesized for lost jobs). Never waits."""
@@ -652,15 +459,10 @@ class KvoffdClient:
 
     def close(self) -> None:
         with self._lock:
-            if self._closed:
+            if self._link.closed:
                 return
-            self._closed = True
-            self._sock.disable_monitor()
-            self._monitor.close(0)
-            self._sock.close(0)
-            for d in [self._daemon, *self._old_daemons]:
-                if d is not None:
-                    d.close()
+            self._link.close()
+            self._daemons.close()
 
     def __enter__(self) -> KvoffdClient:
         return self

@@ -22,8 +22,8 @@ import struct
 
 import msgspec
 
-#: The most bytes of one fd-socket request or reply (both are a small msgpack map).
-MAX_FD_MESSAGE = 512
+from kvoffd_client.protocol import MAX_FD_MESSAGE
+
 UCRED = struct.Struct("3i")  # pid, uid, gid
 
 

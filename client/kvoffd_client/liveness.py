@@ -22,6 +22,10 @@ import contextlib
 import logging
 import os
 import select
+from collections.abc import Mapping
+from typing import Protocol
+
+from kvoffd_client import protocol as P
 
 log = logging.getLogger("kvoffd_client")
 
@@ -116,3 +120,86 @@ class DaemonProcess:
                 os.close(self._pidfd)
             self._pidfd = None
             self._poll = None
+
+
+class _HasDaemon(Protocol):
+    daemon: DaemonProcess | None  # the daemon that took the job
+    deadline: float  # time.monotonic() after which the daemon no longer starts it
+
+
+#: a job still unanswered this long after its deadline is logged as overdue (it is never failed on
+#: a timer: see DaemonWatch.lost_jobs)
+EXPIRY_GRACE_S = 2.0
+OVERDUE_LOG_EVERY_S = 10.0
+
+
+class DaemonWatch:
+    """The daemon processes that took a client's jobs: the one answering now, and the ones it replaced
+    while jobs they took were still in flight. Says which jobs provably cannot be copied any more."""
+
+    def __init__(self, address: str, link_grace_s: float):
+        self.address = address
+        self.link_grace_s = link_grace_s
+        self.current: DaemonProcess | None = None
+        self._replaced: list[DaemonProcess] = []  # a new daemon answered; these still have jobs
+        self._next_overdue_check = 0.0
+        self._overdue_logged = 0.0
+
+    def met(self, daemon_id: str, pid: int, jobs: Mapping[int, _HasDaemon]) -> None:
+        """A HELLO_OK: watch its daemon if it is new; keep watching the one it replaces while jobs it
+        took are in flight (it may be frozen, not dead: the new one could only bind the address if the
+        old socket file was removed)."""
+        if self.current is not None and self.current.daemon_id == daemon_id:
+            return
+        old, self.current = self.current, DaemonProcess(daemon_id, pid, self.address)
+        if old is not None:
+            if any(j.daemon is old for j in jobs.values()):
+                self._replaced.append(old)
+            else:
+                old.close()
+
+    def gone(self, d: DaemonProcess | None, now: float, down_since: float | None) -> bool:
+        """Proof that no copy of ``d`` can run any more (see the module docstring)."""
+        if d is not None and d.exited():
+            return True
+        if d is not None and d.watched:
+            return False  # the process exists: frozen or slow, it may still copy
+        if d is not self.current:
+            return True  # unwatched and replaced: its link went down before the new daemon answered
+        return down_since is not None and now - down_since > self.link_grace_s
+
+    def lost_jobs(self, jobs: Mapping[int, _HasDaemon], now: float, down_since: float | None
+                  ) -> list[tuple[int, P.NoticeCode]]:
+        """The jobs whose daemon is provably gone, with the code of their failed notice
+        (``daemon_lost``: the current daemon; ``daemon_restarted``: one a new daemon replaced)."""
+        out: list[tuple[int, P.NoticeCode]] = []
+        if down_since is not None or self._replaced:
+            for d in {id(j.daemon): j.daemon for j in jobs.values()}.values():
+                if self.gone(d, now, down_since):
+                    code = P.NoticeCode.DAEMON_LOST if d is self.current else P.NoticeCode.DAEMON_RESTARTED
+                    out.extend((job_id, code) for job_id, j in jobs.items() if j.daemon is d)
+            lost = {job_id for job_id, _ in out}
+            for d in [d for d in self._replaced
+                      if not any(j.daemon is d for job_id, j in jobs.items() if job_id not in lost)]:
+                self._replaced.remove(d)
+                d.close()
+        return out
+
+    def log_overdue(self, jobs: Mapping[int, _HasDaemon], now: float) -> None:
+        """At most every OVERDUE_LOG_EVERY_S: the jobs unanswered EXPIRY_GRACE_S past their deadline
+        on a daemon that still exists (their blocks stay reserved: a frozen daemon resumes copying)."""
+        if not jobs or now < self._next_overdue_check:
+            return
+        self._next_overdue_check = now + 1.0
+        late = [job for job in jobs.values() if job.deadline + EXPIRY_GRACE_S <= now]
+        if late and now - self._overdue_logged >= OVERDUE_LOG_EVERY_S:
+            self._overdue_logged = now
+            d = late[0].daemon
+            log.error("kvoffd: %d jobs unanswered %.1f s past their deadline, and daemon pid %s still "
+                      "exists (frozen or stalled?): their blocks stay reserved until it answers or exits",
+                      len(late), now - min(j.deadline for j in late), d.pid if d else "?")
+
+    def close(self) -> None:
+        for d in [self.current, *self._replaced]:
+            if d is not None:
+                d.close()

@@ -30,6 +30,8 @@ PROTOCOL_VERSION = 1
 KEY_SIZE = 32
 #: Largest frame the daemon reads. A step of a big batch (8k blocks) stays far below it.
 MAX_FRAME_BYTES = 8 << 20
+#: The most bytes of one fd-socket request or reply (a small msgpack map; docs/protocol.md, the fd socket).
+MAX_FD_MESSAGE = 512
 #: Most keys (and block ids) one message may carry.
 MAX_KEYS = 65536
 #: Longest namespace / engine id / free-text field.
@@ -83,6 +85,37 @@ class ErrorCode(str, enum.Enum):
     TOO_MANY = "too_many"  # a per-client bound (jobs in flight, leases, engines) was hit
     EXPIRED = "expired"  # a job reached the daemon after its expires_ns: nothing was done
     INTERNAL = "internal"
+
+
+class NoticeCode(str, enum.Enum):
+    """Why a NOTICE lists failed keys (its ``code``; empty when none failed). The daemon sends the
+    first six; the client library makes up the last two for jobs of a daemon that is provably gone."""
+
+    POOL_FULL = "pool_full"  # a STORE's key found no slot (every candidate held)
+    NOT_ADMITTED = "not_admitted"  # the admission policy refused a STORE's new key: not copied
+    NOT_RESIDENT = "not_resident"  # a LOAD's key is not in the pool
+    COPY_FAILED = "copy_failed"  # the copy failed as a whole
+    CHECKSUM_MISMATCH = "checksum_mismatch"  # --verify: a block's crc32 changed in the pool
+    EXPIRED = "expired"  # the deadline passed before (the rest of) the copy could start
+    DAEMON_LOST = "daemon_lost"  # the daemon that took the job is gone (client library)
+    DAEMON_RESTARTED = "daemon_restarted"  # ...and another one answers now (client library)
+
+
+class MissReason(str, enum.Enum):
+    """Why a LOOKUP's first missing key missed (kvoffd_misses_total{reason}, ``kvoffctl explain``)."""
+
+    ABSENT = "absent"  # never stored, or stored and cleared
+    EVICTED = "evicted"  # evicted to make room
+    NAMESPACE_MISMATCH = "namespace_mismatch"  # no engine of some rank registered in the namespace
+    FAILED = "failed"  # its store failed, or it was found corrupt
+
+
+class DropReason(str, enum.Enum):
+    """Why a STORE could not keep a block (kvoffd_dropped_stores_total{reason})."""
+
+    POOL_FULL = "pool_full"  # no slot could be freed
+    CLEAR = "clear"  # a CLEAR ran while it was being copied
+    FAILED = "failed"  # the copy failed
 
 
 class ProtocolError(Exception):
@@ -201,13 +234,26 @@ class Message(msgspec.Struct, tag_field="op", kw_only=True):
         return {"op": self.op.value, **msgspec.structs.asdict(self)}
 
 
+def start_ticks(pid: int | None = None) -> int:
+    """When process ``pid`` (None: this one) started, in clock ticks since boot: field 22 of
+    /proc/PID/stat, read past the command name (which may hold spaces and parentheses). With the pid,
+    HELLO's identity of a process (``Hello.start_ticks``): a reused pid has another. 0 if unknown."""
+    try:
+        with open(f"/proc/{'self' if pid is None else pid}/stat", "rb") as f:
+            data = f.read()
+        field = data[data.rindex(b")") + 2:].split()[19]
+    except (OSError, ValueError, IndexError):
+        return 0
+    return int(field) if field.isdigit() else 0
+
+
 class Hello(Message, tag="hello"):
     """First message on a connection: version check and who is calling (pid for liveness)."""
 
     version: U63 = PROTOCOL_VERSION
     client: Name = "kvoffd_client"
     pid: U63 = 0
-    start_ticks: U63 = 0  # the process's start time (/proc/PID/stat field 22): pid + this = identity
+    start_ticks: U63 = 0  # the process's start time (see start_ticks()): pid + this = identity
     capabilities: Annotated[list[Annotated[str, Meta(max_length=MAX_NAME)]], Meta(max_length=64)] = []
     token: Annotated[str, Meta(max_length=MAX_NAME)] = ""  # tcp:// only: the daemon's auth token
 
@@ -231,24 +277,72 @@ class Segment:
     length: int
 
 
-class Register(Message, tag="register"):
+IpcHandle = Annotated[bytes, Meta(min_length=64, max_length=64)]  # cudaIpcMemHandle_t / cudaIpcEventHandle_t
+#: IPC events one CUDA engine may share (its ring of "writes done" markers)
+MAX_EVENTS = 4096
+#: Memory kinds REGISTER may name (the daemon says which it serves in HELLO_OK: ``memory:<kind>``).
+MEMORY_KINDS = ("cpu_fd", "cuda_ipc")
+
+
+class CpuFd(msgspec.Struct, tag_field="kind", tag="cpu_fd", kw_only=True):
+    """A sealed memfd the engine handed to the daemon's fd socket (HelloOk.fd_socket), named by the
+    one-time token it answered (kvoffd_client.fdpass)."""
+
+    KIND: ClassVar[str] = "cpu_fd"
+    token: Annotated[str, Meta(min_length=1, max_length=64)]
+    size: Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
+
+
+class CudaIpc(msgspec.Struct, tag_field="kind", tag="cuda_ipc", kw_only=True):
+    """A CUDA IPC handle of the allocation holding the KV tensors, the region's ``offset`` into it and
+    ``size``, the GPU by UUID, and the engine's ring of IPC events (docs/cuda.md)."""
+
+    KIND: ClassVar[str] = "cuda_ipc"
+    handle: IpcHandle
+    size: Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
+    offset: U63 = 0
+    device_uuid: Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
+    events: Annotated[list[IpcHandle], Meta(max_length=MAX_EVENTS)] = []
+
+
+Memory = Union[CpuFd, CudaIpc]  # noqa: UP007 - msgspec's tagged union (the tag is ``kind``)
+SegmentLength = Annotated[int, Meta(ge=1, le=1 << 40)]
+
+
+class Layout(msgspec.Struct, kw_only=True):
+    """Where each block lives in the engine's memory: block b occupies [offset + b*stride, +length)
+    of every segment. Bounds against the region are the backend's (they need the mapping)."""
+
+    num_blocks: Annotated[int, Meta(ge=1, le=1 << 40)]
+    segments: Annotated[list[tuple[U63, U63, SegmentLength]], Meta(min_length=1, max_length=65536)]
+    desc: str = ""  # free text (e.g. "LBHNC fp32"), logged
+
+    def __post_init__(self) -> None:
+        if self.num_blocks > 1:
+            for i, (_, stride, length) in enumerate(self.segments):
+                if stride < length:
+                    raise ProtocolError(ErrorCode.BAD_FIELD, f"layout.segments[{i}]: stride {stride} < length "
+                                        f"{length} would make blocks overlap")
+
+    def runs(self) -> list[Segment]:
+        return [Segment(off, stride, length) for off, stride, length in self.segments]
+
+
+class Register(Message, tag="register", kw_only=True):
     """Attach an engine worker's KV memory.
 
-    ``memory`` says how the daemon reaches the bytes:
-      * ``{"kind": "cpu_fd", "token": str, "size": n}`` — a sealed memfd handed to the daemon's fd
-        socket (HelloOk.fd_socket), named by the one-time token it answered (kvoffd_client.fdpass);
-      * ``{"kind": "cuda_ipc", "handle": bytes, "size": n, "device_uuid": "GPU-...", "events": [bytes]}``.
-    ``layout`` says where each block lives in it: ``{"num_blocks": N, "segments": [[offset, stride,
-    length], ...], "desc": "free text (e.g. LBHNC fp32)"}``. A block's slot in the pool is the
-    concatenation of its segments, so one slot holds every layer, K and V, of one block of one rank.
+    ``memory`` says how the daemon reaches the bytes (:class:`CpuFd` or :class:`CudaIpc`, told
+    apart by ``kind``); ``layout`` says where each block lives in it (:class:`Layout`). A block's
+    slot in the pool is the concatenation of its segments, so one slot holds every layer, K and V,
+    of one block of one rank. Senders may give plain maps of the same shape.
     """
 
     engine_id: Name = ""
     namespace: Name = ""
     rank: Rank = 0
     world_size: WorldSize = 1
-    memory: dict[str, Any] = {}
-    layout: dict[str, Any] = {}
+    memory: Memory
+    layout: Layout
 
 
 class Registered(Message, tag="registered"):
@@ -327,7 +421,7 @@ class Notice(Message, tag="notice"):
     job_id: int = 0
     ok: bool = True
     failed: Annotated[list[int], Meta(max_length=MAX_KEYS)] = []
-    code: str = ""
+    code: str = ""  # a NoticeCode value (a str on the wire: a newer peer may send a code this one lacks)
     message: str = ""
 
 
@@ -442,7 +536,12 @@ def _refusal(text: str) -> ProtocolError:
     if m is None:  # about the whole message
         if "`op`" in reason:  # "Object missing required field `op`"
             return ProtocolError(ErrorCode.UNKNOWN_OP, "a message needs an op")
+        if reason.startswith("Object missing required field"):
+            return ProtocolError(ErrorCode.BAD_FIELD, reason)
         return ProtocolError(ErrorCode.BAD_FRAME, f"a message must be a msgpack map ({reason})")
+    if where == "`$.memory.kind`":  # a kind this protocol does not know (e.g. the old path kind)
+        return ProtocolError(ErrorCode.MEMORY_UNREACHABLE, f"memory.kind: {reason}; this protocol knows "
+                             f"{list(MEMORY_KINDS)} (a daemon says which it serves in hello_ok)")
     name = m.group(1)
     if name == "op":
         return ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op ({reason})")
@@ -467,27 +566,12 @@ def error_for(exc: ProtocolError) -> Error:
     return Error(seq=exc.seq, code=exc.code.value, message=exc.message, job_id=exc.job_id)
 
 
-def _int(v: Any, name: str, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
-    if type(v) is not int or not lo <= v <= hi:  # bool is not an int here
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{name} must be an integer in [{lo}, {hi}], got {v!r:.40}")
-    return v
-
-
-def parse_layout(layout: dict[str, Any]) -> tuple[int, list[Segment]]:
-    """Validate a REGISTER layout; returns (num_blocks, segments). Bounds vs the region are the daemon's."""
-    num_blocks = _int(layout.get("num_blocks"), "layout.num_blocks", 1, 1 << 40)
-    raw = layout.get("segments")
-    if type(raw) is not list or not 1 <= len(raw) <= 65536:
-        raise ProtocolError(ErrorCode.BAD_FIELD, "layout.segments must be a list of 1..65536 [offset, stride, length]")
-    segs = []
-    for i, s in enumerate(raw):
-        if type(s) is not list or len(s) != 3:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"layout.segments[{i}] must be [offset, stride, length]")
-        off = _int(s[0], f"layout.segments[{i}].offset")
-        stride = _int(s[1], f"layout.segments[{i}].stride")
-        length = _int(s[2], f"layout.segments[{i}].length", 1, 1 << 40)
-        if num_blocks > 1 and stride < length:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"layout.segments[{i}]: stride {stride} < length {length} "
-                                "would make blocks overlap")
-        segs.append(Segment(off, stride, length))
-    return num_blocks, segs
+def parse_layout(layout: dict[str, Any] | Layout) -> tuple[int, list[Segment]]:
+    """A layout map (as ``describe_layout`` gives it) checked as REGISTER checks it: (num_blocks,
+    segments). For tools and benches that attach a backend without the daemon."""
+    if not isinstance(layout, Layout):
+        try:
+            layout = msgspec.convert(layout, Layout)
+        except msgspec.ValidationError as e:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"layout: {e}") from None
+    return layout.num_blocks, layout.runs()

@@ -1,9 +1,10 @@
-"""The index: (namespace, rank, key) -> slot, with an admission/eviction policy, pins and visibility.
+"""The index: (namespace, rank, key) -> slot, with an admission/eviction policy, refs and visibility.
 
 Rules it keeps (docs/architecture.md):
   * an entry is visible to LOOKUP/LOAD only once its copy completed (``ready``);
-  * a pinned entry (read by a LOAD, or held by a lease) is never evicted nor overwritten;
-  * ready entries sit in their slot size's LRU list; eviction is O(1) per block and skips pinned ones;
+  * a held entry (``refs`` > 0: read by a LOAD, held by a lease, being stored) is never evicted nor
+    overwritten; refs are taken and dropped only here (``hold``, ``prepare_load``, ``release``);
+  * ready entries sit in their slot size's LRU list; eviction is O(1) per block and skips held ones;
   * with a policy other than ``lru`` (``--eviction-policy``, kvoffd/cache/policy.py), one policy per
     slot size replaces that list: it is asked ``admit`` for each new key of a STORE (a refused key
     gets no slot and no copy) and ``victim()`` for each slot needed, and told every other event in
@@ -12,7 +13,7 @@ Rules it keeps (docs/architecture.md):
     policies existed (bench/trace_replay.py checks it against an exact model);
   * CLEAR unlinks entries at once; a slot still being copied is freed when its job ends;
   * a slot size below its fair share of the pool takes a chunk from the one furthest above it,
-    evicting that chunk's unpinned entries a bounded number per store (``_reclaim``);
+    evicting that chunk's unheld entries a bounded number per store (``_reclaim``);
   * observers (``IndexObserver``: a persistent slot table, a lower tier, an event stream) are told of
     every entry that becomes visible and of every slot before it goes back to the pool, in the same
     loop callback, so what they keep can never disagree with the index for longer than that callback.
@@ -25,21 +26,20 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
-from typing import Protocol
 
 from kvoffd.cache.policy import LRU, EvictionPolicy, make_policy
 from kvoffd.cache.pool import Pool
-from kvoffd_client.protocol import KEY_SIZE, split_keys
+from kvoffd_client.protocol import KEY_SIZE, MissReason, split_keys
 
 _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoffctl explain`
 RECLAIM_BUDGET = 4096  # entries one store may evict from a chunk taken for another slot size
 _PICK_CHUNKS = 4  # candidate chunks compared (the least recently allocated from)
-_PICK_CHECK = 2  # candidates scanned for pins (a scan costs one dict probe per slot of the chunk)
+_PICK_CHECK = 2  # candidates scanned for held entries (a scan costs one dict probe per slot of the chunk)
 _DRAIN_SCAN = 8 * RECLAIM_BUDGET  # slots of the draining chunk looked at per store
-DRAIN_PATIENCE_S = 30.0  # a drain stuck on pinned entries this long is given up (the connector leases 30 s)
+DRAIN_PATIENCE_S = 30.0  # a drain stuck on held entries this long is given up (the connector leases 30 s)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class Run:
     that follow it here as two binaries (one memcmp) instead of one dict probe per key: a prompt
     stored in a few chunks is checked in a few steps, and a lease takes the matching entries as one
     list slice. When any member stops being visible the run forgets its keys and entries
-    (``broken``): the shortcut never reports a key that is not there, and a run costs memory only
+    (``invalidate``): the shortcut never reports a key that is not there, and a run costs memory only
     while all its blocks are resident.
     """
 
@@ -61,21 +61,21 @@ class Run:
         self.keys = keys
         self.entries = entries
 
-    def broken(self) -> None:
+    def invalidate(self) -> None:
         self.keys = b""
         self.entries = []
 
 
 class Entry:
-    __slots__ = ("key", "table", "slot", "ready", "pins", "dead", "in_lru", "stored_at", "checksum", "run",
+    __slots__ = ("key", "table", "slot", "ready", "refs", "dead", "in_lru", "stored_at", "checksum", "run",
                  "run_at")
 
-    def __init__(self, key: bytes, table: Table, slot: int, pins: int = 0):
+    def __init__(self, key: bytes, table: Table, slot: int, refs: int = 0):
         self.key = key
         self.table = table
         self.slot = slot
         self.ready = False
-        self.pins = pins
+        self.refs = refs
         self.dead = False  # unlinked (evicted, cleared, failed) while a job may still hold it
         self.in_lru = False
         self.stored_at = 0.0  # set when the copy completes
@@ -115,27 +115,68 @@ class Namespace:
     policies: list[EvictionPolicy] = field(default_factory=list)  # its tables' slot sizes' policies, once each
 
 
-@dataclass
+@dataclass(eq=False)
 class StorePlan:
-    """What a STORE will do (``Index.plan``): indices into its keys."""
+    """What a STORE will do (``Index.prepare_store``), as indices into its keys.
 
-    want: list[int]  # to copy, into ``slots``
+    The plan travels through the whole store: ``add_pending`` fills ``entries`` once the copy has
+    started, and ``complete_store`` commits or aborts them.
+    """
+
+    table: Table
+    keys: list[bytes]
+    copy_idx: list[int]  # to copy, into ``slots``
     slots: list[int]
     present: int  # already stored (or being stored)
     dropped: list[int]  # admitted, but no room (from the end)
     refused: list[int]  # refused by the admission policy: no slot, no copy
+    evicted: int = 0  # entries evicted to find the slots (reclaimed chunks included)
+    entries: list[Entry] = field(default_factory=list)  # pending, one per ``copy_idx`` (add_pending)
 
 
-class IndexObserver(Protocol):
-    """Something that mirrors the index (warm-restart slot records, a lower tier, KV events).
+@dataclass
+class Hits:
+    """What a LOOKUP found (``Index.lookup``): the leading keys ready on every rank."""
 
-    One seam for all of them, so that none needs a branch in the server: the index calls these on the
-    loop thread, synchronously, at the two moments that matter. Observers must not block and must not
-    call back into the index from inside a call.
+    n: int
+    by_rank: dict[int, list[Entry]]  # their entries, rank by rank (only when asked for)
+    miss_reason: MissReason | None  # why key ``n`` missed (None when every key hit)
+    world_size: int  # ranks of the namespace (0: unknown namespace)
+
+    @property
+    def held_entries(self) -> int:
+        """Entries a lease on these hits holds (keys x ranks)."""
+        return sum(len(v) for v in self.by_rank.values())
+
+
+@dataclass
+class LoadPlan:
+    """What a LOAD will read (``Index.prepare_load``): the entries found, each holding a ref."""
+
+    entries: list[Entry]
+    found_idx: list[int]  # indices into the LOAD's keys, one per entry
+    missing_idx: list[int]  # keys not resident (reported failed)
+
+
+class IndexObserver:
+    """Something that mirrors the index: warm-restart slot records, a lower tier, a KV-event stream.
+
+    One seam for all of them, so that none needs a branch in the server: the index calls every
+    registered observer, on the loop thread, synchronously, at each moment below. Subclass it and
+    override the moments you need (the others do nothing). Observers must not block and must not call
+    back into the index from inside a call.
     """
 
     def committed(self, entries: Sequence[Entry]) -> None:
         """``entries`` just became visible: their copy completed and their bytes are in their slots."""
+
+    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+        """The index chose ``entries`` to make room (eviction, or emptying a chunk for another slot
+        size): their ``freeing`` follows at once. A lower tier keeps them from here."""
+
+    def unlinked(self, entries: Sequence[Entry]) -> None:
+        """Committed ``entries`` left the index (CLEAR, found corrupt) while refs still hold them (a LOAD,
+        a lease): they are gone now, but their slots are freed (``freeing``) only when the last ref drops."""
 
     def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
         """The slots of ``entries`` go back to the pool right after this call and may be reused at once.
@@ -144,23 +185,14 @@ class IndexObserver(Protocol):
         bytes are still in place during the call and only then. ``e.ready`` tells a committed one.
         """
 
-
-class TierObserver(IndexObserver, Protocol):
-    """An observer that also wants the two moments a lower tier needs (kvoffd/cache/tiers/manager.py):
-    the index calls these only on observers that define them."""
-
-    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
-        """``entries`` were evicted for room (capacity or a chunk drained), not cleared or failed; called
-        just before ``freeing`` with the same bytes still in place: the moment to spill them."""
-
     def cleared(self, namespace: str) -> None:
-        """CLEAR of ``namespace`` ("" = all) just unlinked its entries: forget them below too."""
+        """CLEAR removed every entry of ``namespace`` (told once per namespace, after its entries)."""
 
 
 class Index:
-    """Pins are lazy with respect to the LRU: pinning is ``entry.pins += 1`` and nothing else (callers
-    do it inline: lookups with leases pin thousands of blocks per step); eviction skips pinned entries
-    it meets and ``unpin`` puts them back as most recently used."""
+    """Refs are lazy with respect to the LRU: taking one is ``entry.refs += 1`` and nothing else
+    (``hold`` takes thousands per step for leases, in one loop here); eviction skips held entries it
+    meets and ``release`` puts them back as most recently used. Callers never touch ``refs``."""
 
     def __init__(self, pool: Pool, policy: str = LRU.name):
         self.pool = pool
@@ -223,52 +255,85 @@ class Index:
         return True
 
     # --- lookups ----------------------------------------------------------------------------------------
-    def leading_hits(self, namespace: str, keys: bytes, want_entries: bool = False
-                     ) -> tuple[int, dict[int, list[Entry]], str]:
-        """Leading keys ready on every rank; their entries by rank (if wanted); the first miss's reason.
+    def knows(self, namespace: str) -> bool:
+        return namespace in self.namespaces
+
+    def lookup(self, namespace: str, keys: bytes, *, with_entries: bool = False) -> Hits:
+        """Leading keys ready on every rank; their entries by rank (if asked); the first miss's reason.
 
         ``keys`` is the message's binary of keys: this is the hot path of every step, and
-        ``_leading`` mostly checks it without splitting it into keys.
+        ``_leading`` mostly checks it without splitting it into keys. Takes no ref: a lease calls
+        ``hold`` once it has answered (nothing runs on the loop in between).
         """
         ns = self.namespaces.get(namespace)
         if ns is None or len(ns.tables) < ns.world_size:
-            return 0, {}, "namespace_mismatch"
+            return Hits(0, {}, MissReason.NAMESPACE_MISMATCH, ns.world_size if ns else 0)
         for pol in ns.policies:  # a request starts (O(1): the keys are not passed, no policy needs them)
             pol.on_lookup_miss(())
         total = n = len(keys) // KEY_SIZE
         hits: dict[int, list[Entry]] = {}
         for r in range(ns.world_size):
-            n, hits[r] = _leading(ns.tables[r].visible, keys, n, want_entries)
+            n, hits[r] = _leading(ns.tables[r].visible, keys, n, with_entries)
             if not n:
                 break
-        reason = ""
+        reason = None
         if n < total:
             miss = (namespace, keys[n * KEY_SIZE:(n + 1) * KEY_SIZE])
-            reason = "evicted" if miss in self.evicted else "failed" if miss in self.failed else "absent"
-        if not (want_entries and n):
-            return n, {}, reason
-        return n, {r: got if len(got) == n else got[:n] for r, got in hits.items()}, reason
+            reason = (MissReason.EVICTED if miss in self.evicted else MissReason.FAILED if miss in self.failed
+                      else MissReason.ABSENT)
+        if not (with_entries and n):
+            return Hits(n, {}, reason, ns.world_size)
+        return Hits(n, {r: got if len(got) == n else got[:n] for r, got in hits.items()}, reason, ns.world_size)
 
-    # --- pins ---------------------------------------------------------------------------------------------
-    def unpin(self, e: Entry) -> None:
-        e.pins -= 1
-        if e.pins:
-            return
-        if e.dead:
-            self._free(e.table.slot_bytes, [e.slot])
-        elif e.ready and self._policies:  # read by a load, or handed back as a pinned victim: just used
-            self._policies[e.table.slot_bytes].on_access((e.table, e.key))
-            e.in_lru = True
-        elif e.ready:
-            lru = self._lru[e.table.slot_bytes]
-            if e.in_lru:
-                lru.move_to_end(e)  # just read by a load: most recently used
-            else:
-                lru[e] = None
+    # --- refs ---------------------------------------------------------------------------------------------
+    def hold(self, hits: Hits) -> int:
+        """A lease: one ref on every entry of ``hits`` (thousands per step, one loop). Returns how many."""
+        held = 0
+        for entries in hits.by_rank.values():
+            for e in entries:
+                e.refs += 1
+            held += len(entries)
+        return held
+
+    def release(self, entries: Iterable[Entry]) -> None:
+        """Drop one ref of each entry (a LOAD ended, a lease was dropped): the one place a ref drops.
+        An entry left unheld goes back to its LRU as just used, or frees its slot if it was unlinked."""
+        policies = self._policies
+        for e in entries:
+            e.refs -= 1
+            if e.refs:
+                continue
+            if e.dead:
+                self._free(e.table.slot_bytes, [e.slot])
+            elif e.ready and policies:  # read by a load, or handed back as a held victim: just used
+                policies[e.table.slot_bytes].on_access((e.table, e.key))
                 e.in_lru = True
+            elif e.ready:
+                lru = self._lru[e.table.slot_bytes]
+                if e.in_lru:
+                    lru.move_to_end(e)  # just read by a load: most recently used
+                else:
+                    lru[e] = None
+                    e.in_lru = True
+
+    def prepare_load(self, table: Table, keys: list[bytes]) -> LoadPlan:
+        """The entries a LOAD reads, each holding a ref until ``release`` (the copy's end)."""
+        get = table.visible.get
+        entries: list[Entry] = []
+        found: list[int] = []
+        missing: list[int] = []
+        for i, k in enumerate(keys):
+            e = get(k)
+            if e is None:
+                missing.append(i)
+            else:
+                e.refs += 1
+                entries.append(e)
+                found.append(i)
+        return LoadPlan(entries, found, missing)
 
     # --- stores -------------------------------------------------------------------------------------------
-    def plan(self, table: Table, keys: list[bytes], admit: bool = True) -> StorePlan:
+    def prepare_store(self, table: Table, keys: list[bytes], admit: bool = True) -> StorePlan:
         """Slots for the keys not yet present that the policy admits, evicting LRU blocks (or the
         policy's victims) as needed; no entries yet.
 
@@ -291,7 +356,8 @@ class Index:
         if pol is not None and want and admit:
             want, refused = self._admit(pol, table, keys, want)
         if not want:
-            return StorePlan([], [], present, [], refused)
+            return StorePlan(table, keys, [], [], present, [], refused)
+        evictions = self.evictions
         slots = self.pool.alloc(size, len(want))
         if len(slots) < len(want):
             self._reclaim(size)  # below its fair share: a chunk of another slot size comes this way
@@ -304,7 +370,8 @@ class Index:
         if pol is not None:
             for i in dropped:  # admitted, no room: the policy lets go of what it reserved
                 pol.on_remove((table, keys[i]))
-        return StorePlan(want[: len(slots)], slots, present, dropped, refused)
+        return StorePlan(table, keys, want[: len(slots)], slots, present, dropped, refused,
+                         self.evictions - evictions)
 
     def _admit(self, pol: EvictionPolicy, table: Table, keys: list[bytes], want: list[int]
                ) -> tuple[list[int], list[int]]:
@@ -347,37 +414,41 @@ class Index:
             if e is not None and e.in_lru:
                 lru.move_to_end(e)
 
-    def add_pending(self, table: Table, keys: list[bytes], want: list[int], slots: list[int]) -> list[Entry]:
-        """Pending (invisible) entries for a planned store, pinned by the store job."""
-        out = [Entry(keys[i], table, s, 1) for i, s in zip(want, slots, strict=True)]
+    def add_pending(self, plan: StorePlan) -> list[Entry]:
+        """Pending (invisible) entries for a planned store, each held (one ref) by the store job."""
+        table, keys, slots = plan.table, plan.keys, plan.slots
+        out = [Entry(keys[i], table, s, 1) for i, s in zip(plan.copy_idx, slots, strict=True)]
         table.entries.update(zip([e.key for e in out], out, strict=True))
         self._slot_entry.update(zip(slots, out, strict=True))
+        plan.entries = out
         return out
 
-    def _tell_evicted(self, slot_bytes: int, slots: list[int]) -> None:
-        """``TierObserver.evicted`` for the observers that have it (the slots are still owned here)."""
-        for o in self.observers:
-            hook = getattr(o, "evicted", None)
-            if hook is not None and slots:
-                owner = self._slot_entry
-                hook(slot_bytes, [owner[s] for s in slots])
+    def complete_store(self, plan: StorePlan, ok: bool) -> int:
+        """The store's copy ended: commit its entries (``ok``) or abort them (a failed, partial or
+        expired copy is never committed). Returns how many became visible."""
+        if ok:
+            return self._commit(plan.entries)
+        self._abort(plan.entries)
+        return 0
 
-    def _free(self, slot_bytes: int, slots: list[int]) -> None:
-        """Give slots back to the pool (their entries are gone for good)."""
+    def _free(self, slot_bytes: int, slots: list[int], evicted: bool = False) -> None:
+        """Give slots back to the pool (their entries are gone for good); ``evicted``: the index chose
+        them to make room (observers hear ``evicted`` first)."""
         owner = self._slot_entry
         if self.observers:
             gone = [owner.pop(s) for s in slots]
             for o in self.observers:
+                if evicted and gone:
+                    o.evicted(slot_bytes, gone)
                 o.freeing(slot_bytes, gone)
         else:
             for s in slots:
                 del owner[s]
         self.pool.free(slot_bytes, slots)
 
-    def commit(self, entries: list[Entry]) -> int:
+    def _commit(self, entries: list[Entry]) -> int:
         """The store copied these: make them visible (unless unlinked meanwhile). Returns how many."""
         now = time.time()
-        unpin = self.unpin
         shown: list[Entry] = []
         pol = self._policies.get(entries[0].table.slot_bytes) if entries else None
         for e in entries if pol is not None else ():
@@ -390,8 +461,8 @@ class Index:
                 shown.append(e)
                 pol.on_insert((e.table, e.key), None)
                 e.in_lru = True
-            e.pins -= 1
-            if e.pins == 0 and e.dead:
+            e.refs -= 1
+            if e.refs == 0 and e.dead:
                 self._free(e.table.slot_bytes, [e.slot])
         for e in entries if pol is None else ():
             if not e.dead:
@@ -399,12 +470,12 @@ class Index:
                 e.stored_at = now
                 e.table.visible[e.key] = e
                 shown.append(e)
-            if e.pins == 1 and not e.dead:  # the usual case, inlined: only the store held it
-                e.pins = 0
+            if e.refs == 1 and not e.dead:  # the usual case, inlined: only the store held it
+                e.refs = 0
                 self._lru[e.table.slot_bytes][e] = None
                 e.in_lru = True
             else:
-                unpin(e)
+                self.release((e,))
         if shown:  # the runs, one per table (a STORE writes one table; this runs before any lookup)
             tables = {e.table for e in shown}
             for t in tables:
@@ -426,7 +497,7 @@ class Index:
         if cur is None or cur is e or not cur.in_lru:
             pol.on_remove((e.table, e.key))
 
-    def abort(self, entries: list[Entry]) -> None:
+    def _abort(self, entries: list[Entry]) -> None:
         """The store failed: forget the entries and remember the keys as failed."""
         now = time.time()
         pol = self._policies.get(entries[0].table.slot_bytes) if entries else None
@@ -437,24 +508,27 @@ class Index:
                 del e.table.entries[e.key]
                 e.dead = True
                 self._remember(self.failed, (e.table.namespace, e.key), now)
-            self.unpin(e)
+        self.release(entries)
 
     def discard(self, e: Entry) -> None:
-        """Unlink a ready entry found corrupt; its slot is freed when its last pin drops."""
+        """Unlink a ready entry found corrupt; its slot is freed when its last ref drops."""
         if e.dead:
             return
         t = e.table
         del t.entries[e.key]
         if t.visible.pop(e.key, None) is not None:
-            e.run.broken()
+            e.run.invalidate()
         if e.in_lru:
             self._untrack(e)
         e.dead = True
         if e.ready:
             self.resident -= 1
         self._remember(self.failed, (t.namespace, e.key), time.time())
-        if e.pins == 0:
+        if e.refs == 0:
             self._free(t.slot_bytes, [e.slot])
+        elif e.ready:
+            for o in self.observers:
+                o.unlinked([e])
 
     # --- eviction / clearing ----------------------------------------------------------------------------
     def _untrack(self, e: Entry) -> None:
@@ -468,7 +542,7 @@ class Index:
 
     def evict(self, slot_bytes: int, n: int) -> int:
         """Free up to ``n`` slots of this size, least recently used first (or the policy's victims),
-        skipping pinned blocks."""
+        skipping held blocks."""
         pol = self._policies.get(slot_bytes)
         if pol is not None:
             return self._evict_victims(pol, slot_bytes, n)
@@ -480,23 +554,22 @@ class Index:
         while lru and len(freed) < n:
             e, _ = lru.popitem(last=False)
             e.in_lru = False
-            if e.pins:
-                continue  # back in the list when its last pin drops
+            if e.refs:
+                continue  # back in the list when its last ref drops
             t = e.table
             del t.entries[e.key]
             del t.visible[e.key]
-            e.run.broken()
+            e.run.invalidate()
             e.dead = True
             freed.append(e.slot)
             self._remember(self.evicted, (t.namespace, e.key), now)
         self.resident -= len(freed)
-        self._tell_evicted(slot_bytes, freed)
-        self._free(slot_bytes, freed)
+        self._free(slot_bytes, freed, evicted=True)
         self.evictions += len(freed)
         return len(freed)
 
     def _evict_victims(self, pol: EvictionPolicy, slot_bytes: int, n: int) -> int:
-        """``evict`` with a policy: a pinned victim stays (untracked) and is handed back by ``unpin``."""
+        """``evict`` with a policy: a held victim stays (untracked) and is handed back by ``release``."""
         freed: list[int] = []
         now = time.time()
         while len(freed) < n:
@@ -509,17 +582,16 @@ class Index:
                 log.error("eviction policy %s named a block it does not hold; skipped", pol.name)
                 continue
             e.in_lru = False
-            if e.pins:
+            if e.refs:
                 continue
             del t.entries[k]
             del t.visible[k]
-            e.run.broken()
+            e.run.invalidate()
             e.dead = True
             freed.append(e.slot)
             self._remember(self.evicted, (t.namespace, k), now)
         self.resident -= len(freed)
-        self._tell_evicted(slot_bytes, freed)
-        self._free(slot_bytes, freed)
+        self._free(slot_bytes, freed, evicted=True)
         self.evictions += len(freed)
         return len(freed)
 
@@ -527,9 +599,9 @@ class Index:
         """Move memory towards ``slot_bytes`` if it holds less than its fair share of the pool.
 
         One chunk at a time is drained: the pool hands nothing more out of it, and each call evicts
-        at most ``RECLAIM_BUDGET`` of its unpinned entries (a 64 MiB chunk of 4 KiB blocks holds
-        16k), so no store stalls the loop whatever the block size. Pinned and pending entries are
-        never touched; a chunk that holds some is drained around them and freed when their pins
+        at most ``RECLAIM_BUDGET`` of its unheld entries (a 64 MiB chunk of 4 KiB blocks holds
+        16k), so no store stalls the loop whatever the block size. Held and pending entries are
+        never touched; a chunk that holds some is drained around them and freed when their refs
         drop, or given up after ``DRAIN_PATIENCE_S``. When the chunk's last slot is given back the
         pool gives the chunk to the slot size that asked.
         """
@@ -547,21 +619,21 @@ class Index:
 
     def _pick_chunk(self, slot_bytes: int) -> int | None:
         """The chunk of this slot size to empty: of the few least recently allocated from (the oldest
-        blocks), the emptiest (fewest evictions) that holds no pinned entry; if each holds one, the
-        emptiest anyway, drained around its pins. Bounded work: two chunk scans at most."""
+        blocks), the emptiest (fewest evictions) that holds no held entry; if each holds one, the
+        emptiest anyway, drained around them. Bounded work: two chunk scans at most."""
         pool = self.pool
         order = sorted(pool.oldest_chunks(slot_bytes, _PICK_CHUNKS), key=pool.chunk_live)  # stable: age
         for c in order[:_PICK_CHECK]:
-            if not self._chunk_pinned(c):
+            if not self._chunk_held(c):
                 return c
         return order[0] if order else None
 
-    def _chunk_pinned(self, chunk: int) -> bool:
+    def _chunk_held(self, chunk: int) -> bool:
         get = self._slot_entry.get
-        return any(e.pins for e in map(get, self.pool.carved_slots(chunk)) if e is not None)
+        return any(e.refs for e in map(get, self.pool.carved_slots(chunk)) if e is not None)
 
     def _drain_step(self, d: _Drain) -> None:
-        """Evict up to ``RECLAIM_BUDGET`` unpinned entries of the draining chunk."""
+        """Evict up to ``RECLAIM_BUDGET`` unheld entries of the draining chunk."""
         slots = self.pool.carved_slots(d.chunk)
         get = self._slot_entry.get
         now = time.time()
@@ -571,12 +643,12 @@ class Index:
         while i < end and len(freed) < RECLAIM_BUDGET:
             e = get(slots[i])
             i += 1
-            if e is None or e.pins:
+            if e is None or e.refs:
                 continue
             t = e.table
             del t.entries[e.key]
             if t.visible.pop(e.key, None) is not None:
-                e.run.broken()
+                e.run.invalidate()
                 self.resident -= 1
             if e.in_lru:
                 self._untrack(e)
@@ -588,13 +660,12 @@ class Index:
             d.progress_at = time.monotonic()
             self.evictions += len(freed)
             self.reclaim_evictions += len(freed)
-            self._tell_evicted(d.slot_bytes, freed)
-            self._free(d.slot_bytes, freed)  # the chunk changes hands here if that was its last slot
+            self._free(d.slot_bytes, freed, evicted=True)  # the chunk changes hands here if that was its last slot
         if not self.pool.draining(d.chunk):
             self._drain = None
-        elif i >= len(slots):  # what is left was pinned when passed
+        elif i >= len(slots):  # what is left was held when passed
             if time.monotonic() - d.progress_at > DRAIN_PATIENCE_S:
-                self.pool.end_drain(d.chunk)  # pinned for good, it seems: let its slab use it again
+                self.pool.end_drain(d.chunk)  # held for good, it seems: let its slab use it again
                 self._drain = None
             else:
                 d.cursor = 0  # look again on a later store
@@ -612,24 +683,27 @@ class Index:
                 continue
             for t in ns.tables.values():
                 free: list[int] = []
+                held: list[Entry] = []
                 for e in t.entries.values():
                     if e.ready:
                         removed += 1
-                        e.run.broken()
+                        e.run.invalidate()
                     if e.in_lru:
                         self._untrack(e)
                     e.dead = True
-                    if e.pins == 0:
+                    if e.refs == 0:
                         free.append(e.slot)
+                    elif e.ready:
+                        held.append(e)
                 t.entries.clear()
                 t.visible.clear()
                 self._free(t.slot_bytes, free)
+                for o in self.observers if held else ():
+                    o.unlinked(held)
+            for o in self.observers:
+                o.cleared(name)
             if in_use is not None and name not in in_use:
                 self.forget_if_idle(name)
-        for o in self.observers:
-            hook = getattr(o, "cleared", None)
-            if hook is not None:
-                hook(namespace)
         if namespace:
             self.evicted = OrderedDict((k, v) for k, v in self.evicted.items() if k[0] != namespace)
             self.failed = OrderedDict((k, v) for k, v in self.failed.items() if k[0] != namespace)
@@ -658,7 +732,7 @@ class Index:
                 for r, t in ns.tables.items():
                     e = t.entries.get(k)
                     if e is not None:
-                        ranks[r] = ("resident" if e.ready else "storing", e.stored_at, e.pins, e.slot)
+                        ranks[r] = ("resident" if e.ready else "storing", e.stored_at, e.refs, e.slot)
             if ns is None:
                 item["state"] = "namespace_unknown"
             elif len(ranks) == ns.world_size and all(v[0] == "resident" for v in ranks.values()):
@@ -708,7 +782,7 @@ def _leading(visible: dict[bytes, Entry], keys: bytes, n: int, want: bool) -> tu
             got.append(e)
         i += 1
         run = e.run
-        rk = run.keys  # empty once broken
+        rk = run.keys  # empty once invalidated
         j = e.run_at + 1
         m = min(n - i, len(rk) // _K - j)
         if m <= 0 or keys[i * _K:(i + 1) * _K] != rk[j * _K:(j + 1) * _K]:

@@ -22,12 +22,13 @@ import os
 import secrets
 import socket
 import stat
+import struct
 import time
 from dataclasses import dataclass
 
 import msgspec
 
-from kvoffd_client.fdpass import MAX_FD_MESSAGE, UCRED
+from kvoffd_client.protocol import MAX_FD_MESSAGE
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ MAX_PENDING_PER_PID = 8
 TOKEN_TTL_S = 30.0
 CONN_TIMEOUT_S = 2.0
 _CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * 4)
+_UCRED = struct.Struct("3i")  # the kernel's struct ucred (SO_PEERCRED): pid, uid, gid
 
 
 @dataclass
@@ -183,7 +185,7 @@ class FdServer:
         size = req.get("size") if isinstance(req, dict) else None
         if type(size) is not int or size <= 0:
             return {"error": "bad_field", "message": "size must be a positive integer"}
-        pid, uid, _ = UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))
+        pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         now = time.monotonic()
         self.expire(now)
         if len(self._pending) >= MAX_PENDING or sum(p.pid == pid for p in self._pending.values()) \

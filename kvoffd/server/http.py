@@ -12,23 +12,26 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvoffd.server.fdbudget import HTTP_BACKLOG, HTTP_MAX_CONNS, HTTP_TIMEOUT_S
-from kvoffd.server.loop import Daemon
+
+if TYPE_CHECKING:  # reads the Server's public attributes only
+    from kvoffd.server.loop import Server
 
 log = logging.getLogger(__name__)
 
 
-async def start_http(daemon: Daemon, host: str, port: int) -> asyncio.AbstractServer:
+async def start_http(server: Server, host: str, port: int) -> asyncio.AbstractServer:
     routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
-        "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(daemon.metrics.registry)),
+        "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(server.metrics.registry)),
         "/healthz": lambda: (200, "text/plain; charset=utf-8", b"ok\n"),
-        "/readyz": lambda: _readyz(daemon),
+        "/readyz": lambda: _readyz(server),
     }
 
-    fds = daemon.fds
+    fds = server.fds
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         fds.http_conns += 1
@@ -59,15 +62,14 @@ async def start_http(daemon: Daemon, host: str, port: int) -> asyncio.AbstractSe
             fds.http_conns -= 1
             writer.close()
 
-    server = await asyncio.start_server(handle, host, port, limit=16 << 10, backlog=HTTP_BACKLOG)
-    return server
+    return await asyncio.start_server(handle, host, port, limit=16 << 10, backlog=HTTP_BACKLOG)
 
 
-def _readyz(daemon: Daemon) -> tuple[int, str, bytes]:
-    p = daemon.pool
-    ready = daemon.ready.is_set() and p.capacity_bytes > 0
+def _readyz(server: Server) -> tuple[int, str, bytes]:
+    p = server.pool
+    ready = server.ready.is_set() and p.capacity_bytes > 0
     body = {"ready": ready, "pool_capacity_bytes": p.capacity_bytes, "pool_total_bytes": p.nbytes,
             "pool_pinned_bytes": p.pinned_bytes,
             "pinned_fraction": round(p.pinned_bytes / p.nbytes, 4) if p.nbytes else 0.0,
-            "engines": len(daemon.engines), "backends": [b.name for b in daemon.backends]}
+            "engines": len(server.engines), "backends": [b.name for b in server.backends]}
     return (200 if ready else 503), "application/json", (json.dumps(body) + "\n").encode()

@@ -10,7 +10,7 @@ import enum
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,7 +44,12 @@ def past(expires_ns: int) -> bool:
 
 @dataclass
 class MappedMemory:
-    """An engine's KV memory as the daemon sees it, plus the layout of one block in it."""
+    """An engine's KV memory as the daemon sees it, plus the layout of one block in it.
+
+    Each backend attaches a subclass of its own that holds its state (``cpu.FdMapping``: the address
+    of the mapped memfd; ``cuda.CudaMapping``: device, streams, event ring), so no backend reads
+    another's fields and a misspelt one is an AttributeError, not a silent default.
+    """
 
     engine_id: str
     kind: str
@@ -52,21 +57,24 @@ class MappedMemory:
     num_blocks: int
     segments: list[Segment]
     slot_bytes: int
-    # backend-private state (the mapping, the device, the event ring)
-    handle: Any = None
     in_flight: int = 0  # jobs using this mapping; detach waits for zero
-    extra: dict[str, Any] = field(default_factory=dict)
+    num_events: int = 0  # the engine's interprocess event ring: STORE/LOAD ``event`` must lie below it
 
     def check_bounds(self) -> None:
-        last = self.num_blocks - 1
-        for i, s in enumerate(self.segments):
-            end = s.offset + last * s.stride + s.length
-            if end > self.size:
-                raise AttachError(f"segment {i} ends at byte {end}, past the {self.size}-byte region")
+        check_bounds(self.size, self.num_blocks, self.segments)
+
+
+def check_bounds(size: int, num_blocks: int, segments: list[Segment]) -> None:
+    """Every segment of every block lies inside the ``size``-byte region (else AttachError)."""
+    last = num_blocks - 1
+    for i, s in enumerate(segments):
+        end = s.offset + last * s.stride + s.length
+        if end > size:
+            raise AttachError(f"segment {i} ends at byte {end}, past the {size}-byte region")
 
 
 class TransferBackend(ABC):
-    """Maps engine memory and copies batches. ``copy`` is awaited by the server's job task."""
+    """Maps engine memory and copies batches; the server's job task awaits what ``submit`` returns."""
 
     name: str = "base"
 

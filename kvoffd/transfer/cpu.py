@@ -39,6 +39,7 @@ from kvoffd.transfer.base import (
     JobExpired,
     MappedMemory,
     TransferBackend,
+    check_bounds,
     coalesce,
     describe_in_chunks,
     past,
@@ -53,17 +54,15 @@ IOV_MAX = 1024
 FORCE_MEMMOVE_ENV = "KVOFFD_TEST_FORCE_MEMMOVE"
 
 
-def _load_pvm() -> tuple[Any, Any] | None:
+def _load_readv() -> Any | None:
+    """libc's process_vm_readv, or None where it is missing."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        rd, wr = libc.process_vm_readv, libc.process_vm_writev
+        readv = ctypes.CDLL(None, use_errno=True).process_vm_readv
     except (OSError, AttributeError):
         return None
-    for f in (rd, wr):
-        f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
-                      ctypes.c_ulong]
-        f.restype = ctypes.c_ssize_t
-    return rd, wr
+    readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    readv.restype = ctypes.c_ssize_t
+    return readv
 
 
 def _load_mmap() -> tuple[Any, Any]:
@@ -82,17 +81,16 @@ _PROT_RW = 0x1 | 0x2
 _MAP_SHARED = 0x01
 
 
-@dataclass
-class FdMapping:
-    """A raw mapping of an engine's memfd: no descriptor kept, unmapped by ``detach``."""
+@dataclass(kw_only=True)
+class FdMapping(MappedMemory):
+    """An engine's memfd, mapped raw (no descriptor kept) at ``address``; 0 once ``detach`` unmapped it."""
 
     address: int
-    size: int
 
 
-def map_sealed_memfd(fd: int, size: int) -> FdMapping:
-    """Map ``size`` bytes of ``fd`` shared, read-write. Refuses anything but a memfd sealed against
-    shrinking that holds at least ``size`` bytes. Does not close ``fd``."""
+def map_sealed_memfd(fd: int, size: int) -> int:
+    """Map ``size`` bytes of ``fd`` shared, read-write; returns the address. Refuses anything but a
+    memfd sealed against shrinking that holds at least ``size`` bytes. Does not close ``fd``."""
     try:
         st = os.fstat(fd)
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -107,7 +105,7 @@ def map_sealed_memfd(fd: int, size: int) -> FdMapping:
     if addr in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         raise AttachError(f"cannot map the memfd: {os.strerror(err)}")
-    return FdMapping(addr, size)
+    return addr
 
 
 class CpuBackend(TransferBackend):
@@ -117,7 +115,7 @@ class CpuBackend(TransferBackend):
         super().__init__(pool)
         self.threads = threads or max(1, min(4, os.cpu_count() or 1))
         self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvoffd-copy")
-        self._pvm = None if os.environ.get(FORCE_MEMMOVE_ENV) == "1" else _load_pvm()
+        self._readv = None if os.environ.get(FORCE_MEMMOVE_ENV) == "1" else _load_readv()
         self._pid = os.getpid()
 
     def kinds(self) -> tuple[str, ...]:
@@ -131,19 +129,16 @@ class CpuBackend(TransferBackend):
         try:
             if type(size) is not int or size <= 0:
                 raise AttachError("memory.size must be a positive integer")
-            mapped = MappedMemory(engine_id=engine_id, kind="cpu_fd", size=size, num_blocks=num_blocks,
-                                  segments=segments, slot_bytes=sum(s.length for s in segments))
-            mapped.check_bounds()
-            m = map_sealed_memfd(fd, size)
+            check_bounds(size, num_blocks, segments)
+            address = map_sealed_memfd(fd, size)
         finally:
             os.close(fd)
-        mapped.handle = m
-        mapped.extra["base"] = m.address
-        return mapped
+        return FdMapping(engine_id=engine_id, kind="cpu_fd", size=size, num_blocks=num_blocks, segments=segments,
+                         slot_bytes=sum(s.length for s in segments), address=address)
 
-    def detach(self, mapped: MappedMemory) -> None:
-        m, mapped.handle = mapped.handle, None
-        if m is not None and _MUNMAP(m.address, m.size) != 0:
+    def detach(self, mapped: FdMapping) -> None:  # type: ignore[override]  # the mapping attach returned
+        address, mapped.address = mapped.address, 0
+        if address and _MUNMAP(address, mapped.size) != 0:
             log.warning("engine %s: munmap failed: %s", mapped.engine_id, os.strerror(ctypes.get_errno()))
 
     def submit(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
@@ -155,12 +150,12 @@ class CpuBackend(TransferBackend):
                                  expires_ns)
             for a, b in parts]))
 
-    def _copy_blocks(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
+    def _copy_blocks(self, direction: Direction, mapped: FdMapping, block_ids: np.ndarray,
                      slots: np.ndarray, expires_ns: int) -> None:
         """Describe a range of blocks a chunk at a time and move each chunk: on a copy thread, so
         no job's descriptors (millions of runs for a many-segment layout) ever stall the loop. The
         deadline is checked before every batch of runs (``_copy_runs``)."""
-        base = mapped.extra["base"]
+        base = mapped.address
         for eng, pool, lens in describe_in_chunks(mapped, block_ids, slots, self.pool.base_address):
             eng += base
             src, dst = (eng, pool) if direction is Direction.STORE else (pool, eng)
@@ -170,15 +165,15 @@ class CpuBackend(TransferBackend):
         """Copy on a pool thread. The deadline is checked here, before every batch of at most IOV_MAX
         runs: a job that waited in the executor's queue past it (a backlog), or a thread frozen
         mid-job (SIGSTOP, cgroup freezer), stops at the next batch boundary instead of writing late."""
-        if self._pvm is not None:
+        if self._readv is not None:
             try:
-                self._copy_pvm(src, dst, lens, expires_ns)
+                self._copy_readv(src, dst, lens, expires_ns)
                 return
             except OSError as e:
                 if e.errno not in (errno.EPERM, errno.ENOSYS, errno.EACCES):
                     raise
                 log.warning("process_vm_readv refused (%s); copying run by run instead", e.strerror)
-                self._pvm = None
+                self._readv = None
         for a in range(0, len(lens), IOV_MAX):
             if past(expires_ns):
                 raise JobExpired(f"deadline passed after {a} of {len(lens)} runs; the rest not started")
@@ -186,8 +181,8 @@ class CpuBackend(TransferBackend):
                                lens[a:a + IOV_MAX].tolist(), strict=True):
                 ctypes.memmove(d, s, n)
 
-    def _copy_pvm(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray, expires_ns: int = 0) -> None:
-        readv = self._pvm[0]
+    def _copy_readv(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray, expires_ns: int = 0) -> None:
+        readv = self._readv
         for a in range(0, len(lens), IOV_MAX):
             if past(expires_ns):
                 raise JobExpired(f"deadline passed after {a} of {len(lens)} runs; the rest not started")
@@ -202,7 +197,7 @@ class CpuBackend(TransferBackend):
             if done < 0:
                 err = ctypes.get_errno()
                 raise OSError(err, os.strerror(err))
-            if done != want:  # a partial copy only happens on a fault: finish run by run to know
+            if done != want:  # a partial copy only happens on a fault: the job fails
                 raise OSError(errno.EFAULT, f"short copy: {done} of {want} bytes")
 
     def close(self) -> None:
@@ -210,7 +205,7 @@ class CpuBackend(TransferBackend):
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "threads": self.threads,
-                "method": "process_vm_readv" if self._pvm else "memmove"}
+                "method": "process_vm_readv" if self._readv else "memmove"}
 
 
 async def _all_parts(parts: list[asyncio.Future]) -> None:

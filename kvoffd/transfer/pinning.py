@@ -15,9 +15,7 @@ the H200 host (docs/cuda.md):
     faults ~8x slower than private memory.
 So: ``threads`` workers touch 1 GiB regions (MADV_HUGEPAGE first), one registrar thread registers
 them in address order (at most 64 GiB each: single huge registrations are known to fail), and the
-pool becomes allocatable up to the registered prefix through ``on_progress``. If the pool's mapping
-is shared and still untouched, it is first replaced by a private one at the same address
-(``remap_private``), which changes nothing for the daemon (it never forks) and gets huge pages.
+pool becomes allocatable up to the registered prefix through ``on_progress``.
 
 Regions are registered PORTABLE, so every GPU's context in the daemon can DMA to and from them.
 If registration fails (memlock limit, no GPU), the rest of the pool is made usable unpinned and a
@@ -43,7 +41,6 @@ log = logging.getLogger(__name__)
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 MAX_REGION = 64 << 30
-MAP_FIXED = 0x10
 POPULATE_STEP = 8 << 20
 
 
@@ -74,9 +71,6 @@ def _libc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         libc.madvise.restype = ctypes.c_int
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
-        libc.mmap.restype = ctypes.c_void_p
         return libc
     except (OSError, AttributeError):
         return None
@@ -91,7 +85,7 @@ class Pinner:
 
     def __init__(self, pool: Pool, on_progress: Callable[[int], None] | None = None, *,
                  region_bytes: int = 1 << 30, threads: int = 0, device: int = 0, populate: bool = True,
-                 hugepages: bool = True, remap_private: bool = False, populate_step: int = POPULATE_STEP,
+                 hugepages: bool = True, populate_step: int = POPULATE_STEP,
                  touch: str = "write"):
         step = pool.chunk_bytes
         region_bytes = min(max(region_bytes, step), MAX_REGION)
@@ -103,7 +97,6 @@ class Pinner:
         self.device = device
         self.populate = populate
         self.hugepages = hugepages
-        self.remap_private = remap_private
         self.populate_step = populate_step
         self.touch = touch  # "write" (one store per page) or "populate" (MADV_POPULATE_WRITE)
         self.stats = PinStats(total_bytes=pool.nbytes)
@@ -127,8 +120,6 @@ class Pinner:
         if not self._regions:
             self.stats.finished = self.stats.started
             return
-        if self.remap_private:
-            self._remap()
         n = min(self.threads, len(self._regions)) if self.populate and self._libc else 0
         self._workers = [threading.Thread(target=self._touch_work, name=f"kvoffd-touch-{i}", daemon=True)
                          for i in range(n)]
@@ -175,16 +166,6 @@ class Pinner:
         self.pool.pinned_bytes = 0
 
     # --- work -------------------------------------------------------------------------------------
-    def _remap(self) -> None:
-        """Swap the pool's untouched mapping for a private one at the same address (huge pages)."""
-        pool = self.pool
-        if self._libc is None or pool.used_bytes or pool.pinned_bytes:
-            return
-        r = self._libc.mmap(pool.base_address, pool.nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
-                            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED, -1, 0)
-        if r != pool.base_address:
-            log.warning("could not remap the pool privately (errno %d); pinning it as is", ctypes.get_errno())
-
     def _touch_work(self) -> None:
         self._go.wait()
         while True:

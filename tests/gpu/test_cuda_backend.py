@@ -46,9 +46,9 @@ def pool():
 
 @pytest.fixture
 def backend(pool):
-    from kvoffd.transfer.cuda import CudaBackend
+    from kvoffd.transfer.cuda import CudaBackend, CudaTuning
 
-    b = CudaBackend(pool, pin=False)
+    b = CudaBackend(pool, CudaTuning(pin=False))
     yield b
     b.close()
 
@@ -73,6 +73,43 @@ def test_import_without_cuda_is_cheap():
     import kvoffd.transfer.cuda as cuda
 
     assert cuda.CudaBackend.kinds(None) == ("cuda_ipc",)  # type: ignore[arg-type]
+
+
+def test_attach_gives_a_typed_mapping(pool, backend, engines):
+    """The server reads ``num_events`` off the mapping (a STORE's event must lie below it)."""
+    from kvoffd.transfer.cuda_mapping import CudaMapping
+
+    eng = engines("blocks")
+
+    async def go():
+        m = await _attach(backend, eng, "t-typed")
+        try:
+            assert isinstance(m, CudaMapping) and m.num_events == len(m.events) > 0
+        finally:
+            backend.detach(m)
+        assert m.detached and m.closed
+        backend.detach(m)  # twice: a no-op
+
+    _run(go())
+
+
+def test_batch_cuts_bound_runs_and_bytes():
+    """A job's runs go to the driver in calls of at most ``batch_runs`` runs and about ``batch_bytes``
+    (a call passes it by less than one run), every run exactly once and in order. Needs no GPU."""
+    from kvoffd.transfer.cuda import CudaTuning, batch_cuts
+
+    rng = np.random.default_rng(5)
+    tuning = CudaTuning(batch_runs=7, batch_bytes=1000)
+    for n in (1, 2, 7, 8, 50, 301):
+        lens = rng.integers(1, 400, n).astype(np.uint64)
+        cuts = batch_cuts(lens, tuning)
+        assert cuts[0][0] == 0 and cuts[-1][1] == n
+        assert all(b == c for (_, b), (c, _) in zip(cuts, cuts[1:], strict=False))
+        for a, b in cuts:
+            assert 0 < b - a <= tuning.batch_runs
+            assert int(lens[a:b].sum()) < tuning.batch_bytes + int(lens.max())
+    one = np.full(5, 10, dtype=np.uint64)
+    assert batch_cuts(one, tuning) == [(0, 5)]  # a small job: one call
 
 
 def test_driver_bindings():
@@ -242,14 +279,15 @@ def test_jobs_past_their_deadline_never_start(pool, engines):
        (enqueued in time) is done. 2. A gated LOAD whose event fires while the poller is held (the
        test holds the lock each sweep takes, as a frozen daemon would) until past the deadline: it
        never starts. Both started late before the fix (the deadline was checked on arrival only).
+       The deadline is checked before every batch call (``CudaBackend._enqueue``).
     """
     import threading
 
     from kvoffd.transfer.base import JobExpired
-    from kvoffd.transfer.cuda import CudaBackend
+    from kvoffd.transfer.cuda import CudaBackend, CudaTuning
 
     eng = engines("blocks")
-    b = CudaBackend(pool, pin=False, head_bytes=16 << 20)  # a head of a few blocks; the rest via the pool
+    b = CudaBackend(pool, CudaTuning(pin=False, head_bytes=16 << 20))  # a head of a few blocks; the rest via the pool
 
     async def go():
         b.start()
@@ -257,7 +295,7 @@ def test_jobs_past_their_deadline_never_start(pool, engines):
         ids = np.arange(0, 200)
         slots = np.array(pool.alloc(m.slot_bytes, 200), dtype=np.int64)
         try:
-            head = max(1, min(b.inline_runs // len(m.segments), b.head_bytes // m.slot_bytes))
+            head = b.tuning.head_blocks(len(m.segments), m.slot_bytes)
             assert head < 100
             eng("randomize", seed=11)
             eng("snapshot", tag="pool_head", ids=ids[:head].tolist())
@@ -267,7 +305,7 @@ def test_jobs_past_their_deadline_never_start(pool, engines):
             eng("snapshot", tag="engine_gated", ids=ids[100:104].tolist())
 
             gate = threading.Event()
-            busy = [b._submit.submit(gate.wait, 30) for _ in range(b._submit._max_workers)]
+            busy = [b._submit.submit(gate.wait, 30) for _ in range(b.tuning.submit_threads)]
             expires = time.monotonic_ns() + 200_000_000
             fut = b.submit(L, m, ids, slots, -1, expires)
             while time.monotonic_ns() <= expires:
@@ -282,7 +320,7 @@ def test_jobs_past_their_deadline_never_start(pool, engines):
 
             gated = ids[100:104]
             ev = eng("record", sleep_cycles=200_000_000)  # the event fires after a ~0.1 s kernel
-            with b._cond:  # the poller takes this lock every sweep: it cannot see the gate meanwhile
+            with b.poller.lock:  # every sweep takes this lock: the poller cannot see the gate meanwhile
                 expires = time.monotonic_ns() + 50_000_000
                 fut = b.submit(L, m, gated, slots[100:104], ev, expires)
                 eng("sync")  # the event has fired

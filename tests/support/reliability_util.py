@@ -289,12 +289,6 @@ class RawPeer:
         self.sock.close(0)
 
 
-def self_start_ticks() -> int:
-    with open("/proc/self/stat", "rb") as f:
-        data = f.read()
-    return int(data[data.rindex(b")") + 2:].split()[19])
-
-
 def metric_value(text: str, name: str) -> float:
     """A sample's value from Prometheus text (``name`` includes labels, e.g. 'x_total{code="a"}')."""
     for line in text.splitlines():

@@ -1,7 +1,9 @@
 """``Tiers``: what sits between the index and the tiers below the pool (today: the disk tier).
 
-It is an index observer (kvoffd/cache/index.py, ``IndexObserver``): blocks evicted from the pool are
-spilled (``evicted``), a CLEAR clears the tiers (``cleared``). And it is the one object the server calls
+It is an index observer (a subclass of kvoffd/cache/index.py's ``IndexObserver``): blocks evicted from
+the pool are spilled (``evicted``), a CLEAR clears the tiers (``cleared``, per namespace; the server
+wraps a CLEAR of all in ``clearing_all`` and calls ``cleared`` itself for a namespace the index does
+not know: blocks left on disk from before a restart). And it is the one object the server calls
 for the rest, at two places: ``extend_lookup`` after the pool's leading hits (the blocks found below are
 hits too, and their promotion into pool slots starts at once) and ``promotions`` before a LOAD (which
 then waits for them, so the LOAD itself is an ordinary pool -> engine copy).
@@ -14,23 +16,24 @@ never delayed, so a slow disk cannot stall stores or the loop.
 A promotion takes pool slots the way a STORE does (evicting as needed, bypassing admission: the block
 was just asked for) as pending entries, visible only once the tier has verified the bytes; a block that
 fails is aborted (its LOAD reports it failed, the engine recomputes). A slot is never freed while a
-read into it is in flight: the entry stays pinned until the tier resolves the read.
+read into it is in flight: the entry keeps its store ref until the tier resolves the read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import mmap
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import numpy as np
 
-from kvoffd.cache.index import Entry, Index, Table
+from kvoffd.cache.index import Entry, Hits, Index, IndexObserver, StorePlan, Table
 from kvoffd.cache.tiers.base import SpillResult, TableRef, Tier, TierStats
-from kvoffd_client.protocol import KEY_SIZE
+from kvoffd_client.protocol import KEY_SIZE, MissReason
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ PROMOTE_WAIT_S = 10.0  # a LOAD waits at most this long for a promotion (then th
 SPILL_BUFFER_BYTES = 256 << 20
 
 
-class Tiers:
+class Tiers(IndexObserver):
     def __init__(self, index: Index, tiers: Sequence[Tier], verify: bool = False,
                  spill_buffer_bytes: int = SPILL_BUFFER_BYTES):
         self.index = index
@@ -55,6 +58,7 @@ class Tiers:
         self.staged_hits = 0
         self.hits: dict[str, int] = {t.name: 0 for t in self.tiers}
         self.spill_busy = 0
+        self._clearing_all = False  # inside ``clearing_all``
         self.disabled = ""  # why a configured tier is not running (kvoffctl status shows it)
         if self.tiers:
             index.observers.append(self)
@@ -83,17 +87,28 @@ class Tiers:
         return ref
 
     # --- the observer seam ------------------------------------------------------------------------
-    def committed(self, entries: Sequence[Entry]) -> None:
-        pass  # a tier is written when a block leaves the pool, not when it enters
-
-    def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
-        pass  # evicted entries were spilled by ``evicted`` just before; the others are not kept
-
+    # ``committed`` and ``freeing`` stay no-ops: a tier is written when a block leaves the pool (the
+    # ``evicted`` moment, just before its ``freeing``), not when it enters; other frees are not kept.
     def cleared(self, namespace: str) -> None:
+        """Forget ``namespace`` below the pool too ("" = every namespace: the server's CLEAR of all)."""
+        if self._clearing_all:
+            return  # one pass over the tiers for all of them, when the CLEAR of all ends
         for t in self.tiers:
             t.clear(namespace)
         self._refs = {t: r for t, r in self._refs.items() if namespace and r.namespace != namespace}
         self._staged = {k: v for k, v in self._staged.items() if namespace and k[0].namespace != namespace}
+
+    @contextlib.contextmanager
+    def clearing_all(self) -> Iterator[None]:
+        """Around the index's CLEAR of every namespace: its per-namespace ``cleared`` moments become one
+        clear of the tiers at the end (a tier's clear walks its whole block table), which also takes
+        the namespaces only the tiers know (blocks left on disk from before a restart)."""
+        self._clearing_all = True
+        try:
+            yield
+        finally:
+            self._clearing_all = False
+            self.cleared("")
 
     def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
         """Spill what the pool evicts (visible blocks, admitted once), unless a tier holds it already."""
@@ -147,16 +162,16 @@ class Tiers:
         fut.add_done_callback(done)
 
     # --- lookups and loads ------------------------------------------------------------------------
-    def extend_lookup(self, namespace: str, keys: bytes, n: int, by_rank: dict[int, list[Entry]],
-                      reason: str) -> tuple[int, dict[int, list[Entry]], str]:
-        """The LOOKUP's hits past the pool's ``n`` leading ones: keys every rank holds in the pool, in
-        a promotion under way, or in a tier. The tier's blocks get pool slots and their reads start
-        now. Returns the new hit count, the entries by rank (pool ones and pending promotions, for a
-        lease to pin) and the first miss's reason."""
+    def extend_lookup(self, namespace: str, keys: bytes, hits: Hits) -> Hits:
+        """The LOOKUP's hits past the pool's ``hits.n`` leading ones: keys every rank holds in the pool,
+        in a promotion under way, or in a tier. The tier's blocks get pool slots and their reads start
+        now. Returns the new hits: their count, the entries by rank (pool ones and pending promotions,
+        for a lease to hold) and the first miss's reason."""
         ns = self.index.namespaces.get(namespace)
         total = len(keys) // _K
+        n, by_rank = hits.n, hits.by_rank
         if not self.tiers or ns is None or n >= total or len(ns.tables) < ns.world_size:
-            return n, by_rank, reason
+            return hits
         rest = keys[n * _K:]
         limit = total - n
         walks = []
@@ -166,15 +181,15 @@ class Tiers:
             limit = len(lead)
             walks.append((t, lead, wanted))
             if not limit:
-                return n, by_rank, reason
+                return hits
         if n and not by_rank:  # no lease asked: the pool's hits, to hold while the promotions evict
             by_rank = {r: [ns.tables[r].visible[keys[i * _K:(i + 1) * _K]] for i in range(n)]
                        for r in range(ns.world_size)}
         keep = {id(e) for e in self._lead_entries(by_rank)}
         pinned = [e for t, lead, _ in walks for e in lead if e is not None and id(e) not in keep]
         pinned += self._lead_entries(by_rank)
-        for e in pinned:  # what this answer promises must survive the evictions the promotions cause
-            e.pins += 1
+        # what this answer promises must survive the evictions the promotions cause
+        self.index.hold(Hits(len(pinned), {0: pinned}, None, ns.world_size))
         # The promotions evict pool blocks, whose spills would take tier slots: one of them could be a
         # block about to be read. So the spills wait until every read is submitted (a read in flight
         # keeps its slot from reuse).
@@ -184,20 +199,19 @@ class Tiers:
                 limit = min(limit, self._promote(t, rest, lead, wanted, limit))
         finally:
             held, self._held = self._held, None
-            for e in pinned:
-                self.index.unpin(e)
+            self.index.release(pinned)
             for args in held:
                 self._write(*args)
         if not limit:
-            return n, by_rank, reason
+            return hits
         out = {r: list(by_rank.get(r, ()))[:n] + walks[r][1][:limit] for r in range(ns.world_size)}
         m = n + limit
+        reason = None
         if m < total:
             miss = (namespace, keys[m * _K:(m + 1) * _K])
-            reason = "evicted" if miss in self.index.evicted else "failed" if miss in self.index.failed else "absent"
-        else:
-            reason = ""
-        return m, out, reason
+            reason = (MissReason.EVICTED if miss in self.index.evicted else MissReason.FAILED
+                      if miss in self.index.failed else MissReason.ABSENT)
+        return Hits(m, out, reason, ns.world_size)
 
     @staticmethod
     def _lead_entries(by_rank: dict[int, list[Entry]]) -> list[Entry]:
@@ -235,17 +249,17 @@ class Tiers:
         if not wanted:
             return limit
         keys = [rest[i * _K:(i + 1) * _K] for i in wanted]
-        plan = self.index.plan(t, keys, admit=False)
+        plan = self.index.prepare_store(t, keys, admit=False)
         if plan.dropped:
             limit = min(limit, wanted[plan.dropped[0]])
-        if not plan.want:
+        if not plan.copy_idx:
             return limit
-        entries = self.index.add_pending(t, keys, plan.want, plan.slots)
-        for j, e in zip(plan.want, entries, strict=True):
+        entries = self.index.add_pending(plan)
+        for j, e in zip(plan.copy_idx, entries, strict=True):
             lead[wanted[j]] = e
         tier = self.tiers[0]
         self.hits[tier.name] += len(entries)
-        entries = self._from_staging(t, entries)
+        entries = self._from_staging(plan, entries)
         if not entries:
             return limit
         size = t.slot_bytes
@@ -254,14 +268,21 @@ class Tiers:
         fut = tier.read(self._ref(t), b"".join([e.key for e in entries]), dest)
         for e in entries:
             self._promoting[e] = fut
-        fut.add_done_callback(lambda f: self._promoted(entries, f))
+        fut.add_done_callback(lambda f: self._promoted(plan, entries, f))
         return limit
 
-    def _from_staging(self, t: Table, entries: list[Entry]) -> list[Entry]:
+    def _complete(self, plan: StorePlan, entries: list[Entry], ok: bool) -> None:
+        """``complete_store`` for the part of a promotion's plan that is resolved now: its blocks come
+        back in several pieces (from staging at once, from the tier when each read lands)."""
+        if entries:
+            self.index.complete_store(replace(plan, entries=entries), ok)
+
+    def _from_staging(self, plan: StorePlan, entries: list[Entry]) -> list[Entry]:
         """Blocks spilled moments ago, whose write has not landed, are copied back from the staging
         buffer (the bytes of a committed slot) and made visible at once; returns the others."""
         if not self._staged:
             return entries
+        t = plan.table
         size = t.slot_bytes
         buf = self.index.pool.buffer
         done: list[Entry] = []
@@ -277,10 +298,10 @@ class Tiers:
             done.append(e)
         if done:
             self.staged_hits += len(done)
-            self.index.commit(done)
+            self._complete(plan, done, True)
         return rest
 
-    def _promoted(self, entries: list[Entry], fut: asyncio.Future) -> None:
+    def _promoted(self, plan: StorePlan, entries: list[Entry], fut: asyncio.Future) -> None:
         for e in entries:
             self._promoting.pop(e, None)
         ok = fut.result() if not fut.cancelled() and fut.exception() is None else np.zeros(len(entries), bool)
@@ -290,10 +311,8 @@ class Tiers:
             buf = self.index.pool.buffer
             for e in good:
                 e.checksum = zlib.crc32(buf[e.slot:e.slot + e.table.slot_bytes])
-        if good:
-            self.index.commit(good)
-        if bad:
-            self.index.abort(bad)
+        self._complete(plan, good, True)
+        self._complete(plan, bad, False)
 
     def promotions(self, t: Table, keys: list[bytes]) -> list[asyncio.Future]:
         """The promotions a LOAD of ``keys`` must wait for (none: the common case, one dict test)."""

@@ -1,0 +1,118 @@
+"""Operators' requests (STATS, CLEAR, EXPLAIN) and the live state /metrics reads at scrape time.
+
+Nothing here is on the serving path. It reads the sessions, the jobs and the index, and changes only
+what CLEAR removes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kvoffd.cache.index import Index
+from kvoffd.cache.pool import Pool
+from kvoffd.cache.tiers.manager import Tiers
+from kvoffd.metrics import Metrics
+from kvoffd.server.jobs import Jobs
+from kvoffd.server.limits import MAX_EXPLAIN_KEYS
+from kvoffd.server.sessions import Conn, Sessions
+from kvoffd_client import protocol as P
+from kvoffd_client.protocol import DropReason, ErrorCode, ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+class Admin:
+    """``describe_daemon`` gives the STATS reply's ``daemon`` section (the server's own facts: ids,
+    addresses, backends, descriptors), so this module needs nothing of the loop."""
+
+    def __init__(self, *, sessions: Sessions, jobs: Jobs, index: Index, pool: Pool, metrics: Metrics,
+                 verify: bool, eviction_policy: str, describe_daemon: Callable[[], dict[str, Any]],
+                 tiers: Tiers | None = None) -> None:
+        self.sessions = sessions
+        self.tiers = tiers if tiers is not None else Tiers(index, [])  # below the pool (none: no tier)
+        self.jobs = jobs
+        self.index = index
+        self.pool = pool
+        self.metrics = metrics
+        self.verify = verify
+        self.eviction_policy = eviction_policy
+        self.describe_daemon = describe_daemon
+
+    def clear(self, conn: Conn, msg: P.Clear) -> P.Message:
+        if msg.namespace and not self.index.knows(msg.namespace):
+            self.tiers.cleared(msg.namespace)  # blocks below the pool from before a restart
+            return P.Cleared(seq=msg.seq, removed_blocks=0, in_flight_jobs=0)
+        engines = self.sessions.engines.values()
+        in_flight = sum(1 for e in engines if not msg.namespace or e.namespace == msg.namespace
+                        for _ in range(e.mapped.in_flight))
+        in_use = {e.namespace for e in engines}
+        if msg.namespace:
+            removed = self.index.clear(msg.namespace, in_use=in_use)
+        else:
+            with self.tiers.clearing_all():  # the tiers below clear every namespace, known here or not
+                removed = self.index.clear("", in_use=in_use)
+        log.info("cleared %s: %d blocks removed, %d jobs in flight", msg.namespace or "all namespaces", removed,
+                 in_flight)
+        return P.Cleared(seq=msg.seq, removed_blocks=removed, in_flight_jobs=in_flight)
+
+    def explain(self, conn: Conn, msg: P.Explain) -> P.Message:
+        if P.count_keys(msg.keys) > MAX_EXPLAIN_KEYS:  # ~100 bytes of reply per key
+            raise ProtocolError(ErrorCode.TOO_MANY, f"EXPLAIN of {P.count_keys(msg.keys)} keys; at most "
+                                f"{MAX_EXPLAIN_KEYS}", seq=msg.seq)
+        return P.Explained(seq=msg.seq, entries=self.index.explain(msg.namespace, P.split_keys(msg.keys)))
+
+    def stats_request(self, conn: Conn, msg: P.Stats) -> P.Message:
+        return P.StatsResult(seq=msg.seq, stats=self.stats())
+
+    def live_state(self) -> dict[str, Any]:
+        """What the /metrics collector reads at scrape time (kvoffd/metrics.py)."""
+        counts, oldest = self.jobs.in_flight()
+        p = self.pool
+        return {"pool": {"capacity": p.capacity_bytes, "used": p.used_bytes, "pinned": p.pinned_bytes,
+                         "free_chunks": p.free_chunk_bytes, "total": p.nbytes},
+                "engines": len(self.sessions.engines), "leases": len(self.sessions.leases),
+                "resident_blocks": self.index.resident, "in_flight": counts, "oldest_in_flight_s": oldest}
+
+    def tier_stats(self) -> list[dict[str, Any]]:
+        """Per tier (the pool first): ``kvoffctl status`` and the metrics collector read this."""
+        disk_hits = sum(self.tiers.hits.values())
+        dram = {"name": "dram", "capacity_bytes": self.pool.capacity_bytes, "resident_bytes": self.pool.used_bytes,
+                "resident_blocks": self.index.resident, "hits": self.metrics.lookup.hit_blocks - disk_hits,
+                "evictions": self.index.evictions, "admissions_refused": self.index.refused}
+        out = [dram] + [st.as_dict() for st in self.tiers.stats()]
+        if self.tiers.disabled:
+            out.append({"name": "disk", "disabled": self.tiers.disabled})
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        m = self.metrics
+        counts, oldest = self.jobs.in_flight()
+
+        def c(counter, *labels) -> int:
+            return int((counter.labels(*labels) if labels else counter)._value.get())
+
+        return {
+            "daemon": self.describe_daemon(),
+            "pool": {**self.pool.stats(), "base_address": self.pool.base_address},
+            "verify": self.verify,
+            "eviction_policy": self.eviction_policy,
+            "counters": {
+                "lookups": m.lookup.lookups, "lookup_hit_blocks": m.lookup.hit_blocks,
+                "lookup_miss_blocks": m.lookup.miss_blocks, "stored_blocks": c(m.stored_blocks),
+                "store_noop_blocks": c(m.store_noop_blocks), "loaded_blocks": c(m.loaded_blocks),
+                "store_bytes": c(m.transfer_bytes, "store"), "load_bytes": c(m.transfer_bytes, "load"),
+                "evicted_blocks": c(m.evicted_blocks),
+                "admission_refused_blocks": c(m.admission_refused),
+                "dropped_stores": sum(c(m.dropped_stores, r.value) for r in DropReason),
+                "errors": sum(c(m.errors, code.value) for code in ErrorCode),
+            },
+            "resident_blocks": self.index.resident,
+            "leases": len(self.sessions.leases),
+            "engines": [e.describe() for e in self.sessions.engines.values()],
+            "namespaces": self.index.namespace_stats(),
+            "tiers": self.tier_stats(),
+            "in_flight_jobs": counts["store"] + counts["load"],
+            "oldest_in_flight_s": round(oldest, 6),
+        }

@@ -1,0 +1,132 @@
+"""REGISTER: an engine worker's KV memory, checked, mapped (in an executor: slow) and given its table.
+
+A refused REGISTER changes nothing: every check that needs no mapping runs first, the table is
+created only once the memory is mapped, and a registration that lost its connection or was
+overtaken meanwhile unmaps again. A re-registration replaces the old engine only once the new
+mapping works (kvoffd/server/sessions.py, ``Sessions.attach``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+
+from kvoffd.cache.index import Index
+from kvoffd.cache.pool import MIN_SLOT_BYTES, Pool
+from kvoffd.metrics import Metrics
+from kvoffd.server.fdbudget import FdBudget
+from kvoffd.server.limits import MAX_ENGINES_PER_CONN, MAX_SEGMENTS
+from kvoffd.server.sessions import Conn, Engine, Sessions
+from kvoffd.transfer.base import AttachError, TransferBackend
+from kvoffd_client import protocol as P
+from kvoffd_client.protocol import ErrorCode, ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+class Registrar:
+    """Serves REGISTER for the sessions (an ``is_async`` row of the server's table)."""
+
+    def __init__(self, *, sessions: Sessions, index: Index, pool: Pool, metrics: Metrics, fds: FdBudget,
+                 by_kind: dict[str, TransferBackend]) -> None:
+        self.sessions = sessions
+        self.index = index
+        self.pool = pool
+        self.metrics = metrics
+        self.fds = fds
+        self.by_kind = by_kind
+
+    async def register(self, conn: Conn, msg: P.Register) -> P.Message | None:
+        """Map an engine's memory (in an executor: slow) and create its table; a refusal changes
+        nothing. Answered only if the connection is still there once the mapping is done."""
+        conn.registering += 1
+        try:
+            reply = await self._register(conn, msg)
+        except ProtocolError as e:
+            e.seq = msg.seq
+            self.metrics.errors.labels(e.code.value).inc()
+            log.warning("engine %s: registration refused: %s", msg.engine_id, e.message)
+            reply = P.error_for(e)
+        finally:
+            conn.registering -= 1
+        return reply if conn.ident in self.sessions.conns else None
+
+    def _check_register(self, conn: Conn, msg: P.Register, segments: list[P.Segment]) -> Engine | None:
+        """The checks that need no mapping, after the memory kind's; returns the engine this one would
+        replace."""
+        old = self.sessions.engines.get(msg.engine_id)
+        if old is not None and old.conn is not conn and old.conn.ident in self.sessions.conns:
+            raise ProtocolError(ErrorCode.FOREIGN_ENGINE, f"engine {msg.engine_id!r} is registered by "
+                                "another live connection")
+        if old is None and len(conn.engines) + conn.registering > MAX_ENGINES_PER_CONN:  # (this one included)
+            raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_ENGINES_PER_CONN} engines per connection")
+        if len(segments) > MAX_SEGMENTS:
+            raise ProtocolError(ErrorCode.TOO_MANY, f"a block of {len(segments)} segments; at most {MAX_SEGMENTS}")
+        if self.fds.engines_refused():
+            raise ProtocolError(ErrorCode.TOO_MANY, f"the daemon's file descriptors are nearly exhausted "
+                                f"({self.fds.in_use()} of {self.fds.limit}); try again later")
+        slot_bytes = sum(s.length for s in segments)
+        if slot_bytes > self.pool.chunk_bytes:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"a block of {slot_bytes} bytes exceeds the pool's "
+                                f"{self.pool.chunk_bytes}-byte chunks")
+        if slot_bytes < MIN_SLOT_BYTES:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"a block of {slot_bytes} bytes is below the "
+                                f"{MIN_SLOT_BYTES}-byte minimum (the index's bookkeeping would outweigh it)")
+        try:  # checked now, created only once the memory is mapped: a refused REGISTER leaves nothing
+            self.index.check_table(msg.namespace, msg.rank, msg.world_size, tuple(s.length for s in segments))
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(e)) from None
+        return old
+
+    async def _register(self, conn: Conn, msg: P.Register) -> P.Message:
+        if msg.rank >= msg.world_size:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"rank {msg.rank} is not below world_size {msg.world_size}")
+        num_blocks, segments = msg.layout.num_blocks, msg.layout.runs()
+        kind = msg.memory.KIND
+        backend = self.by_kind.get(kind)
+        if backend is None:
+            raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, f"memory kind {kind!r:.40} is not served here; "
+                                f"this daemon maps {sorted(self.by_kind)}")
+        old = self._check_register(conn, msg, segments)
+        slot_bytes, layout_fp = sum(s.length for s in segments), tuple(s.length for s in segments)
+        memory = self._backend_memory(msg.memory)
+        loop = asyncio.get_running_loop()
+        try:
+            mapped = await loop.run_in_executor(None, backend.attach, msg.engine_id, memory, num_blocks,
+                                                segments)
+        except AttachError as e:
+            raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, str(e)) from None
+        try:
+            if conn.ident not in self.sessions.conns:
+                raise ProtocolError(ErrorCode.NOT_REGISTERED, "the connection closed while mapping")
+            if self.sessions.engines.get(msg.engine_id) is not old:
+                raise ProtocolError(ErrorCode.NOT_REGISTERED, "the engine was registered again meanwhile")
+            try:
+                table = self.index.table(msg.namespace, msg.rank, msg.world_size, slot_bytes, layout_fp)
+            except ValueError as e:
+                raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(e)) from None
+        except ProtocolError:
+            await loop.run_in_executor(None, backend.detach, mapped)
+            raise
+        self.sessions.attach(Engine(engine_id=msg.engine_id, conn=conn, namespace=msg.namespace, rank=msg.rank,
+                                    world_size=msg.world_size, mapped=mapped, backend=backend, table=table), old)
+        log.info("engine %s registered: pid %d, namespace %s rank %d/%d, %d blocks of %d bytes (%s, %s)",
+                 msg.engine_id, conn.pid, msg.namespace, msg.rank, msg.world_size, num_blocks, slot_bytes,
+                 backend.name, msg.layout.desc)
+        return P.Registered(seq=msg.seq, engine_id=msg.engine_id, slot_bytes=slot_bytes, backend=backend.name)
+
+    def _backend_memory(self, memory: P.CpuFd | P.CudaIpc) -> dict[str, Any]:
+        """What the backend's ``attach`` maps (its shape already checked by the decoder). ``cpu_fd``:
+        the descriptor handed to the fd socket under the token, in a dict built here (never from the
+        client's fields, which could name an ``fd`` of its own choosing); the backend closes it
+        whatever happens."""
+        if isinstance(memory, P.CudaIpc):
+            return {"kind": memory.KIND, **msgspec.structs.asdict(memory)}
+        pending = self.sessions.fd_handover.claim(memory.token) if self.sessions.fd_handover is not None else None
+        if pending is None:
+            raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, "unknown or expired memory token: hand the "
+                                "descriptor to the fd socket again (a token is good for one REGISTER)")
+        return {"kind": memory.KIND, "fd": pending.fd, "size": memory.size}
