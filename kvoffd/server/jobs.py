@@ -243,8 +243,10 @@ class Jobs:
         """A LOAD waits for its promotions (a failed or late one: those blocks fail), then runs as usual."""
         msg = job.msg
         left = (msg.expires_ns - time.monotonic_ns()) / 1e9 if msg.expires_ns else PROMOTE_WAIT_S
-        await asyncio.wait(waiting, timeout=max(0.0, min(left, PROMOTE_WAIT_S)))
-        self._end(job)
+        try:
+            await asyncio.wait(waiting, timeout=max(0.0, min(left, PROMOTE_WAIT_S)))
+        finally:
+            self._end(job)  # cancelled (shutdown) too: no longer in flight
         if job.engine.closing:
             self._notice(job, list(range(len(keys))), NoticeCode.COPY_FAILED.value, "the engine left")
             return
