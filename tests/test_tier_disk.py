@@ -261,6 +261,35 @@ def test_clear_forgets_disk_blocks(make_daemon, tmp_path, lease_ms):
     rig.close()
 
 
+def test_clear_of_all_forgets_disk_blocks_of_every_namespace_after_a_restart(tmp_path):
+    """A CLEAR of all namespaces clears the disk once for all of them: the ones the restarted daemon's
+    index knows (an engine registered again) and the ones only the disk knows (no engine yet)."""
+    args = _disk(tmp_path)
+    d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *args)
+    try:
+        for ns in ("disk", "other"):
+            rig = Rig(d, ns=ns)
+            _fill_and_spill(rig, rounds=2)
+            rig.c.unregister("disk-0")
+            rig.close()
+    finally:
+        d.stop()
+    d = start_daemon(f"ipc://{tmp_path}/b.sock", POOL, *args)
+    try:
+        rig = Rig(d)  # "disk" is known to the index again; "other" only to the disk
+        assert rig.tier()["resident_blocks"] >= 200
+        assert rig.c.clear("").removed_blocks == 0  # nothing in the pool yet
+        assert rig.tier()["resident_blocks"] == 0, rig.tier()
+        assert rig.c.lookup("disk", chain_keys(100, b"old")).hits == 0
+        rig.c.unregister("disk-0")
+        rig.close()
+        rig = Rig(d, ns="other")
+        assert rig.c.lookup("other", chain_keys(100, b"old")).hits == 0
+        rig.close()
+    finally:
+        d.stop()
+
+
 def _ranked(key: bytes, rank: int) -> bytes:
     return hashlib.sha256(key + bytes([rank])).digest()
 
