@@ -121,7 +121,7 @@ class Daemon:
 
     def __init__(self, workdir: Path, pool: str = "256MiB", extra: tuple[str, ...] = ()):
         self.workdir = workdir
-        self.extra = extra  # more daemon flags
+        self.extra = extra  # more daemon flags (e.g. a disk tier)
         self.address = f"ipc://{workdir}/kvoffd.sock"
         self.pool = pool
         self.proc: subprocess.Popen | None = None
