@@ -52,6 +52,62 @@ class _LiveState(Collector):
                                 value=s["oldest_in_flight_s"])
 
 
+_TIER_COUNTERS = (  # TierStats field, metric name, help
+    ("hits", "kvoffd_tier_hits", "Blocks a LOOKUP found in this tier (the pool: its leading hits; a lower tier: "
+     "the blocks past them it promotes)"),
+    ("promotions", "kvoffd_tier_promotions", "Blocks read back from this tier into the pool, verified"),
+    ("promotion_failures", "kvoffd_tier_promotion_failures", "Promotions that failed (I/O error, short read, "
+     "checksum): those blocks were misses"),
+    ("spills", "kvoffd_tier_spills", "Blocks written to this tier as they left the pool"),
+    ("evictions", "kvoffd_tier_evictions", "Blocks this tier dropped to make room"),
+    ("admissions_refused", "kvoffd_tier_admissions_refused", "Blocks the tier's admission rule refused"),
+    ("io_errors", "kvoffd_tier_io_errors", "Failed reads and writes (each a miss or a dropped spill)"),
+    ("checksum_failures", "kvoffd_tier_checksum_failures", "Blocks whose bytes failed their checksum on read"),
+    ("read_bytes", "kvoffd_tier_read_bytes", "Bytes read from this tier"),
+    ("write_bytes", "kvoffd_tier_write_bytes", "Bytes written to this tier"),
+)
+_TIER_GAUGES = (
+    ("resident_bytes", "kvoffd_tier_resident_bytes", "Bytes of blocks held by this tier"),
+    ("resident_blocks", "kvoffd_tier_resident_blocks", "Blocks held by this tier"),
+    ("capacity_bytes", "kvoffd_tier_capacity_bytes", "Bytes this tier may hold"),
+    ("index_bytes", "kvoffd_tier_index_bytes", "Memory of this tier's index"),
+)
+SPILL_DROP_REASONS = ("full", "busy", "error")
+
+
+class _TierState(Collector):
+    """Per-tier figures (the pool is tier "dram"), read from the daemon at scrape time."""
+
+    def __init__(self, read: Callable[[], list[dict[str, Any]]]):
+        self._read = read
+
+    def describe(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        return self._families([])  # the names only: registration must not read the daemon
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        return self._families([t for t in self._read() if not t.get("disabled")])
+
+    @staticmethod
+    def _families(tiers: list[dict[str, Any]]) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        for key, name, help_ in _TIER_COUNTERS:
+            fam = CounterMetricFamily(name, help_, labels=["tier"])
+            for t in tiers:
+                fam.add_metric([t["name"]], t.get(key, 0))
+            yield fam
+        for key, name, help_ in _TIER_GAUGES:
+            fam = GaugeMetricFamily(name, help_, labels=["tier"])
+            for t in tiers:
+                fam.add_metric([t["name"]], t.get(key, 0))
+            yield fam
+        fam = CounterMetricFamily("kvoffd_tier_spills_dropped", "Blocks not spilled to this tier, by reason (full: "
+                                  "no room or ENOSPC; busy: too many spills in flight; error: I/O error)",
+                                  labels=["tier", "reason"])
+        for t in tiers:  # the pool too (zero: it spills to the tier below it): every tier has every series
+            for r in SPILL_DROP_REASONS:
+                fam.add_metric([t["name"], r], t.get("spills_dropped", {}).get(r, 0))
+        yield fam
+
+
 class LookupCounts:
     """LOOKUP's counters as plain integers, exported at scrape time by ``_LookupCounters``: every
     engine step looks up, and a prometheus_client ``inc()`` takes a lock (about 1 µs each)."""
@@ -149,3 +205,7 @@ class Metrics:
         """Export the gauges ``read_state`` gives at each scrape (the server calls it once it has the
         objects that state lives in, which themselves count into this registry)."""
         self.registry.register(_LiveState(read_state))
+
+    def watch_tiers(self, read_tiers: Callable[[], list[dict[str, Any]]]) -> None:
+        """Export the per-tier figures ``read_tiers`` gives at each scrape (the pool is tier "dram")."""
+        self.registry.register(_TierState(read_tiers))

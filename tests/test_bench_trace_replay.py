@@ -202,3 +202,15 @@ def test_default_policy_daemon_agrees_with_its_simulation(tmp_path):
     for c in CAPACITIES:
         d = res["daemon_counters"][str(c)]
         assert d["bench_dropped_blocks"] == d["dropped_stores"] + d["admission_refused_blocks"]
+
+
+def test_disk_blocks_add_disk_hits_and_loads_stay_exact(tmp_path):
+    """--disk-blocks: a disk tier under each pool; the replay's LOADs are still checked byte for byte
+    (a wrong byte stops the bench), and the disk serves hits the pool alone would have missed."""
+    trace = T.load_trace(synthetic_trace(tmp_path / "synthetic.jsonl"))
+    alone = T.run(trace, [40], 4096, policy="lru", log=lambda s: None)
+    tiered = T.run(trace, [40], 4096, policy="lru", log=lambda s: None, disk_blocks=400)
+    c = tiered.daemon_counters["40"]
+    assert c["disk_hits"] > 0 and c["disk_promotion_failures"] == 0
+    assert c["bench_loaded_blocks"] == c["bench_hit_blocks"]  # every hit was loaded, none failed
+    assert tiered.policies["daemon"][0] > alone.policies["daemon"][0]

@@ -173,3 +173,15 @@ def test_pool_the_kernel_refuses_fails_with_one_clear_line(tmp_path):
     assert "Traceback" not in r.stderr, r.stderr
     line = next(ln for ln in r.stderr.splitlines() if "cannot start" in ln)
     assert "cannot reserve a pool of 4.0 GiB" in line and "RAM " in line and "available" in line, line
+
+
+def test_disk_tier_flags_and_their_default_policy():
+    cfg = load_config(["--disk-path", "/tmp/x", "--disk-size", "2GiB"], environ={})
+    assert cfg.disk_path == "/tmp/x" and cfg.disk_size == 2 << 30 and cfg.eviction_policy == "lru"
+    cfg = load_config(["--disk-path", "/tmp/x", "--disk-size", "2GiB", "--eviction-policy", "adaptive-doorkeeper"],
+                      environ={})
+    assert cfg.eviction_policy == "adaptive-doorkeeper"  # an explicit choice stands
+    with pytest.raises(ConfigError, match="--disk-size"):
+        load_config(["--disk-path", "/tmp/x"], environ={})
+    with pytest.raises(ConfigError, match="--disk-path"):
+        load_config(["--disk-size", "1GiB"], environ={})

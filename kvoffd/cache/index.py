@@ -356,13 +356,14 @@ class Index:
         return LoadPlan(entries, found, missing)
 
     # --- stores -------------------------------------------------------------------------------------------
-    def prepare_store(self, table: Table, keys: list[bytes]) -> StorePlan:
+    def prepare_store(self, table: Table, keys: list[bytes], admit: bool = True) -> StorePlan:
         """Slots for the keys not yet present that the policy admits, evicting LRU blocks (or the
         policy's victims) as needed; no entries yet.
 
         Split from ``add_pending`` so the server can start the copy first and do the per-key
         bookkeeping while the bytes move. Keys beyond what the pool can hold are dropped from the
-        end: the leading blocks of a prefix are the ones a later lookup can use.
+        end: the leading blocks of a prefix are the ones a later lookup can use. ``admit=False``
+        skips the admission policy (a promotion from a lower tier: the block was just asked for).
         """
         entries = table.entries
         want = [i for i, k in enumerate(keys) if k not in entries]
@@ -375,7 +376,7 @@ class Index:
         refused: list[int] = []
         size = table.slot_bytes
         pol = self._policies.get(size)
-        if pol is not None and want:
+        if pol is not None and want and admit:
             want, refused = self._admit(pol, table, keys, want)
         if not want:
             return StorePlan(table, keys, [], [], present, [], refused)

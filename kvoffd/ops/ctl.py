@@ -259,8 +259,31 @@ def cmd_status(args: argparse.Namespace, client: Any) -> int:
         ("hit rate", _hit_rate(c)),
         ("in flight", f"{st.get('in_flight_jobs', 0)} jobs, oldest {_dur(st.get('oldest_in_flight_s', 0))}"),
     ]
+    rows += [(f"tier {t.get('name', '?')}", _tier_line(t)) for t in st.get("tiers", []) or []
+             if isinstance(t, dict)]
     print(table(rows))
     return EXIT_OK
+
+
+def _tier_line(t: dict[str, Any]) -> str:
+    """One tier of STATS ``tiers`` (the pool is "dram"): what it holds, what it served, what went wrong."""
+    if t.get("disabled"):
+        return f"DISABLED: {t['disabled']}"
+    parts = [f"{_size(t.get('resident_bytes'))} in {t.get('resident_blocks', 0)} blocks of "
+             f"{_size(t.get('capacity_bytes'))}", f"{t.get('hits', 0)} hits"]
+    if t.get("name") != "dram":
+        dropped = sum((t.get("spills_dropped") or {}).values())
+        parts += [f"{t.get('promotions', 0)} promoted ({t.get('promotion_failures', 0)} failed)",
+                  f"{t.get('spills', 0)} spilled ({dropped} dropped)",
+                  f"read {_size(t.get('read_bytes'))}, written {_size(t.get('write_bytes'))}",
+                  f"{t.get('io_errors', 0)} I/O errors, {t.get('checksum_failures', 0)} bad checksums"]
+        note = (t.get("notes") or {}).get("direct_io")
+        if note:
+            parts.append(f"direct I/O {note}")
+    parts.append(f"{t.get('evictions', 0)} evicted")
+    if t.get("admissions_refused"):
+        parts.append(f"{t['admissions_refused']} refused")
+    return "; ".join(parts)
 
 
 def cmd_stats(args: argparse.Namespace, client: Any) -> int:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvoffd.cache.index import Index
 from kvoffd.cache.persist import Keeper
 from kvoffd.cache.pool import Pool
+from kvoffd.cache.tiers.manager import Tiers
 from kvoffd.metrics import Metrics
 from kvoffd.server.jobs import Jobs
 from kvoffd.server.limits import MAX_EXPLAIN_KEYS
@@ -33,8 +34,10 @@ class Admin:
 
     def __init__(self, *, sessions: Sessions, jobs: Jobs, index: Index, pool: Pool, metrics: Metrics,
                  verify: bool, eviction_policy: str, persist: Keeper,
-                 describe_daemon: Callable[[], dict[str, Any]], kv_events: KvEventPublisher | None = None) -> None:
+                 describe_daemon: Callable[[], dict[str, Any]], kv_events: KvEventPublisher | None = None,
+                 tiers: Tiers | None = None) -> None:
         self.sessions = sessions
+        self.tiers = tiers if tiers is not None else Tiers(index, [])  # below the pool (none: no tier)
         self.jobs = jobs
         self.index = index
         self.pool = pool
@@ -47,13 +50,19 @@ class Admin:
 
     def clear(self, conn: Conn, msg: P.Clear) -> P.Message:
         if msg.namespace and not self.index.knows(msg.namespace):
+            self.tiers.cleared(msg.namespace)  # blocks below the pool from before a restart
             return P.Cleared(seq=msg.seq, removed_blocks=0, in_flight_jobs=0)
         engines = self.sessions.engines.values()
         in_flight = sum(1 for e in engines if not msg.namespace or e.namespace == msg.namespace
                         for _ in range(e.mapped.in_flight))
-        removed = self.index.clear(msg.namespace, in_use={e.namespace for e in engines})
-        if not msg.namespace and self.kv_events is not None:  # one AllBlocksCleared, not a removal per block
-            self.kv_events.all_cleared()
+        in_use = {e.namespace for e in engines}
+        if msg.namespace:
+            removed = self.index.clear(msg.namespace, in_use=in_use)
+        else:
+            with self.tiers.clearing_all():  # the tiers below clear every namespace, known here or not
+                removed = self.index.clear("", in_use=in_use)
+            if self.kv_events is not None:  # one AllBlocksCleared, not a removal per block
+                self.kv_events.all_cleared()
         log.info("cleared %s: %d blocks removed, %d jobs in flight", msg.namespace or "all namespaces", removed,
                  in_flight)
         return P.Cleared(seq=msg.seq, removed_blocks=removed, in_flight_jobs=in_flight)
@@ -75,6 +84,17 @@ class Admin:
                          "free_chunks": p.free_chunk_bytes, "total": p.nbytes},
                 "engines": len(self.sessions.engines), "leases": len(self.sessions.leases),
                 "resident_blocks": self.index.resident, "in_flight": counts, "oldest_in_flight_s": oldest}
+
+    def tier_stats(self) -> list[dict[str, Any]]:
+        """Per tier (the pool first): ``kvoffctl status`` and the metrics collector read this."""
+        disk_hits = sum(self.tiers.hits.values())
+        dram = {"name": "dram", "capacity_bytes": self.pool.capacity_bytes, "resident_bytes": self.pool.used_bytes,
+                "resident_blocks": self.index.resident, "hits": self.metrics.lookup.hit_blocks - disk_hits,
+                "evictions": self.index.evictions, "admissions_refused": self.index.refused}
+        out = [dram] + [st.as_dict() for st in self.tiers.stats()]
+        if self.tiers.disabled:
+            out.append({"name": "disk", "disabled": self.tiers.disabled})
+        return out
 
     def stats(self) -> dict[str, Any]:
         m = self.metrics
@@ -103,6 +123,7 @@ class Admin:
             "leases": len(self.sessions.leases),
             "engines": [e.describe() for e in self.sessions.engines.values()],
             "namespaces": self.index.namespace_stats(),
+            "tiers": self.tier_stats(),
             "in_flight_jobs": counts["store"] + counts["load"],
             "oldest_in_flight_s": round(oldest, 6),
         }

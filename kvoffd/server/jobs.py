@@ -10,6 +10,10 @@ notice. Three orderings matter and are kept where they happen:
 * **answer first, then hold**: LOOKUP replies, then takes the lease's refs; nothing else runs on
   the loop in between, so no eviction can take a block the answer promised.
 
+With tiers below the pool (kvoffd/cache/tiers/manager.py), a LOOKUP's hits extend to the blocks found
+there (their promotion into the pool starts before the answer), and a LOAD of such blocks first waits
+for their promotions, then copies from the pool as usual.
+
 Handlers answer through the ``reply`` callable and start tasks through ``spawn``; they never import
 the server loop.
 """
@@ -29,6 +33,7 @@ import numpy as np
 from kvoffd.cache.index import Entry, Index, StorePlan
 from kvoffd.cache.persist import Keeper
 from kvoffd.cache.pool import Pool
+from kvoffd.cache.tiers.manager import PROMOTE_WAIT_S, Tiers
 from kvoffd.metrics import Metrics
 from kvoffd.server.limits import MAX_JOBS_PER_CONN, MAX_RUNS_PER_JOB
 from kvoffd.server.sessions import Conn, Engine, Lease, Reply, Sessions
@@ -78,11 +83,13 @@ class Jobs:
     (--kv-events-address; None: off) keeps what a STORE tells of its blocks for their KV events."""
 
     def __init__(self, *, sessions: Sessions, index: Index, pool: Pool, metrics: Metrics, verify: bool,
-                 persist: Keeper, reply: Reply, spawn: Spawn, kv_events: KvEventPublisher | None = None) -> None:
+                 persist: Keeper, reply: Reply, spawn: Spawn, kv_events: KvEventPublisher | None = None,
+                 tiers: Tiers | None = None) -> None:
         """``persist``: the pool file's keeper (kvoffd/cache/persist.py): adopted blocks are checked on
         their first LOAD, and loaded blocks get new last-use stamps."""
         self.sessions = sessions
         self.index = index
+        self.tiers = tiers if tiers is not None else Tiers(index, [])  # below the pool (none: no tier)
         self.pool = pool
         self.metrics = metrics
         self.verify = verify
@@ -107,6 +114,8 @@ class Jobs:
         """Answer first, then count and hold: the client waits on the answer, and nothing else runs on
         the loop in between, so no eviction can take a block the answer promised."""
         hits = self.index.lookup(msg.namespace, msg.keys, with_entries=msg.lease_ms > 0)
+        if self.tiers.enabled and hits.n < P.count_keys(msg.keys):  # blocks below the pool are hits too:
+            hits = self.tiers.extend_lookup(msg.namespace, msg.keys, hits)  # their promotion starts now
         n = hits.n
         lease_id = held = 0
         if n and msg.lease_ms:
@@ -254,6 +263,36 @@ class Jobs:
     # --- LOAD -------------------------------------------------------------------------------------------
     def load(self, conn: Conn, msg: P.Load) -> P.Message | None:
         eng, keys, ids = self._check(conn, msg)
+        waiting = self.tiers.promotions(eng.table, keys)
+        if waiting:  # blocks a LOOKUP found below the pool, still on their way into it
+            job = Job(conn=conn, engine=eng, msg=msg, direction=Direction.LOAD, started=time.monotonic(),
+                      entries=[], idx=[], block_ids=ids[:0], slots=np.empty(0, dtype=np.int64), failed=[],
+                      code="", future=None)
+            self._begin(job)  # in flight from now: it waits for the promotions first
+            self.spawn(self._load_promoted(job, keys, ids, waiting))
+            return None
+        return self._load_resident(conn, eng, msg, keys, ids)
+
+    async def _load_promoted(self, job: Job, keys: list[bytes], ids: np.ndarray,
+                             waiting: list[asyncio.Future]) -> None:
+        """A LOAD waits for its promotions (a failed or late one: those blocks fail), then runs as usual."""
+        msg = job.msg
+        left = (msg.expires_ns - time.monotonic_ns()) / 1e9 if msg.expires_ns else PROMOTE_WAIT_S
+        try:
+            await asyncio.wait(waiting, timeout=max(0.0, min(left, PROMOTE_WAIT_S)))
+        finally:
+            self._end(job)  # cancelled (shutdown) too: no longer in flight
+        if job.engine.closing:
+            self._notice(job, list(range(len(keys))), NoticeCode.COPY_FAILED.value, "the engine left")
+            return
+        assert isinstance(msg, P.Load)
+        reply = self._load_resident(job.conn, job.engine, msg, keys, ids)
+        if reply is not None:
+            self.reply(job.conn.ident, reply)
+
+    def _load_resident(self, conn: Conn, eng: Engine, msg: P.Load, keys: list[bytes],
+                       ids: np.ndarray) -> P.Message | None:
+        """The LOAD of what the pool holds now (the blocks not resident are reported failed)."""
         lp = self.index.prepare_load(eng.table, keys)  # a ref on each entry, released when the copy ends
         entries, failed = lp.entries, lp.missing_idx
         if msg.lease_id and entries:

@@ -30,6 +30,7 @@ from kvoffd import __version__, sdnotify
 from kvoffd.cache.index import Index
 from kvoffd.cache.persist import keeper, open_pool
 from kvoffd.cache.pool import Pool
+from kvoffd.cache.tiers.manager import make_tiers
 from kvoffd.config import Config
 from kvoffd.events.publisher import make_publisher
 from kvoffd.metrics import Metrics
@@ -99,6 +100,7 @@ class Server:
         self.pool, pool_file = open_pool(cfg.pool_size, cfg.pool_path, cfg.address, cfg.cold)
         self.index = Index(self.pool, cfg.eviction_policy)
         self.persist = keeper(pool_file, self.pool, self.index)  # adopts the previous daemon's blocks
+        self.tiers = make_tiers(self.index, cfg.disk_path, cfg.disk_size, cfg.verify)  # below the pool
         self.backends = _make_backends(cfg, self.pool)
         self.by_kind: dict[str, TransferBackend] = {}
         for b in self.backends:
@@ -114,11 +116,13 @@ class Server:
                                    fds=self.fds, by_kind=self.by_kind, kv_events=self.kv_events)
         self.jobs = Jobs(sessions=self.sessions, index=self.index, pool=self.pool, metrics=self.metrics,
                          verify=cfg.verify, persist=self.persist, reply=self._send, spawn=self._spawn,
-                         kv_events=self.kv_events)
+                         kv_events=self.kv_events, tiers=self.tiers)
         self.admin = Admin(sessions=self.sessions, jobs=self.jobs, index=self.index, pool=self.pool,
                            metrics=self.metrics, verify=cfg.verify, eviction_policy=cfg.eviction_policy,
-                           persist=self.persist, describe_daemon=self.describe, kv_events=self.kv_events)
+                           persist=self.persist, describe_daemon=self.describe, kv_events=self.kv_events,
+                           tiers=self.tiers)
         self.metrics.watch_live_state(self.admin.live_state)
+        self.metrics.watch_tiers(self.admin.tier_stats)
         self._routes = self._table()
         self._tasks: set[asyncio.Task] = set()
         self.ready = asyncio.Event()
@@ -221,6 +225,7 @@ class Server:
         for b in self.backends:
             b.start()
         self.persist.start(loop)
+        self.tiers.start(loop)
         if self.fd_handover is not None:
             self.fd_handover.start(loop)
         if self.kv_events is not None:
@@ -256,6 +261,7 @@ class Server:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self.sessions.shutdown()
+        await self.tiers.aclose()  # spills in flight land first
         for b in self.backends:
             b.close()
         await self.persist.close()  # seals what is left: the next daemon adopts it

@@ -122,7 +122,7 @@ class Daemon:
     def __init__(self, workdir: Path, pool: str = "256MiB", extra: tuple[str, ...] = (), pool_path: str = "none"):
         """``pool_path``: the persistent pool's file (warm restarts); "none" keeps it in private memory."""
         self.workdir = workdir
-        self.extra = extra  # more daemon flags
+        self.extra = extra  # more daemon flags (e.g. a disk tier)
         self.pool_path = pool_path
         self.address = f"ipc://{workdir}/kvoffd.sock"
         self.pool = pool

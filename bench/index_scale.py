@@ -1,0 +1,187 @@
+"""Index scale: the disk tier's index at 1M, 10M, 100M blocks — memory per block and LOOKUP round trips.
+
+For each size N the bench writes a disk tier directory holding N indexed blocks of 4 KiB (the index
+file and its table map, built with the tier's own vectorised insert; the data file stays sparse: the
+bench times the index, not the disk), then starts a real daemon on it (``--disk-path``) and measures:
+
+* memory: the index file's bytes and the per-slot arrays per block (what the tier reports as
+  ``index_bytes``), and the daemon's RSS minus a daemon without a disk tier, per block (the index is
+  a memory-mapped file the daemon reads at start, so its pages are in the RSS);
+* LOOKUP round trips through the client library for 1, 64 and 1,024 keys that miss the pool and the
+  disk (the whole probe sequence of the disk index runs: the common case of a new prompt) and that
+  hit the disk (the answer is sent before the promotion's reads; each key set is asked once), next to
+  a bare pyzmq ROUTER echo of the same message bytes, alternating (bench/control_plane.py's floor).
+  The control-plane target is <= 1.5x the floor.
+
+    .venv/bin/python bench/index_scale.py [--blocks 1000000,10000000] [--dir DIR] [--iters 300] [--out F]
+
+100M blocks need about 7 GB of RAM and disk for the index (and a few minutes to build): run
+``--blocks 100000000`` on a big host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import zmq
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "client"), str(ROOT / "tests" / "support")]
+
+from kvtest import start_daemon  # noqa: E402
+from reliability_util import ShmEngine, rss_kb  # noqa: E402
+
+from kvoffd.cache.tiers.table import BlockTable  # noqa: E402
+from kvoffd_client import protocol as P  # noqa: E402
+
+SLOT = 4096
+LAYOUT = [SLOT // 2, SLOT // 2]  # ShmEngine(layers=2): two runs per block
+BUILD_BATCH = 1 << 20
+
+
+def echo_server(address: str) -> None:
+    s = zmq.Context.instance().socket(zmq.ROUTER)
+    s.bind(address)
+    while True:
+        ident, frame = s.recv_multipart()
+        req = msgpack.unpackb(frame)
+        if req.get("op") == "stop":
+            s.send_multipart([ident, b""])
+            return
+        reply = {"seq": req["seq"], "hits": len(req.get("keys", ())), "lease_id": 0, "world_size": 1,
+                 "op": "lookup_result"}
+        s.send_multipart([ident, msgpack.packb(reply)])
+
+
+def build(directory: str, n: int, seed: int = 1) -> tuple[np.ndarray, int]:
+    """A disk tier directory with ``n`` blocks of table 1 (nearly: at full load a few keys find both
+    buckets full); returns the first keys (for hits) and the blocks indexed."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "tables.json"), "w") as f:
+        json.dump({"tables": [{"tid": 1, "namespace": "scale", "rank": 0, "world_size": 1, "layout": LAYOUT}]}, f)
+    t = BlockTable(n, os.path.join(directory, f"index-{SLOT}.kvx"))
+    rng = np.random.default_rng(seed)
+    first = None
+    for lo in range(0, n, BUILD_BATCH):
+        m = min(BUILD_BATCH, n - lo)
+        k = rng.integers(0, 2**63, size=(m, 4), dtype=np.int64).astype(np.uint64)
+        pos = t.insert(1, k, np.arange(lo, lo + m, dtype=np.uint32), np.zeros(m, dtype=np.uint32))
+        if first is None:
+            first = k[pos >= 0][:400_000].copy()  # (a key whose two buckets were full is not indexed)
+    t.flush()
+    return first, t.used
+
+
+def percentiles(xs: list[float]) -> tuple[float, float]:
+    xs = sorted(xs)
+    return statistics.median(xs), xs[min(len(xs) - 1, int(len(xs) * 0.99))]
+
+
+def measure(n: int, base: str, iters: int, baseline_kb: int) -> dict:
+    directory = os.path.join(base, f"tier-{n}")
+    t0 = time.monotonic()
+    hit_keys, indexed = build(directory, n)
+    built_s = time.monotonic() - t0
+    d = start_daemon(f"ipc://{base}/d{n}.sock", "512MiB", "--log-level", "warning", "--backend", "cpu",
+                     "--disk-path", directory, "--disk-size", str(n * SLOT))
+    eng = ShmEngine(1024, SLOT, layers=2, tag="index-scale")
+    try:
+        c = d.client(name="index-scale", timeout_s=60.0)
+        c.register("scale-0", "scale", 0, 1, eng.memory, eng.layout)
+        tier = next(t for t in c.stats()["tiers"] if t["name"] == "disk")
+        assert tier["resident_blocks"] == indexed, tier
+        rss = rss_kb(d.proc.pid)
+        echo_addr = f"ipc://{base}/echo{n}.sock"
+        echo = mp.get_context("spawn").Process(target=echo_server, args=(echo_addr,), daemon=True)
+        echo.start()
+        floor_sock = zmq.Context.instance().socket(zmq.DEALER)
+        floor_sock.connect(echo_addr)
+        rows = {}
+        used = 0
+        for k in (1, 64, 1024):
+            for kind in ("miss", "disk_hit"):
+                floor, lat = [], []
+                for i in range(iters + 20):
+                    if kind == "miss":
+                        keys = [hashlib.sha256(b"absent%d-%d-%d" % (k, i, j)).digest() for j in range(k)]
+                    else:
+                        keys = [hit_keys[used + j].tobytes() for j in range(k)]
+                        used += k
+                    msg = P.encode(P.Lookup(seq=1, namespace="scale", keys=keys))
+                    packed = b"".join(keys)
+                    t1 = time.perf_counter()
+                    floor_sock.send(msg)
+                    floor_sock.recv()
+                    t2 = time.perf_counter()
+                    r = c.lookup("scale", packed)
+                    t3 = time.perf_counter()
+                    assert r.hits == (0 if kind == "miss" else k), (kind, k, r.hits)
+                    if kind == "disk_hit":
+                        c.ping()  # the promotions' bookkeeping is done before the next floor is timed
+                    if i >= 20:
+                        floor.append(t2 - t1)
+                        lat.append(t3 - t2)
+                f50, _ = percentiles(floor)
+                l50, l99 = percentiles(lat)
+                rows[f"{kind}_{k}"] = {"floor_p50_us": f50 * 1e6, "p50_us": l50 * 1e6, "p99_us": l99 * 1e6,
+                                       "ratio": l50 / f50}
+        floor_sock.send(msgpack.packb({"op": "stop", "seq": 0}))
+        floor_sock.recv()
+        floor_sock.close(0)
+        echo.join(5)
+        return {"blocks": n, "indexed": indexed, "build_s": round(built_s, 1), "index_bytes": tier["index_bytes"],
+                "index_bytes_per_block": tier["index_bytes"] / n,
+                "rss_bytes_per_block": (rss - baseline_kb) * 1024 / n, "lookups": rows}
+    finally:
+        d.stop()
+        eng.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--blocks", default="1000000,10000000")
+    ap.add_argument("--dir", default="", help="where the index files go (default: a tmp dir)")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    base = tempfile.mkdtemp(prefix="kvoffd-index-scale-", dir=a.dir or None)
+    try:
+        d0 = start_daemon(f"ipc://{base}/base.sock", "512MiB", "--log-level", "warning", "--backend", "cpu")
+        eng = ShmEngine(1024, SLOT, layers=2, tag="index-scale")
+        c = d0.client(name="index-scale")
+        c.register("scale-0", "scale", 0, 1, eng.memory, eng.layout)
+        baseline = rss_kb(d0.proc.pid)
+        c.close()
+        d0.stop()
+        eng.close()
+        results = []
+        for n in [int(x) for x in a.blocks.split(",") if x.strip()]:
+            r = measure(n, base, a.iters, baseline)
+            results.append(r)
+            print(f"{n:>11,} blocks: index {r['index_bytes_per_block']:.1f} B/block (file + slot arrays), "
+                  f"daemon RSS +{r['rss_bytes_per_block']:.1f} B/block; built in {r['build_s']} s", flush=True)
+            for key, row in r["lookups"].items():
+                print(f"    LOOKUP {key:>14}: p50 {row['p50_us']:7.1f} us  p99 {row['p99_us']:7.1f} us  "
+                      f"floor {row['floor_p50_us']:6.1f} us  ratio {row['ratio']:.2f}", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    if a.out:
+        a.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tiers below the DRAM pool (kvoffd/cache/tiers/base.py has the interface)."""

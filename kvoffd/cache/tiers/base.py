@@ -1,0 +1,121 @@
+"""The interface of a tier below the DRAM pool (disk now; Valkey/Redis cluster or Mooncake Store later).
+
+A tier keeps immutable, content-addressed blocks: the same (table, key) always means the same bytes, so
+there is no update and no invalidation, only write (spill), read (promote), presence and removal. What
+makes it small enough for a remote store is that every call is *batched* and *asynchronous*:
+
+* ``contains`` answers from memory on the loop thread (the LOOKUP is answered before anything else
+  runs): a local tier reads its own index; a remote tier keeps a local presence table of what it wrote
+  (the same :class:`kvoffd.cache.tiers.table.BlockTable`) and treats a stale "yes" as a failed read.
+* ``read`` and ``write`` take a whole batch and return an ``asyncio.Future`` resolved *on the loop*
+  (the tier's own threads or event loop call ``loop.call_soon_threadsafe``); the work itself happens
+  off the loop. A read fills the caller's buffers (pool slots) and says, per block, whether the bytes
+  are the ones written: a tier verifies its checksum before it says yes, so a torn or stale block is a
+  miss and never a wrong byte. A tier must not touch a destination buffer after it resolved the future
+  (no late writes into a slot the pool may have handed on).
+* Errors never raise into the caller: an I/O error, a timeout or a dead shard is a failed block
+  (counted in the tier's stats), and the block is recomputed upstream.
+
+``kvoffd/cache/tiers/manager.py`` (``Tiers``) is the only caller: it mirrors the index through the
+index's observer seam and is what the server calls; adding a tier means implementing this protocol and
+listing it in ``Tiers`` — no server change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TableRef:
+    """Which blocks a key names: one (namespace, rank) of one layout. Two engines share blocks only if
+    all of it agrees (the layout fingerprint keeps a restarted daemon from serving another model's
+    bytes under the same key)."""
+
+    namespace: str
+    rank: int
+    world_size: int
+    layout: tuple[int, ...]
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(self.layout)
+
+
+class SpillResult(enum.Enum):
+    """What happened to one spilled block (counted per tier)."""
+
+    WRITTEN = "written"
+    PRESENT = "present"  # already held (same key, same bytes): nothing written
+    FULL = "full"  # no room (every slot busy, or the file system said ENOSPC/EFBIG)
+    BUSY = "busy"  # the tier's write queue is full: dropped rather than delay promotions
+    ERROR = "error"  # an I/O error
+
+
+@dataclass
+class TierStats:
+    """One tier's figures: ``kvoffctl status`` prints them, the metrics collector exports them."""
+
+    name: str
+    capacity_bytes: int = 0
+    resident_bytes: int = 0
+    resident_blocks: int = 0
+    hits: int = 0  # blocks a LOOKUP found here (after the DRAM hits)
+    promotions: int = 0  # blocks read back into the pool, verified
+    promotion_failures: int = 0  # reads that failed (I/O error, short read, checksum): misses
+    spills: int = 0  # blocks written
+    spills_dropped: dict[str, int] = field(default_factory=dict)  # by SpillResult value (full, busy, error)
+    evictions: int = 0  # blocks dropped to make room for newer ones
+    admissions_refused: int = 0  # blocks its admission rule turned away (the disk tier keeps every spill)
+    io_errors: int = 0  # failed system calls (read or write)
+    checksum_failures: int = 0  # blocks whose bytes did not match their checksum on read
+    read_bytes: int = 0
+    write_bytes: int = 0
+    index_bytes: int = 0  # memory of the tier's index
+    notes: dict[str, str] = field(default_factory=dict)  # e.g. direct_io: "off (tmpfs)"
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["spills_dropped"] = dict(self.spills_dropped)
+        d["notes"] = dict(self.notes)
+        return d
+
+
+class Tier(Protocol):
+    """A tier of blocks below the pool. All methods are called on the event loop thread and return at
+    once; ``read``/``write`` do their work elsewhere."""
+
+    name: str
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start threads/connections; futures are resolved on ``loop``."""
+
+    def contains(self, table: TableRef, keys: bytes, touch: bool = False) -> np.ndarray:
+        """A bool per 32-byte key of the binary ``keys``: held here now (vectorised; no I/O).
+        ``touch``: the blocks were used above (evicted from the pool again): a hint for the tier's
+        replacement policy. A read is a use by itself."""
+
+    def read(self, table: TableRef, keys: bytes, dest: Sequence[memoryview]) -> asyncio.Future:
+        """Fill ``dest[i]`` with block ``i``'s bytes; resolves to a bool array (True: verified). Reads
+        are served before writes when the tier is busy."""
+
+    def write(self, table: TableRef, keys: bytes, src: Sequence[memoryview]) -> asyncio.Future:
+        """Keep block ``i`` = ``src[i]`` (the tier owns ``src`` until the future resolves); resolves to a
+        list of :class:`SpillResult`, one per block. Best effort: dropping is always allowed."""
+
+    def remove(self, table: TableRef, keys: bytes) -> None:
+        """Forget these blocks (a read in flight still completes or fails cleanly)."""
+
+    def clear(self, namespace: str) -> None:
+        """Forget every block of ``namespace`` ("" = all)."""
+
+    def stats(self) -> TierStats: ...
+
+    def close(self) -> None:
+        """Finish or drop queued work, make the index durable, release the files."""

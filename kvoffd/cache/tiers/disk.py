@@ -1,0 +1,393 @@
+"""The disk (NVMe) tier: fixed-size slots in one file per block size, a compact persistent index beside it.
+
+Layout of ``--disk-path``: ``LOCK`` (one daemon per directory), ``tables.json`` (table id -> namespace,
+rank, world size and layout), and per block size ``blocks-<bytes>.dat`` (slot ``i`` at ``i * stride``,
+``stride`` = the block size rounded up to 4 KiB, the file sparse until written) with
+``index-<bytes>.kvx`` (:class:`~kvoffd.cache.tiers.table.BlockTable`). ``--disk-size`` bounds each
+block size's file (a daemon serves one model, so one block size, in the usual case).
+
+Slots are reused by CLOCK with a 2-bit count (raised by each read, lowered by each pass of the hand): a
+block found again n times survives n more sweeps (up to 3). A slot being read or written is never handed out, and a
+record is removed before its slot is rewritten and inserted only after the write completed — so a
+SIGKILL mid-spill leaves the old record gone and the new one absent, never a record naming half-written
+bytes. Everything here runs on the loop thread except the functions of ``diskio``, run by ``IoPool``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvoffd.cache.tiers import diskio
+from kvoffd.cache.tiers.base import SpillResult, TableRef, TierStats
+from kvoffd.cache.tiers.iopool import READ, WRITE, IoPool
+from kvoffd.cache.tiers.table import BlockTable, keys_u64
+
+log = logging.getLogger(__name__)
+
+NONE = np.uint32(0xFFFFFFFF)
+TASK_BYTES = 8 << 20  # a batch is split into tasks of about this many bytes, spread over the threads
+REF_MAX = 3  # CLOCK with a 2-bit count: 77.5% vs 75.7% of unbounded for 1 bit (simulated, conversation trace)
+DISK_THREADS = max(2, min(8, os.cpu_count() or 2))  # reads verify a crc32 each: the threads are also the checksum cores
+_KEY = 32
+
+
+@dataclass
+class _SizeClass:
+    slot_bytes: int
+    nslots: int
+    files: diskio.Files
+    table: BlockTable
+    owner: np.ndarray  # slot -> record position (NONE: free)
+    ref: np.ndarray  # CLOCK counts (0..REF_MAX)
+    busy: np.ndarray  # reads and writes in flight per slot: never handed out meanwhile
+    hand: int = 0
+
+
+@dataclass
+class _Batch:
+    """One read or write call: its tasks complete in any order; the future resolves after the last."""
+
+    fut: asyncio.Future
+    left: int
+    results: list = field(default_factory=list)
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, path: str, size: int, threads: int = DISK_THREADS):
+        self.path = path
+        self.size = size
+        os.makedirs(path, exist_ok=True)
+        self._lock = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise OSError(f"--disk-path {path} is in use by another kvoffd") from None
+        self._tids: dict[TableRef, int] = {}
+        self._namespaces: dict[int, str] = {}
+        self._gen: dict[int, int] = {}  # tid -> CLEAR generation (a spill that straddles a CLEAR is dropped)
+        self._load_tables()
+        self._classes: dict[int, _SizeClass] = {}
+        self._broken: dict[int, str] = {}  # slot size -> why it cannot be opened
+        self._io = IoPool(threads, "kvoffd-disk")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.st = TierStats(self.name, capacity_bytes=size)
+        self._direct_note = ""
+        for f in sorted(os.listdir(path)):  # the block sizes kept before a restart: found again now
+            if f.startswith("index-") and f.endswith(".kvx") and f[6:-4].isdigit():
+                self._cls(int(f[6:-4]))
+
+    # --- tables and size classes ------------------------------------------------------------------
+    def _load_tables(self) -> None:
+        p = os.path.join(self.path, "tables.json")
+        try:
+            with open(p) as f:
+                rows = json.load(f)["tables"]
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.error("disk tier: %s unreadable (%s): its blocks are not served", p, e)
+            return
+        for r in rows:
+            ref = TableRef(str(r["namespace"]), int(r["rank"]), int(r["world_size"]), tuple(r["layout"]))
+            self._tids[ref] = int(r["tid"])
+            self._namespaces[int(r["tid"])] = ref.namespace
+
+    def _save_tables(self) -> None:
+        rows = [{"tid": t, "namespace": r.namespace, "rank": r.rank, "world_size": r.world_size,
+                 "layout": list(r.layout)} for r, t in self._tids.items()]
+        p = os.path.join(self.path, "tables.json")
+        try:
+            with open(p + ".tmp", "w") as f:
+                json.dump({"tables": rows}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(p + ".tmp", p)
+        except OSError as e:  # the table works until the restart; its blocks are then not found
+            self.st.io_errors += 1
+            log.error("disk tier: cannot save %s: %s", p, e)
+
+    def _tid(self, ref: TableRef, create: bool) -> int:
+        tid = self._tids.get(ref)
+        if tid is None and create:
+            tid = self._tids[ref] = max(self._tids.values(), default=0) + 1
+            self._namespaces[tid] = ref.namespace
+            self._save_tables()
+        return tid or 0
+
+    def _cls(self, slot_bytes: int) -> _SizeClass | None:
+        c = self._classes.get(slot_bytes)
+        if c is not None or slot_bytes in self._broken:
+            return c
+        stride = -(-slot_bytes // diskio.ALIGN) * diskio.ALIGN
+        nslots = self.size // stride
+        try:
+            if nslots < 1:
+                raise OSError(f"--disk-size {self.size} holds no block of {slot_bytes} bytes")
+            files, why = diskio.open_files(os.path.join(self.path, f"blocks-{slot_bytes}.dat"), stride)
+            table = BlockTable(nslots, os.path.join(self.path, f"index-{slot_bytes}.kvx"))
+        except (OSError, ValueError) as e:
+            self.st.io_errors += 1
+            self._broken[slot_bytes] = str(e)
+            log.error("disk tier: blocks of %d bytes cannot be kept: %s", slot_bytes, e)
+            return None
+        if why and not self._direct_note:
+            log.warning("disk tier %s: %s", self.path, why)  # once per tier
+        self._direct_note = self._direct_note or why
+        c = _SizeClass(slot_bytes, nslots, files, table, np.full(nslots, NONE, dtype=np.uint32),
+                       np.zeros(nslots, dtype=np.uint8), np.zeros(nslots, dtype=np.uint16))
+        self._adopt(c)
+        self._classes[slot_bytes] = c
+        return c
+
+    def _adopt(self, c: _SizeClass) -> None:
+        """The records found at start: each live one owns its slot; records of unknown tables, slots
+        past the file's new size and slots claimed twice are dropped (their blocks become misses)."""
+        t = c.table
+        pos = t.live()
+        slots = t.recs["slot"][pos].astype(np.int64)
+        known = np.isin(t.recs["tid"][pos], np.fromiter(self._namespaces, dtype=np.uint32))
+        ok = known & (slots < c.nslots)
+        uniq, counts = np.unique(slots[ok], return_counts=True)
+        ok &= ~np.isin(slots, uniq[counts > 1])
+        t.remove(pos[~ok])
+        c.owner[slots[ok]] = pos[ok]
+        if len(pos):
+            log.info("disk tier: %d blocks of %d bytes found in %s (%d dropped)", int(ok.sum()), c.slot_bytes,
+                     self.path, int((~ok).sum()))
+
+    # --- the Tier interface -------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._io.start(loop)
+
+    def _find(self, ref: TableRef, keys: bytes) -> tuple[_SizeClass | None, int, np.ndarray]:
+        tid = self._tid(ref, create=False)
+        c = self._cls(ref.slot_bytes) if tid else None
+        if c is None:
+            return None, 0, np.full(len(keys) // _KEY, -1, dtype=np.int64)
+        return c, tid, c.table.lookup(tid, keys_u64(keys))
+
+    def contains(self, table: TableRef, keys: bytes, touch: bool = False) -> np.ndarray:
+        c, _, pos = self._find(table, keys)
+        found = pos >= 0
+        if touch and c is not None and found.any():  # used again above: CLOCK keeps it longer
+            s = c.table.recs["slot"][pos[found]]
+            c.ref[s] = np.minimum(c.ref[s], REF_MAX - 1) + 1
+        return found
+
+    def read(self, table: TableRef, keys: bytes, dest: Sequence[memoryview]) -> asyncio.Future:
+        fut = self._loop.create_future()
+        c, _, pos = self._find(table, keys)
+        n = len(pos)
+        found = np.flatnonzero(pos >= 0)
+        items: list[tuple[int, diskio.ReadItem]] = []
+        if found.size:
+            recs = c.table.recs
+            slots = recs["slot"][pos[found]].astype(np.int64)
+            crcs = recs["crc"][pos[found]].tolist()
+            items = [(i, diskio.ReadItem(s, crc, keys[i * _KEY:(i + 1) * _KEY], dest[i]))
+                     for i, s, crc in zip(found.tolist(), slots.tolist(), crcs, strict=True)]
+        gone = n - len(items)
+        if gone:  # removed since the caller's ``contains`` (a CLEAR; never the tier's own eviction)
+            self.st.promotion_failures += gone
+            log.warning("disk tier: %d of %d blocks to read are no longer held", gone, n)
+        if not items:
+            fut.set_result(np.zeros(n, dtype=bool))
+            return fut
+        c.busy[slots] += 1  # distinct keys, distinct records, distinct slots
+        c.ref[slots] = np.minimum(c.ref[slots], REF_MAX - 1) + 1  # a use: CLOCK keeps it longer
+        tasks = _split(items, c.slot_bytes)
+        batch = _Batch(fut, len(tasks))
+        for part in tasks:
+            self._io.submit(READ, lambda p=part: diskio.read_blocks(c.files, [it for _, it in p]),
+                            lambda res, p=part: self._read_done(c, batch, n, p, res))
+        return fut
+
+    def _read_done(self, c: _SizeClass, batch: _Batch, n: int, part: list, res) -> None:
+        if isinstance(res, Exception):
+            res = diskio.ReadResult(ok=[False] * len(part), io_errors=len(part), first_error=str(res))
+        c.busy[np.array([it.slot for _, it in part], dtype=np.int64)] -= 1
+        st = self.st
+        st.read_bytes += res.nbytes
+        st.io_errors += res.io_errors
+        st.checksum_failures += res.checksum_failures
+        if res.first_error or res.checksum_failures:
+            log.warning("disk tier: %s%d blocks failed their checksum (%d blocks of this batch are misses)",
+                        res.first_error + "; " if res.first_error else "", res.checksum_failures,
+                        res.ok.count(False))
+        bad = [it for (_, it), ok in zip(part, res.ok, strict=True) if not ok]
+        if bad:  # never served again: forget the records that still name these bytes
+            self._forget_slots(c, [it.slot for it in bad], [it.crc for it in bad])
+        batch.results.append((part, res.ok))
+        batch.left -= 1
+        if batch.left:
+            return
+        out = np.zeros(n, dtype=bool)
+        for p, oks in batch.results:
+            for (i, _), ok in zip(p, oks, strict=True):
+                out[i] = ok
+        st.promotions += int(out.sum())
+        st.promotion_failures += sum(len(p) for p, _ in batch.results) - int(out.sum())
+        if not batch.fut.done():
+            batch.fut.set_result(out)
+
+    def _forget_slots(self, c: _SizeClass, slots: list[int], crcs: list[int]) -> None:
+        s = np.array(slots, dtype=np.int64)
+        own = c.owner[s]
+        live = own != NONE
+        pos = own[live].astype(np.int64)
+        same = c.table.recs["crc"][pos] == np.array(crcs, dtype=np.uint32)[live]
+        c.table.remove(pos[same])
+        c.owner[s[live][same]] = NONE
+
+    def write(self, table: TableRef, keys: bytes, src: Sequence[memoryview]) -> asyncio.Future:
+        fut = self._loop.create_future()
+        n = len(keys) // _KEY
+        out = [SpillResult.ERROR] * n
+        tid = self._tid(table, create=True)
+        c = self._cls(table.slot_bytes)
+        if c is None:
+            self._count_spills(out)
+            fut.set_result(out)
+            return fut
+        pos = c.table.lookup(tid, keys_u64(keys))
+        todo = np.flatnonzero(pos < 0).tolist()
+        for i in np.flatnonzero(pos >= 0).tolist():
+            out[i] = SpillResult.PRESENT
+        slots = self._alloc(c, len(todo))
+        for i in todo[len(slots):]:
+            out[i] = SpillResult.FULL
+        items = [(i, diskio.WriteItem(int(s), keys[i * _KEY:(i + 1) * _KEY], src[i]))
+                 for i, s in zip(todo, slots.tolist(), strict=False)]
+        if not items:
+            self._count_spills(out)
+            fut.set_result(out)
+            return fut
+        tasks = _split(items, c.slot_bytes)
+        batch = _Batch(fut, len(tasks), results=[out, tid, self._gen.get(tid, 0)])
+        for part in tasks:
+            self._io.submit(WRITE, lambda p=part: diskio.write_blocks(c.files, [it for _, it in p]),
+                            lambda res, p=part: self._write_done(c, batch, p, res))
+        return fut
+
+    def _write_done(self, c: _SizeClass, batch: _Batch, part: list, res) -> None:
+        out, tid, gen = batch.results
+        if isinstance(res, Exception):
+            res = diskio.WriteResult(crcs=[0] * len(part), ok=[False] * len(part), full=[False] * len(part),
+                                     io_errors=len(part), first_error=str(res))
+        slots = np.array([it.slot for _, it in part], dtype=np.int64)
+        c.busy[slots] -= 1
+        self.st.write_bytes += res.nbytes
+        self.st.io_errors += res.io_errors
+        if res.first_error:
+            log.warning("disk tier: %s (%d blocks of this spill dropped)", res.first_error, res.ok.count(False))
+        ok = np.array(res.ok, dtype=bool)
+        for (i, _), good, full in zip(part, res.ok, res.full, strict=True):
+            out[i] = SpillResult.WRITTEN if good else SpillResult.FULL if full else SpillResult.ERROR
+        if ok.any() and self._gen.get(tid, 0) == gen:  # not cleared meanwhile
+            k = keys_u64(b"".join([it.key for (_, it), g in zip(part, res.ok, strict=True) if g]))
+            present = c.table.lookup(tid, k) >= 0  # the same key spilled twice at once: keep the first
+            if present.any():
+                for j in np.flatnonzero(ok)[present].tolist():
+                    out[part[j][0]] = SpillResult.PRESENT
+            keep = ~present
+            pos = c.table.insert(tid, k[keep], slots[ok][keep].astype(np.uint32),
+                                 np.array(res.crcs, dtype=np.uint32)[ok][keep])
+            placed = pos >= 0  # both of a key's buckets full (about never): that block is not kept
+            c.owner[slots[ok][keep][placed]] = pos[placed]
+            for j in np.flatnonzero(ok)[keep][~placed].tolist():
+                out[part[j][0]] = SpillResult.FULL
+        batch.left -= 1
+        if not batch.left:
+            self._count_spills(out)
+            batch.fut.set_result(out)
+
+    def _count_spills(self, out: list[SpillResult]) -> None:
+        for r in out:
+            if r is SpillResult.WRITTEN:
+                self.st.spills += 1
+            elif r is not SpillResult.PRESENT:
+                self.st.spills_dropped[r.value] = self.st.spills_dropped.get(r.value, 0) + 1
+
+    def _alloc(self, c: _SizeClass, k: int) -> np.ndarray:
+        """Up to ``k`` slots by CLOCK: free ones, or ones whose count the hand has worn down to 0 (its record removed now, before the slot is rewritten). Busy slots are skipped; the
+        slots returned are busy (the caller's write) until ``_write_done``."""
+        got: list[np.ndarray] = []
+        need, scanned = k, 0
+        while need and scanned < 2 * c.nslots:
+            lo = c.hand
+            hi = min(c.nslots, lo + max(need * 4, 1024))
+            idx = np.arange(lo, hi)
+            ok = (c.busy[lo:hi] == 0) & ((c.owner[lo:hi] == NONE) | (c.ref[lo:hi] == 0))
+            sel = idx[ok][:need]
+            end = int(sel[-1]) + 1 if len(sel) == need else hi
+            passed = c.ref[lo:end]
+            passed -= passed > 0  # one chance spent per pass (a block asked for n times survives n passes)
+            c.busy[sel] += 1  # taken now: a sweep that wraps around must not hand them out twice
+            c.ref[sel] = 0  # the new block starts unreferenced
+            ev = sel[c.owner[sel] != NONE]
+            if len(ev):
+                c.table.remove(c.owner[ev].astype(np.int64))
+                c.owner[ev] = NONE
+                self.st.evictions += len(ev)
+            got.append(sel)
+            need -= len(sel)
+            scanned += end - lo
+            c.hand = end % c.nslots
+        return np.concatenate(got) if got else np.zeros(0, dtype=np.int64)
+
+    def remove(self, table: TableRef, keys: bytes) -> None:
+        c, _, pos = self._find(table, keys)
+        pos = pos[pos >= 0]
+        if c is not None and len(pos):
+            slots = c.table.recs["slot"][pos].astype(np.int64)
+            c.table.remove(pos)
+            c.owner[slots] = NONE
+
+    def clear(self, namespace: str) -> None:
+        tids = [t for t, ns in self._namespaces.items() if not namespace or ns == namespace]
+        for t in tids:
+            self._gen[t] = self._gen.get(t, 0) + 1
+        for c in self._classes.values():
+            pos = c.table.live()
+            pos = pos[np.isin(c.table.recs["tid"][pos], np.array(tids, dtype=np.uint32))]
+            c.owner[c.table.recs["slot"][pos].astype(np.int64)] = NONE
+            c.table.remove(pos)
+
+    def stats(self) -> TierStats:
+        st = self.st
+        st.resident_blocks = sum(c.table.used for c in self._classes.values())
+        st.resident_bytes = sum(c.table.used * c.slot_bytes for c in self._classes.values())
+        st.index_bytes = sum(c.table.nbytes + c.nslots * 7 for c in self._classes.values())
+        st.notes = {"path": self.path, "direct_io": "off: " + self._direct_note if self._direct_note else "on"}
+        st.notes.update({f"broken_{k}": v for k, v in self._broken.items()})
+        return st
+
+    def close(self) -> None:
+        self._io.close()
+        for c in self._classes.values():
+            try:
+                c.table.flush()
+            except OSError as e:
+                log.error("disk tier: cannot flush the index of %d-byte blocks: %s", c.slot_bytes, e)
+            os.close(c.files.fd)
+            if c.files.dfd >= 0:
+                os.close(c.files.dfd)
+        os.close(self._lock)
+
+
+def _split(items: list, slot_bytes: int) -> list[list]:
+    """A batch in tasks of about TASK_BYTES, so that the threads share a big batch."""
+    per = max(1, TASK_BYTES // max(slot_bytes, 1))
+    return [items[i:i + per] for i in range(0, len(items), per)]

@@ -1,0 +1,355 @@
+"""``Tiers``: what sits between the index and the tiers below the pool (today: the disk tier).
+
+It is an index observer (a subclass of kvoffd/cache/index.py's ``IndexObserver``): blocks evicted from
+the pool are spilled (``evicted``), a CLEAR clears the tiers (``cleared``, per namespace; the server
+wraps a CLEAR of all in ``clearing_all`` and calls ``cleared`` itself for a namespace the index does
+not know: blocks left on disk from before a restart). And it is the one object the server calls
+for the rest, at two places: ``extend_lookup`` after the pool's leading hits (the blocks found below are
+hits too, and their promotion into pool slots starts at once) and ``promotions`` before a LOAD (which
+then waits for them, so the LOAD itself is an ordinary pool -> engine copy).
+
+Spilled bytes are copied out of the slot inside the observer call, into a staging buffer the tier owns
+until its write completes: the pool may hand the slot to the next STORE as soon as the call returns.
+The copy is bounded by ``spill_buffer_bytes`` in flight; past it a spill is dropped (counted ``busy``),
+never delayed, so a slow disk cannot stall stores or the loop.
+
+A promotion takes pool slots the way a STORE does (evicting as needed, bypassing admission: the block
+was just asked for) as pending entries, visible only once the tier has verified the bytes; a block that
+fails is aborted (its LOAD reports it failed, the engine recomputes). A slot is never freed while a
+read into it is in flight: the entry keeps its store ref until the tier resolves the read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import mmap
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from kvoffd.cache.index import Entry, Hits, Index, IndexObserver, StorePlan, Table
+from kvoffd.cache.tiers.base import SpillResult, TableRef, Tier, TierStats
+from kvoffd_client.protocol import KEY_SIZE, MissReason
+
+log = logging.getLogger(__name__)
+
+_K = KEY_SIZE
+PROMOTE_WAIT_S = 10.0  # a LOAD waits at most this long for a promotion (then those blocks fail)
+SPILL_BUFFER_BYTES = 256 << 20
+
+
+class Tiers(IndexObserver):
+    def __init__(self, index: Index, tiers: Sequence[Tier], verify: bool = False,
+                 spill_buffer_bytes: int = SPILL_BUFFER_BYTES):
+        self.index = index
+        self.tiers = list(tiers)
+        self.verify = verify
+        self.spill_buffer_bytes = spill_buffer_bytes
+        self._refs: dict[Table, TableRef] = {}
+        self._promoting: dict[Entry, asyncio.Future] = {}
+        self._spilling: set[asyncio.Future] = set()
+        self._spill_bytes = 0  # staged, not yet written
+        self._held: list | None = None  # spills staged during a LOOKUP's promotions, written after them
+        self._staged: dict[tuple[Table, bytes], memoryview] = {}  # spilled, write not done: served from here
+        self.staged_hits = 0
+        self.hits: dict[str, int] = {t.name: 0 for t in self.tiers}
+        self.spill_busy = 0
+        self._clearing_all = False  # inside ``clearing_all``
+        self.disabled = ""  # why a configured tier is not running (kvoffctl status shows it)
+        if self.tiers:
+            index.observers.append(self)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tiers)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        for t in self.tiers:
+            t.start(loop)
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """Let spills in flight land in the index (a clean stop keeps them), then close the tiers."""
+        pending = [f for f in self._spilling if not f.done()] + [f for f in self._promoting.values() if not f.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        for t in self.tiers:
+            t.close()
+
+    def _ref(self, t: Table) -> TableRef:
+        ref = self._refs.get(t)
+        if ref is None:
+            ns = self.index.namespaces[t.namespace]
+            ref = self._refs[t] = TableRef(t.namespace, t.rank, ns.world_size, ns.layouts[t.rank])
+        return ref
+
+    # --- the observer seam ------------------------------------------------------------------------
+    # ``committed`` and ``freeing`` stay no-ops: a tier is written when a block leaves the pool (the
+    # ``evicted`` moment, just before its ``freeing``), not when it enters; other frees are not kept.
+    def cleared(self, namespace: str) -> None:
+        """Forget ``namespace`` below the pool too ("" = every namespace: the server's CLEAR of all)."""
+        if self._clearing_all:
+            return  # one pass over the tiers for all of them, when the CLEAR of all ends
+        for t in self.tiers:
+            t.clear(namespace)
+        self._refs = {t: r for t, r in self._refs.items() if namespace and r.namespace != namespace}
+        self._staged = {k: v for k, v in self._staged.items() if namespace and k[0].namespace != namespace}
+
+    @contextlib.contextmanager
+    def clearing_all(self) -> Iterator[None]:
+        """Around the index's CLEAR of every namespace: its per-namespace ``cleared`` moments become one
+        clear of the tiers at the end (a tier's clear walks its whole block table), which also takes
+        the namespaces only the tiers know (blocks left on disk from before a restart)."""
+        self._clearing_all = True
+        try:
+            yield
+        finally:
+            self._clearing_all = False
+            self.cleared("")
+
+    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+        """Spill what the pool evicts (visible blocks, admitted once), unless a tier holds it already."""
+        tier = self.tiers[0]
+        groups: dict[Table, list[Entry]] = {}
+        for e in entries:
+            if e.ready:
+                groups.setdefault(e.table, []).append(e)
+        for t, es in groups.items():
+            keys = b"".join([e.key for e in es])
+            have_it = tier.contains(self._ref(t), keys, touch=True).tolist()  # used in the pool since
+            todo = [e for e, have in zip(es, have_it, strict=True)
+                    if not have and (t, e.key) not in self._staged]
+            room = max(0, self.spill_buffer_bytes - self._spill_bytes) // slot_bytes
+            if len(todo) > room:
+                self.spill_busy += len(todo) - room
+                todo = todo[:room]
+            if todo:
+                self._spill(tier, t, slot_bytes, todo)
+
+    def _spill(self, tier: Tier, t: Table, slot_bytes: int, todo: list[Entry]) -> None:
+        nbytes = len(todo) * slot_bytes
+        staging = mmap.mmap(-1, nbytes)  # page-aligned: O_DIRECT writes straight from it
+        dst = np.frombuffer(staging, dtype=np.uint8)
+        buf = self.index.pool.buffer
+        for i, e in enumerate(todo):
+            dst[i * slot_bytes:(i + 1) * slot_bytes] = buf[e.slot:e.slot + slot_bytes]
+        view = memoryview(staging)
+        src = [view[i * slot_bytes:(i + 1) * slot_bytes] for i in range(len(todo))]
+        self._spill_bytes += nbytes
+        keys = [e.key for e in todo]
+        for k, v in zip(keys, src, strict=True):  # until the write lands, a lookup is served from here
+            self._staged[(t, k)] = v
+        args = (tier, t, keys, src, nbytes)
+        if self._held is not None:  # a LOOKUP is promoting: its reads go first (see extend_lookup)
+            self._held.append(args)
+        else:
+            self._write(*args)
+
+    def _write(self, tier: Tier, t: Table, keys: list[bytes], src: list[memoryview], nbytes: int) -> None:
+        fut = tier.write(self._ref(t), b"".join(keys), src)
+        self._spilling.add(fut)
+
+        def done(f: asyncio.Future) -> None:  # the staging buffer goes with the last view of it
+            self._spilling.discard(f)
+            self._spill_bytes -= nbytes
+            for k, v in zip(keys, src, strict=True):
+                if self._staged.get((t, k)) is v:
+                    del self._staged[(t, k)]
+
+        fut.add_done_callback(done)
+
+    # --- lookups and loads ------------------------------------------------------------------------
+    def extend_lookup(self, namespace: str, keys: bytes, hits: Hits) -> Hits:
+        """The LOOKUP's hits past the pool's ``hits.n`` leading ones: keys every rank holds in the pool,
+        in a promotion under way, or in a tier. The tier's blocks get pool slots and their reads start
+        now. Returns the new hits: their count, the entries by rank (pool ones and pending promotions,
+        for a lease to hold) and the first miss's reason."""
+        ns = self.index.namespaces.get(namespace)
+        total = len(keys) // _K
+        n, by_rank = hits.n, hits.by_rank
+        if not self.tiers or ns is None or n >= total or len(ns.tables) < ns.world_size:
+            return hits
+        rest = keys[n * _K:]
+        limit = total - n
+        walks = []
+        for r in range(ns.world_size):
+            t = ns.tables[r]
+            lead, wanted = self._walk(t, rest, limit)
+            limit = len(lead)
+            walks.append((t, lead, wanted))
+            if not limit:
+                return hits
+        if n and not by_rank:  # no lease asked: the pool's hits, to hold while the promotions evict
+            by_rank = {r: [ns.tables[r].visible[keys[i * _K:(i + 1) * _K]] for i in range(n)]
+                       for r in range(ns.world_size)}
+        keep = {id(e) for e in self._lead_entries(by_rank)}
+        pinned = [e for t, lead, _ in walks for e in lead if e is not None and id(e) not in keep]
+        pinned += self._lead_entries(by_rank)
+        # what this answer promises must survive the evictions the promotions cause
+        self.index.hold(Hits(len(pinned), {0: pinned}, None, ns.world_size))
+        # The promotions evict pool blocks, whose spills would take tier slots: one of them could be a
+        # block about to be read. So the spills wait until every read is submitted (a read in flight
+        # keeps its slot from reuse).
+        self._held = []
+        try:
+            for t, lead, wanted in walks:
+                limit = min(limit, self._promote(t, rest, lead, wanted, limit))
+        finally:
+            held, self._held = self._held, None
+            self.index.release(pinned)
+            for args in held:
+                self._write(*args)
+        if not limit:
+            return hits
+        out = {r: list(by_rank.get(r, ()))[:n] + walks[r][1][:limit] for r in range(ns.world_size)}
+        m = n + limit
+        reason = None
+        if m < total:
+            miss = (namespace, keys[m * _K:(m + 1) * _K])
+            reason = (MissReason.EVICTED if miss in self.index.evicted else MissReason.FAILED
+                      if miss in self.index.failed else MissReason.ABSENT)
+        return Hits(m, out, reason, ns.world_size)
+
+    @staticmethod
+    def _lead_entries(by_rank: dict[int, list[Entry]]) -> list[Entry]:
+        return [e for es in by_rank.values() for e in es]
+
+    def _walk(self, t: Table, rest: bytes, limit: int) -> tuple[list, list[int]]:
+        """The leading keys of ``rest`` this rank can serve: its entry (pool or promotion under way) or
+        None for a tier block, and the positions of the tier blocks to promote."""
+        get = t.entries.get
+        staged = self._staged
+        if (get(rest[:_K]) is None and (t, rest[:_K]) not in staged
+                and not self.tiers[0].contains(self._ref(t), rest[:_K])[0]):
+            return [], []  # the usual miss (a new prompt): one key asked, not all of them
+        on = self.tiers[0].contains(self._ref(t), rest[:limit * _K]).tolist()
+        lead: list[Entry | None] = []
+        wanted: list[int] = []
+        for i in range(limit):
+            k = rest[i * _K:(i + 1) * _K]
+            e = get(k)
+            if e is not None:
+                if e.ready or e in self._promoting:
+                    lead.append(e)
+                    continue
+                break  # being stored by a STORE: not readable yet
+            if not on[i] and (t, k) not in staged:
+                break
+            lead.append(None)
+            wanted.append(i)
+        return lead, wanted
+
+    def _promote(self, t: Table, rest: bytes, lead: list, wanted: list[int], limit: int) -> int:
+        """Pool slots and reads for this rank's tier blocks among the first ``limit``; returns how many
+        leading keys stay hits (fewer when the pool had no room for all)."""
+        wanted = [i for i in wanted if i < limit]
+        if not wanted:
+            return limit
+        keys = [rest[i * _K:(i + 1) * _K] for i in wanted]
+        plan = self.index.prepare_store(t, keys, admit=False)
+        if plan.dropped:
+            limit = min(limit, wanted[plan.dropped[0]])
+        if not plan.copy_idx:
+            return limit
+        entries = self.index.add_pending(plan)
+        for j, e in zip(plan.copy_idx, entries, strict=True):
+            lead[wanted[j]] = e
+        tier = self.tiers[0]
+        self.hits[tier.name] += len(entries)
+        entries = self._from_staging(plan, entries)
+        if not entries:
+            return limit
+        size = t.slot_bytes
+        buf = self.index.pool.buffer
+        dest = [memoryview(buf[e.slot:e.slot + size]) for e in entries]
+        fut = tier.read(self._ref(t), b"".join([e.key for e in entries]), dest)
+        for e in entries:
+            self._promoting[e] = fut
+        fut.add_done_callback(lambda f: self._promoted(plan, entries, f))
+        return limit
+
+    def _complete(self, plan: StorePlan, entries: list[Entry], ok: bool) -> None:
+        """``complete_store`` for the part of a promotion's plan that is resolved now: its blocks come
+        back in several pieces (from staging at once, from the tier when each read lands)."""
+        if entries:
+            self.index.complete_store(replace(plan, entries=entries), ok)
+
+    def _from_staging(self, plan: StorePlan, entries: list[Entry]) -> list[Entry]:
+        """Blocks spilled moments ago, whose write has not landed, are copied back from the staging
+        buffer (the bytes of a committed slot) and made visible at once; returns the others."""
+        if not self._staged:
+            return entries
+        t = plan.table
+        size = t.slot_bytes
+        buf = self.index.pool.buffer
+        done: list[Entry] = []
+        rest: list[Entry] = []
+        for e in entries:
+            v = self._staged.get((t, e.key))
+            if v is None:
+                rest.append(e)
+                continue
+            buf[e.slot:e.slot + size] = np.frombuffer(v, dtype=np.uint8)
+            if self.verify:
+                e.checksum = zlib.crc32(buf[e.slot:e.slot + size])
+            done.append(e)
+        if done:
+            self.staged_hits += len(done)
+            self._complete(plan, done, True)
+        return rest
+
+    def _promoted(self, plan: StorePlan, entries: list[Entry], fut: asyncio.Future) -> None:
+        for e in entries:
+            self._promoting.pop(e, None)
+        ok = fut.result() if not fut.cancelled() and fut.exception() is None else np.zeros(len(entries), bool)
+        good = [e for e, g in zip(entries, ok.tolist(), strict=True) if g]
+        bad = [e for e, g in zip(entries, ok.tolist(), strict=True) if not g]
+        if self.verify and good:
+            buf = self.index.pool.buffer
+            for e in good:
+                e.checksum = zlib.crc32(buf[e.slot:e.slot + e.table.slot_bytes])
+        self._complete(plan, good, True)
+        self._complete(plan, bad, False)
+
+    def promotions(self, t: Table, keys: list[bytes]) -> list[asyncio.Future]:
+        """The promotions a LOAD of ``keys`` must wait for (none: the common case, one dict test)."""
+        if not self._promoting:
+            return []
+        get = t.entries.get
+        futs = {self._promoting.get(e) for e in map(get, keys) if e is not None}
+        futs.discard(None)
+        return list(futs)  # done ones too: until ``_promoted`` ran (a callback later), the blocks are not visible
+
+    # --- figures --------------------------------------------------------------------------------
+    def stats(self) -> list[TierStats]:
+        out = []
+        for t in self.tiers:
+            st = t.stats()
+            st = replace(st, spills_dropped=dict(st.spills_dropped), notes=dict(st.notes))  # not the tier's own
+            st.hits = self.hits[t.name]
+            st.promotions += self.staged_hits  # served from a spill still in flight
+            if self.spill_busy:
+                st.spills_dropped[SpillResult.BUSY.value] = self.spill_busy
+            out.append(st)
+        return out
+
+
+def make_tiers(index: Index, disk_path: str, disk_size: int, verify: bool) -> Tiers:
+    """The tiers the configuration asks for. A tier that cannot start (an unusable ``--disk-path``) is
+    logged and left out: the daemon serves from the pool alone rather than not at all."""
+    tiers: list[Tier] = []
+    disabled = ""
+    if disk_path:
+        from kvoffd.cache.tiers.disk import DiskTier
+        try:
+            tiers.append(DiskTier(disk_path, disk_size))
+        except OSError as e:
+            disabled = f"disk tier disabled: {e}"
+            log.error("%s; serving from the pool alone", disabled)
+    out = Tiers(index, tiers, verify)
+    out.disabled = disabled
+    return out
+
