@@ -38,12 +38,14 @@ class Spec:
         return self.layers * self.page
 
 
-def make_kv(spec: Spec) -> tuple[Any, dict[str, Any]]:
-    """(int8 backing buffer, {layer name: bf16 view [B, H, N, 2D]}) as vLLM lays them out."""
+def make_kv(spec: Spec, buf: Any = None) -> tuple[Any, dict[str, Any]]:
+    """(int8 backing buffer, {layer name: bf16 view [B, H, N, 2D]}) as vLLM lays them out (over ``buf``,
+    an int8 tensor of L*B*page bytes, when given)."""
     import torch
 
     L, B, H, N, C = spec.layers, spec.num_blocks, spec.heads, spec.tokens, 2 * spec.head_dim
-    buf = torch.zeros(L * B * spec.page, dtype=torch.int8, device=f"cuda:{spec.device}")
+    if buf is None:
+        buf = torch.zeros(L * B * spec.page, dtype=torch.int8, device=f"cuda:{spec.device}")
     el = buf.view(torch.bfloat16)
     page_el = spec.page // 2
     views = {}
@@ -262,7 +264,7 @@ def matmul_loop(device: int, mm: dict[str, Any]) -> None:
 class Engine:
     """Parent-side handle on a stand-in engine process."""
 
-    def __init__(self, spec: Spec, env: dict[str, str] | None = None):
+    def __init__(self, spec: Spec, env: dict[str, str] | None = None, target: Any = None):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -271,7 +273,7 @@ class Engine:
         old = {k: os.environ.get(k) for k in (env or {})}
         os.environ.update(env or {})
         try:
-            self.proc = ctx.Process(target=engine_main, args=(child, spec), daemon=True)
+            self.proc = ctx.Process(target=target or engine_main, args=(child, spec), daemon=True)
             self.proc.start()
         finally:
             for k, v in old.items():
