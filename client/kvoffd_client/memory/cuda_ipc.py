@@ -182,13 +182,17 @@ def export_kv_caches(tensors: dict[str, Any], num_blocks: int, *, layout: dict[s
         from kvoffd_client.memory.layout import describe_layout
 
         layout = describe_layout(tensors, num_blocks)
-    from kvoffd_client.memory import cuda_vmm
+    try:
+        handle, offset, alloc_size = export_allocation(region_ptr)
+    except RuntimeError:
+        from kvoffd_client.memory import cuda_vmm
 
-    if cuda_vmm.is_vmm(region_ptr):  # cuMemCreate memory: no IPC handle; its pieces as descriptors
+        if not cuda_vmm.is_vmm(region_ptr):
+            raise
+        # cuMemCreate memory has no IPC handle: its physical pieces go as POSIX descriptors instead
         ring = EventRing(dev, num_events)
         vmm = cuda_vmm.export_region(region_ptr, storage.nbytes(), device_uuid=device_uuid(dev), events=ring.handles)
         return CudaExport(memory=vmm.memory, layout=layout, ring=ring, region_ptr=region_ptr, keepalive=ts, vmm=vmm)
-    handle, offset, alloc_size = export_allocation(region_ptr)
     ring = EventRing(dev, num_events)
     memory = {
         "kind": "cuda_ipc",

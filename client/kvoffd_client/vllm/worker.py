@@ -296,8 +296,8 @@ class KvoffdWorker:
         memory, so vLLM may free it next. The exported descriptors (VMM) are closed so the memory is
         really given back. The cached blocks stay in the daemon."""
         client = self.client
-        if client is None or not self._registered:
-            return
+        if client is None or not self._registered or self._cuda is None:
+            return  # (CPU workers never sleep: vLLM's CPU worker ignores sleep, and its memfd stays)
         pending = set(self._stores) | set(self._loads)
         if pending:
             self._complete(client.wait_notices(pending, self.s.job_timeout_s))
