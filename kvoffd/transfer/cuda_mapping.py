@@ -115,6 +115,9 @@ class IpcMaps:
         try:
             drv.use_device(dev.ordinal)
             rng = cuda_vmm.map_pieces(vmm, dev.ordinal, pieces)
+            if memory["offset"] + memory["size"] > rng.reserved:
+                raise AttachError(f"region [{memory['offset']}, +{memory['size']}) exceeds the {rng.reserved} "
+                                  "bytes of its pieces")
             return self._finish(engine_id, "cuda_vmm", drv, dev, memory, num_blocks, segments, events,
                                 key=(dev.ordinal, b""), region=rng.va + memory["offset"], vmm=rng)
         except (cudart.CudaError, AttachError) as e:
