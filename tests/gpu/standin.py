@@ -164,6 +164,11 @@ def engine_main(conn: Any, spec: Spec, address: str | None = None) -> None:
             return _plain(getattr(client, a["method"])(*a.get("args", []), **a.get("kwargs", {})))
         raise ValueError(f"unknown op {op}")
 
+    serve(conn, cmd)
+
+
+def serve(conn: Any, cmd: Any) -> None:
+    """Answer the parent's commands with ``cmd(op, args)`` until 'exit' (or the pipe closes)."""
     while True:
         try:
             op, a = conn.recv()

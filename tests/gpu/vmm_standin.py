@@ -11,11 +11,10 @@ parent sets PYTORCH_CUDA_ALLOC_CONF) or ``torch`` (plain cudaMalloc: the IPC-han
 from __future__ import annotations
 
 import os
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from standin import Spec, ceiling, make_kv, run_jobs
+from standin import Spec, ceiling, make_kv, run_jobs, serve
 
 
 @dataclass
@@ -147,15 +146,4 @@ def vmm_main(conn: Any, spec: VmmSpec) -> None:
             return os.getpid()
         raise ValueError(f"unknown op {op}")
 
-    while True:
-        try:
-            op, a = conn.recv()
-        except (EOFError, OSError):
-            return
-        if op == "exit":
-            conn.send(("ok", True))
-            return
-        try:
-            conn.send(("ok", cmd(op, a)))
-        except Exception:  # noqa: BLE001 - report to the parent
-            conn.send(("err", traceback.format_exc()))
+    serve(conn, cmd)
