@@ -145,3 +145,19 @@ def test_sleep_wake_cycles_keep_blocks_and_leak_nothing(daemon):
     c.unregister("sl-0", timeout_s=10)
     eng.close()
 
+
+
+def test_the_vmm_structs_match_cuda_h():
+    """``CUmemAllocationProp``, ``CUmemAccessDesc`` and ``CUmemLocation`` as cuda.h (12.x, 13.x) lays them
+    out; the daemon's and the client's bindings are separate (the client never imports the daemon)."""
+    import ctypes
+
+    from kvoffd.transfer import cuda_vmm as daemon_vmm
+
+    for prop in (daemon_vmm.AllocationProp, client_vmm._Prop):
+        assert ctypes.sizeof(prop) == 32
+        assert [getattr(prop, f).offset for f in ("type", "requestedHandleTypes", "location",
+                                                  "win32HandleMetaData", "allocFlags")] == [0, 4, 8, 16, 24]
+    assert ctypes.sizeof(daemon_vmm.AccessDesc) == 12 and daemon_vmm.AccessDesc.flags.offset == 8
+    assert ctypes.sizeof(daemon_vmm.MemLocation) == 8
+    assert daemon_vmm.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR == client_vmm.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR == 1
