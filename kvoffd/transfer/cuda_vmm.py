@@ -178,9 +178,9 @@ def map_pieces(vmm: Vmm, ordinal: int, pieces: list[dict[str, Any]]) -> VmmRange
         vmm.set_access(rng.va, total, ordinal)
         return rng
     except cudart.CudaError:
-        if rng is not None:
-            unmap(vmm, rng)
         mapped = {h for _, _, h in rng.pieces} if rng is not None else set()
+        if rng is not None:
+            unmap(vmm, rng)  # unmaps and releases the mapped pieces, frees the VA
         for _, _, h in handles:
             if h not in mapped:
                 _quiet(vmm.release, h)
