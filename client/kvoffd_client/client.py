@@ -22,7 +22,7 @@ import msgspec
 
 from kvoffd_client import protocol as P
 from kvoffd_client.errors import UNAVAILABLE, DaemonUnavailable, KvoffdError, answer
-from kvoffd_client.fdpass import FdRefused, send_fd
+from kvoffd_client.fdpass import FdRefused, wire_memory
 from kvoffd_client.link import Link, LinkState, read_auth_token
 from kvoffd_client.liveness import EXPIRY_GRACE_S, DaemonProcess, DaemonWatch
 
@@ -167,18 +167,18 @@ class KvoffdClient:
         """REGISTER as it travels. ``cpu_fd`` memory holds this process's descriptor: hand it to the
         daemon's fd socket now (each REGISTER needs a fresh one-time token) and send the token."""
         mem = reg.memory
-        if mem.get("kind") != "cpu_fd" or "fd" not in mem:
+        if mem.get("kind") not in ("cpu_fd", "cuda_vmm") or ("fd" not in mem and "pieces" not in mem):
             return msgspec.structs.replace(reg)
         path = self.hello.fd_socket if self.hello is not None else ""
         if not path:
-            raise KvoffdError(P.ErrorCode.MEMORY_UNREACHABLE.value, "the daemon takes no cpu_fd memory")
+            raise KvoffdError(P.ErrorCode.MEMORY_UNREACHABLE.value, f"the daemon takes no {mem['kind']} memory")
         try:
-            token = send_fd(path, mem["fd"], mem["size"], timeout_s=max(min(timeout_s, 5.0), 0.5))
+            wire = wire_memory(path, mem, timeout_s=max(min(timeout_s, 5.0), 0.5))
         except FdRefused as e:
             raise KvoffdError(e.code, f"the daemon refused the memory descriptor: {e.message}") from None
         except OSError as e:
             raise KvoffdError(P.ErrorCode.MEMORY_UNREACHABLE.value, f"cannot hand memory to {path}: {e}") from None
-        return msgspec.structs.replace(reg, memory={"kind": "cpu_fd", "token": token, "size": mem["size"]})
+        return msgspec.structs.replace(reg, memory=wire)
 
     def _reap_jobs(self, now: float) -> None:
         """Fail the jobs whose daemon is provably gone; log those overdue on a daemon that exists."""

@@ -112,3 +112,18 @@ def send_fd(path: str, fd: int, size: int, timeout_s: float = 2.0) -> str:
     if not isinstance(token, str) or not token:
         raise FdRefused("bad_frame", "the daemon's answer carries no token")
     return token
+
+
+def wire_memory(path: str, memory: dict, timeout_s: float) -> dict | None:
+    """REGISTER's ``memory`` as it travels, for the kinds that hold this process's descriptors
+    (``cpu_fd``: one; ``cuda_vmm``: one per piece): each is handed to the fd socket at ``path`` now and
+    replaced by its one-time token. None for a kind with no descriptor. Raises as :func:`send_fd`."""
+    kind = memory.get("kind")
+    if kind == "cpu_fd" and "fd" in memory:
+        return {"kind": "cpu_fd", "token": send_fd(path, memory["fd"], memory["size"], timeout_s),
+                "size": memory["size"]}
+    if kind == "cuda_vmm":
+        pieces = [{"token": send_fd(path, p["fd"], p["size"], timeout_s), "offset": p["offset"], "size": p["size"]}
+                  for p in memory["pieces"]]
+        return {**memory, "pieces": pieces}
+    return None

@@ -281,7 +281,10 @@ IpcHandle = Annotated[bytes, Meta(min_length=64, max_length=64)]  # cudaIpcMemHa
 #: IPC events one CUDA engine may share (its ring of "writes done" markers)
 MAX_EVENTS = 4096
 #: Memory kinds REGISTER may name (the daemon says which it serves in HELLO_OK: ``memory:<kind>``).
-MEMORY_KINDS = ("cpu_fd", "cuda_ipc")
+MEMORY_KINDS = ("cpu_fd", "cuda_ipc", "cuda_vmm")
+#: Physical allocations one ``cuda_vmm`` REGISTER may name (each is one descriptor handed to the fd socket,
+#: which keeps at most 8 per process waiting: docs/cuda.md, "VMM memory", limits).
+MAX_VMM_PIECES = 8
 
 
 class CpuFd(msgspec.Struct, tag_field="kind", tag="cpu_fd", kw_only=True):
@@ -305,7 +308,42 @@ class CudaIpc(msgspec.Struct, tag_field="kind", tag="cuda_ipc", kw_only=True):
     events: Annotated[list[IpcHandle], Meta(max_length=MAX_EVENTS)] = []
 
 
-Memory = Union[CpuFd, CudaIpc]  # noqa: UP007 - msgspec's tagged union (the tag is ``kind``)
+class VmmPiece(msgspec.Struct, kw_only=True):
+    """One physical allocation (``cuMemCreate``) behind a VMM-mapped KV range: the fd-socket token of its
+    exported POSIX descriptor, where it starts in the range and how long it is."""
+
+    token: Annotated[str, Meta(min_length=1, max_length=64)]
+    offset: U63
+    size: Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
+
+
+class CudaVmm(msgspec.Struct, tag_field="kind", tag="cuda_vmm", kw_only=True):
+    """KV memory made with CUDA's virtual memory API (no legacy IPC handle): the physical pieces that
+    back one contiguous range, in order and without gaps, from offset 0 (the daemon maps them the same
+    way in one VA reservation); the KV region is ``[offset, +size)`` of that range (docs/cuda.md)."""
+
+    KIND: ClassVar[str] = "cuda_vmm"
+    pieces: Annotated[list[VmmPiece], Meta(min_length=1, max_length=MAX_VMM_PIECES)]
+    size: Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
+    offset: U63 = 0
+    device_uuid: Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
+    events: Annotated[list[IpcHandle], Meta(max_length=MAX_EVENTS)] = []
+
+    def __post_init__(self) -> None:
+        end = 0
+        for i, p in enumerate(self.pieces):
+            if p.offset != end:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"memory.pieces[{i}] starts at {p.offset}, not at "
+                                    f"{end}: the pieces must tile the range in order, without gaps")
+            end += p.size
+        if self.offset + self.size > end:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"region [{self.offset}, +{self.size}) exceeds the "
+                                f"{end} bytes of its pieces")
+        if len({p.token for p in self.pieces}) != len(self.pieces):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "memory.pieces name one token twice")
+
+
+Memory = Union[CpuFd, CudaIpc, CudaVmm]  # noqa: UP007 - msgspec's tagged union (the tag is ``kind``)
 SegmentLength = Annotated[int, Meta(ge=1, le=1 << 40)]
 
 
@@ -348,8 +386,8 @@ class Layout(msgspec.Struct, kw_only=True):
 class Register(Message, tag="register", kw_only=True):
     """Attach an engine worker's KV memory.
 
-    ``memory`` says how the daemon reaches the bytes (:class:`CpuFd` or :class:`CudaIpc`, told
-    apart by ``kind``); ``layout`` says where each block lives in it (:class:`Layout`). A block's
+    ``memory`` says how the daemon reaches the bytes (:class:`CpuFd`, :class:`CudaIpc` or
+    :class:`CudaVmm`, told apart by ``kind``); ``layout`` says where each block lives in it (:class:`Layout`). A block's
     slot in the pool is the concatenation of its segments, so one slot holds every layer, K and V,
     of one block of one rank. Senders may give plain maps of the same shape.
 

@@ -147,7 +147,7 @@ class Server:
         return {
             P.Op.HELLO: Route(s.hello, needs_session=False),
             P.Op.REGISTER: Route(self.registrar.register, is_async=True),
-            P.Op.UNREGISTER: Route(s.unregister),
+            P.Op.UNREGISTER: Route(s.unregister, is_async=True),
             P.Op.LOOKUP: Route(j.lookup),
             P.Op.RELEASE: Route(s.release),
             P.Op.STORE: Route(j.store),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -132,15 +133,34 @@ class Registrar:
                  backend.name, msg.layout.desc)
         return P.Registered(seq=msg.seq, engine_id=msg.engine_id, slot_bytes=slot_bytes, backend=backend.name)
 
-    def _backend_memory(self, memory: P.CpuFd | P.CudaIpc) -> dict[str, Any]:
+    def _backend_memory(self, memory: P.Memory) -> dict[str, Any]:
         """What the backend's ``attach`` maps (its shape already checked by the decoder). ``cpu_fd``:
         the descriptor handed to the fd socket under the token, in a dict built here (never from the
         client's fields, which could name an ``fd`` of its own choosing); the backend closes it
         whatever happens."""
         if isinstance(memory, P.CudaIpc):
             return {"kind": memory.KIND, **msgspec.structs.asdict(memory)}
+        if isinstance(memory, P.CudaVmm):
+            return self._vmm_memory(memory)
         pending = self.sessions.fd_handover.claim(memory.token) if self.sessions.fd_handover is not None else None
         if pending is None:
             raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, "unknown or expired memory token: hand the "
                                 "descriptor to the fd socket again (a token is good for one REGISTER)")
         return {"kind": memory.KIND, "fd": pending.fd, "size": memory.size}
+
+    def _vmm_memory(self, memory: P.CudaVmm) -> dict[str, Any]:
+        """``cuda_vmm``: every piece's descriptor claimed under its token, or none (a token missing: the
+        ones claimed are closed, so a refused REGISTER holds nothing). The backend closes them."""
+        handover = self.sessions.fd_handover
+        fds: list[int] = []
+        for i, piece in enumerate(memory.pieces):
+            pending = handover.claim(piece.token) if handover is not None else None
+            if pending is None:
+                for fd in fds:
+                    os.close(fd)
+                raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, f"memory.pieces[{i}]: unknown or expired "
+                                    "memory token: hand the descriptors to the fd socket again")
+            fds.append(pending.fd)
+        pieces = [{"fd": fd, "offset": p.offset, "size": p.size} for fd, p in zip(fds, memory.pieces, strict=True)]
+        return {"kind": memory.KIND, "pieces": pieces, "size": memory.size, "offset": memory.offset,
+                "device_uuid": memory.device_uuid, "events": list(memory.events)}

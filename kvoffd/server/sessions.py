@@ -107,6 +107,7 @@ class Engine:
     table: Table
     registered_at: float = field(default_factory=time.time)
     closing: bool = False  # unregistered; detach once its jobs are done
+    unmapped: asyncio.Event = field(default_factory=asyncio.Event)  # set once detach is over
 
     def describe(self) -> dict:
         return {"engine_id": self.engine_id, "namespace": self.namespace, "rank": self.rank,
@@ -212,9 +213,12 @@ class Sessions:
         return conn
 
     # --- UNREGISTER -------------------------------------------------------------------------------------
-    def unregister(self, conn: Conn, msg: P.Unregister) -> P.Message:
+    async def unregister(self, conn: Conn, msg: P.Unregister) -> P.Message:
+        """Answered once the engine's jobs ended and its memory is unmapped here: from the OK on the
+        daemon never touches that memory again, so the engine may free it (vLLM's sleep mode)."""
         eng = self.engine_of(conn, msg.engine_id, msg.seq)
         self.drop_engine(eng, Departure.UNREGISTERED)
+        await eng.unmapped.wait()
         return P.Ok(seq=msg.seq)
 
     def attach(self, eng: Engine, old: Engine | None) -> None:
@@ -261,7 +265,8 @@ class Sessions:
     @staticmethod
     def detach(eng: Engine) -> None:
         """Unmap (in an executor): once the engine left and its last job ended."""
-        asyncio.get_running_loop().run_in_executor(None, eng.backend.detach, eng.mapped)
+        done = asyncio.get_running_loop().run_in_executor(None, eng.backend.detach, eng.mapped)
+        done.add_done_callback(lambda _: eng.unmapped.set())
 
     # --- leases -----------------------------------------------------------------------------------------
     def check_lease(self, conn: Conn, held: int, seq: int) -> None:

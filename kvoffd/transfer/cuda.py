@@ -112,7 +112,7 @@ class CudaBackend(TransferBackend):
 
     # --- lifecycle --------------------------------------------------------------------------------
     def kinds(self) -> tuple[str, ...]:
-        return ("cuda_ipc",)
+        return ("cuda_ipc", "cuda_vmm")
 
     def start(self) -> None:
         """Start the poller and the background pinning; returns at once."""
@@ -163,6 +163,8 @@ class CudaBackend(TransferBackend):
     # --- attach / detach ------------------------------------------------------------------------------
     def attach(self, engine_id: str, memory: dict[str, Any], num_blocks: int,
                segments: list[Segment]) -> MappedMemory:
+        if memory.get("kind") == "cuda_vmm":
+            return self._maps.open_vmm(engine_id, memory, num_blocks, segments)
         return self._maps.open(engine_id, memory, num_blocks, segments)
 
     def detach(self, mapped: CudaMapping) -> None:  # type: ignore[override]  # the mapping attach returned

@@ -9,11 +9,13 @@ pool of completion events and its stream priority range.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffd.transfer import cuda_driver as cudart
+from kvoffd.transfer import cuda_vmm
 from kvoffd.transfer.base import AttachError, Direction, MappedMemory, check_bounds
 from kvoffd_client.protocol import Segment
 
@@ -46,6 +48,7 @@ class CudaMapping(MappedMemory):
     events: list[int]  # the engine's interprocess event ring, opened here
     attrs_store: cudart.MemcpyAttributes
     attrs_load: cudart.MemcpyAttributes
+    vmm: cuda_vmm.VmmRange | None = None  # ``cuda_vmm`` memory: the pieces mapped here (key unused then)
     closed: bool = False  # aborted (the engine died) or detached: jobs fail instead of starting
     detached: bool = False  # streams and events destroyed, the IPC opening closed
 
@@ -74,9 +77,59 @@ class IpcMaps:
              ) -> CudaMapping:
         """Validate REGISTER's ``cuda_ipc`` memory and open it: region, event ring, two streams."""
         handle, offset, size = memory.get("handle"), memory.get("offset", 0), memory.get("size")
-        uuid, events = memory.get("device_uuid"), memory.get("events", [])
         if type(handle) is not bytes or len(handle) != cudart.IPC_HANDLE_BYTES:
             raise AttachError(f"memory.handle must be {cudart.IPC_HANDLE_BYTES} bytes")
+        drv, dev, events = self._prepare(memory, num_blocks, segments)
+        key = (dev.ordinal, handle)
+        base = None
+        try:
+            drv.use_device(dev.ordinal)
+            base = self._open(drv, key)
+            _, alloc_size = drv.address_range(base)
+            if offset + size > alloc_size:
+                raise AttachError(f"region [{offset}, +{size}) exceeds the {alloc_size}-byte allocation")
+            return self._finish(engine_id, "cuda_ipc", drv, dev, memory, num_blocks, segments, events,
+                                key=key, region=base + offset)
+        except (cudart.CudaError, AttachError) as e:
+            if base is not None:
+                self._close(drv, key)
+            raise AttachError(f"cannot map the engine's GPU memory: {e}") from None
+
+    def open_vmm(self, engine_id: str, memory: dict[str, Any], num_blocks: int, segments: list[Segment]
+                 ) -> CudaMapping:
+        """``cuda_vmm`` memory (cuda_vmm.py): import the pieces' descriptors, map them into one VA range,
+        then the event ring and streams as for IPC. The descriptors are closed whatever happens."""
+        pieces = memory.get("pieces")
+        try:
+            if type(pieces) is not list or not pieces or any(
+                    type(p) is not dict or type(p.get("fd")) is not int for p in pieces):
+                raise AttachError("memory.pieces must list the pieces' descriptors")
+            drv, dev, events = self._prepare(memory, num_blocks, segments)
+            vmm = cuda_vmm.Vmm(drv)
+        except (AttachError, cudart.CudaUnavailable) as e:
+            for p in pieces if type(pieces) is list else []:
+                if type(p) is dict and type(p.get("fd")) is int:
+                    os.close(p["fd"])
+            raise AttachError(str(e)) from None
+        rng = None
+        try:
+            drv.use_device(dev.ordinal)
+            rng = cuda_vmm.map_pieces(vmm, dev.ordinal, pieces)
+            if memory["offset"] + memory["size"] > rng.reserved:
+                raise AttachError(f"region [{memory['offset']}, +{memory['size']}) exceeds the {rng.reserved} "
+                                  "bytes of its pieces")
+            return self._finish(engine_id, "cuda_vmm", drv, dev, memory, num_blocks, segments, events,
+                                key=(dev.ordinal, b""), region=rng.va + memory["offset"], vmm=rng)
+        except (cudart.CudaError, AttachError) as e:
+            if rng is not None:
+                cuda_vmm.unmap(vmm, rng)
+            raise AttachError(f"cannot map the engine's VMM memory: {e}") from None
+
+    def _prepare(self, memory: dict[str, Any], num_blocks: int, segments: list[Segment]
+                 ) -> tuple[cudart.Driver, Device, list[bytes]]:
+        """The checks both kinds share (size, offset, GPU, event ring) and the device they name."""
+        offset, size = memory.get("offset", 0), memory.get("size")
+        uuid, events = memory.get("device_uuid"), memory.get("events", [])
         if type(offset) is not int or offset < 0 or type(size) is not int or size <= 0:
             raise AttachError("memory.offset must be an integer >= 0 and memory.size a positive integer")
         if type(uuid) is not str or not uuid:
@@ -90,37 +143,34 @@ class IpcMaps:
             ordinal = drv.ordinal_of(uuid)
         except (cudart.CudaUnavailable, cudart.CudaError, LookupError) as e:
             raise AttachError(str(e)) from None
-        dev = self._device(drv, ordinal, uuid)
-        key = (ordinal, handle)
+        return drv, self._device(drv, ordinal, uuid), events
+
+    def _finish(self, engine_id: str, kind: str, drv: cudart.Driver, dev: Device, memory: dict[str, Any],
+                num_blocks: int, segments: list[Segment], events: list[bytes], *, key: tuple[int, bytes],
+                region: int, vmm: cuda_vmm.VmmRange | None = None) -> CudaMapping:
+        """Open the event ring and make the two streams; on failure destroy what was made and raise."""
         opened_events: list[int] = []
         streams: list[int] = []
-        base = None
         try:
-            drv.use_device(ordinal)
-            base = self._open(drv, key)
-            _, alloc_size = drv.address_range(base)
-            if offset + size > alloc_size:
-                raise AttachError(f"region [{offset}, +{size}) exceeds the {alloc_size}-byte allocation")
             for e in events:
                 opened_events.append(drv.ipc_open_event_handle(e))
             streams.append(drv.stream_create(dev.prio_high))
             streams.append(drv.stream_create(dev.prio_low))
-        except (cudart.CudaError, AttachError) as e:
+        except cudart.CudaError:
             for ev in opened_events:
                 _quiet(drv.event_destroy, ev)
             for s in streams:
                 _quiet(drv.stream_destroy, s)
-            if base is not None:
-                self._close(drv, key)
-            raise AttachError(f"cannot map the engine's GPU memory: {e}") from None
-        log.info("engine %s: mapped %d bytes on GPU %d (%s), %d events, %d segments", engine_id, size, ordinal,
-                 uuid, len(opened_events), len(segments))
-        return CudaMapping(engine_id=engine_id, kind="cuda_ipc", size=size, num_blocks=num_blocks,
+            raise
+        size = memory["size"]
+        log.info("engine %s: mapped %d bytes on GPU %d (%s, %s), %d events, %d segments", engine_id, size,
+                 dev.ordinal, dev.uuid, kind, len(opened_events), len(segments))
+        return CudaMapping(engine_id=engine_id, kind=kind, size=size, num_blocks=num_blocks,
                            segments=segments, slot_bytes=sum(s.length for s in segments),
-                           num_events=len(opened_events), device=dev, key=key, region=base + offset,
+                           num_events=len(opened_events), device=dev, key=key, region=region,
                            load_stream=streams[0], store_stream=streams[1], events=opened_events,
-                           attrs_store=cudart.copy_attributes(ordinal, store=True),
-                           attrs_load=cudart.copy_attributes(ordinal, store=False))
+                           attrs_store=cudart.copy_attributes(dev.ordinal, store=True),
+                           attrs_load=cudart.copy_attributes(dev.ordinal, store=False), vmm=vmm)
 
     def release_events(self) -> None:
         """Destroy the devices' pooled completion events (the daemon is stopping)."""
@@ -148,6 +198,9 @@ class IpcMaps:
             _quiet(drv.stream_destroy, s)
         for ev in mapped.events:
             _quiet(drv.event_destroy, ev)
+        if mapped.vmm is not None:
+            cuda_vmm.unmap(cuda_vmm.Vmm(drv), mapped.vmm)
+            return
         try:
             self._close(drv, mapped.key)
         except cudart.CudaError as e:

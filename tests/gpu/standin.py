@@ -38,12 +38,14 @@ class Spec:
         return self.layers * self.page
 
 
-def make_kv(spec: Spec) -> tuple[Any, dict[str, Any]]:
-    """(int8 backing buffer, {layer name: bf16 view [B, H, N, 2D]}) as vLLM lays them out."""
+def make_kv(spec: Spec, buf: Any = None) -> tuple[Any, dict[str, Any]]:
+    """(int8 backing buffer, {layer name: bf16 view [B, H, N, 2D]}) as vLLM lays them out (over ``buf``,
+    an int8 tensor of L*B*page bytes, when given)."""
     import torch
 
     L, B, H, N, C = spec.layers, spec.num_blocks, spec.heads, spec.tokens, 2 * spec.head_dim
-    buf = torch.zeros(L * B * spec.page, dtype=torch.int8, device=f"cuda:{spec.device}")
+    if buf is None:
+        buf = torch.zeros(L * B * spec.page, dtype=torch.int8, device=f"cuda:{spec.device}")
     el = buf.view(torch.bfloat16)
     page_el = spec.page // 2
     views = {}
@@ -162,6 +164,11 @@ def engine_main(conn: Any, spec: Spec, address: str | None = None) -> None:
             return _plain(getattr(client, a["method"])(*a.get("args", []), **a.get("kwargs", {})))
         raise ValueError(f"unknown op {op}")
 
+    serve(conn, cmd)
+
+
+def serve(conn: Any, cmd: Any) -> None:
+    """Answer the parent's commands with ``cmd(op, args)`` until 'exit' (or the pipe closes)."""
     while True:
         try:
             op, a = conn.recv()
@@ -262,7 +269,7 @@ def matmul_loop(device: int, mm: dict[str, Any]) -> None:
 class Engine:
     """Parent-side handle on a stand-in engine process."""
 
-    def __init__(self, spec: Spec, env: dict[str, str] | None = None):
+    def __init__(self, spec: Spec, env: dict[str, str] | None = None, target: Any = None):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -271,7 +278,7 @@ class Engine:
         old = {k: os.environ.get(k) for k in (env or {})}
         os.environ.update(env or {})
         try:
-            self.proc = ctx.Process(target=engine_main, args=(child, spec), daemon=True)
+            self.proc = ctx.Process(target=target or engine_main, args=(child, spec), daemon=True)
             self.proc.start()
         finally:
             for k, v in old.items():

@@ -72,7 +72,7 @@ def engines():
 def test_import_without_cuda_is_cheap():
     import kvoffd.transfer.cuda as cuda
 
-    assert cuda.CudaBackend.kinds(None) == ("cuda_ipc",)  # type: ignore[arg-type]
+    assert cuda.CudaBackend.kinds(None) == ("cuda_ipc", "cuda_vmm")  # type: ignore[arg-type]
 
 
 def test_attach_gives_a_typed_mapping(pool, backend, engines):

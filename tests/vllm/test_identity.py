@@ -146,3 +146,27 @@ def test_no_prefix_reuse_in_vllm_refuses_offload(configs: Any) -> None:
     # either one on is vLLM itself computing over cached KV with this backend: offloaded
     cache_identity(*_with("cache_config", enable_prefix_caching=False)(vc, kc))
     cache_identity(*_with("scheduler_config", enable_chunked_prefill=False)(vc, kc))
+
+
+def test_the_weights_version_separates_namespaces(configs: Any) -> None:
+    """``kvoffd_weights_version`` enters the namespace: blocks of other weights never hit; unset leaves
+    the namespace of engines that never set it unchanged (sleep mode, docs/vllm.md)."""
+    import copy
+
+    from vllm.config import KVTransferConfig
+
+    vc, kc = configs
+
+    def weights(version: str | None) -> Any:
+        extra = {"kvoffd_address": "ipc:///tmp/x.sock"}
+        if version is not None:
+            extra["kvoffd_weights_version"] = version
+        vc2 = copy.copy(vc)
+        object.__setattr__(vc2, "kv_transfer_config", KVTransferConfig(
+            kv_connector="KvoffdConnector", kv_role="kv_both", kv_connector_extra_config=extra))
+        return vc2
+
+    unset, v1, v2 = _ns(weights(None), kc), _ns(weights("step-1"), kc), _ns(weights("step-2"), kc)
+    assert unset == _ns(vc, kc)
+    assert len({unset, v1, v2}) == 3
+    assert _ns(weights("step-1"), kc) == v1

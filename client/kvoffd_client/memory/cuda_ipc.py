@@ -73,7 +73,7 @@ def export_allocation(ptr: int) -> tuple[bytes, int, int]:
         except RuntimeError as e:
             raise RuntimeError(f"{e}: the KV cache has no legacy CUDA IPC handle; it was probably allocated "
                                "with cuMemCreate (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or vLLM "
-                               "sleep mode). Disable those for kvoffd.") from None
+                               "sleep mode) and is not exportable as descriptors (docs/cuda.md, VMM memory).") from None
     return ctypes.string_at(ctypes.addressof(h), IPC_HANDLE_BYTES), ptr - base.value, size.value
 
 
@@ -150,11 +150,18 @@ class CudaExport:
     ring: EventRing
     region_ptr: int
     keepalive: list[Any] = field(default_factory=list)
+    vmm: Any = None  # cuda_vmm.VmmExport for ``cuda_vmm`` memory: its descriptors, closed by close()
+
+    def close(self) -> None:
+        """Let go of the memory's exported descriptors (VMM): before the engine frees it (sleep)."""
+        if self.vmm is not None:
+            self.vmm.close()
 
 
 def export_kv_caches(tensors: dict[str, Any], num_blocks: int, *, layout: dict[str, Any] | None = None,
                      num_events: int = DEFAULT_EVENTS) -> CudaExport:
-    """Describe vLLM's GPU KV tensors for REGISTER (kind ``cuda_ipc``).
+    """Describe vLLM's GPU KV tensors for REGISTER (kind ``cuda_ipc``, or ``cuda_vmm`` when they live in
+    ``cuMemCreate`` memory: ``kvoffd_client.memory.cuda_vmm``).
 
     Every tensor must live in one allocation (vLLM's single int8 buffer). ``layout`` defaults to
     ``kvoffd_client.memory.cpu_fd.describe_layout(tensors, num_blocks)``, whose segment offsets count from
@@ -171,11 +178,21 @@ def export_kv_caches(tensors: dict[str, Any], num_blocks: int, *, layout: dict[s
         raise ValueError(f"kvoffd needs every KV tensor in one allocation (vLLM's single buffer); "
                          f"found {len(storages)}")
     region_ptr, storage = next(iter(storages.items()))
-    handle, offset, alloc_size = export_allocation(region_ptr)
     if layout is None:
         from kvoffd_client.memory.layout import describe_layout
 
         layout = describe_layout(tensors, num_blocks)
+    try:
+        handle, offset, alloc_size = export_allocation(region_ptr)
+    except RuntimeError:
+        from kvoffd_client.memory import cuda_vmm
+
+        if not cuda_vmm.is_vmm(region_ptr):
+            raise
+        # cuMemCreate memory has no IPC handle: its physical pieces go as POSIX descriptors instead
+        ring = EventRing(dev, num_events)
+        vmm = cuda_vmm.export_region(region_ptr, storage.nbytes(), device_uuid=device_uuid(dev), events=ring.handles)
+        return CudaExport(memory=vmm.memory, layout=layout, ring=ring, region_ptr=region_ptr, keepalive=ts, vmm=vmm)
     ring = EventRing(dev, num_events)
     memory = {
         "kind": "cuda_ipc",

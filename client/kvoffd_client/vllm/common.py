@@ -63,6 +63,7 @@ class Settings:
     negative_ttl_s: float = 60.0  # keys whose load failed are misses this long (or until stored again)
     reset_clears_namespace: bool = False  # reset_prefix_cache(reset_connector=True) also empties the namespace
     kv_cache_layout: str | None = None  # ask vLLM for this KV layout (CUDA; ignored where unsupported)
+    weights_version: str | None = None  # names the weights in the namespace: blocks of other weights never hit
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:

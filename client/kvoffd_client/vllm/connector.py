@@ -197,8 +197,20 @@ class KvoffdConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
-        """vLLM 0.33+: sleep remaps the KV memory the daemon has mapped; not supported yet."""
-        return False
+        """vLLM 0.33+: sleep frees the KV memory after ``unregister_kv_caches`` (the daemon has unmapped
+        it by then) and wake re-registers it in ``restore_kv_caches``; the cached blocks survive. Blocks
+        are tied to the weights by ``kvoffd_weights_version`` (docs/vllm.md, sleep mode)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33+, before sleep / ``discard(("kv_cache",))`` frees the KV memory."""
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33+, after wake: the KV tensors are backed by new memory; register it again."""
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

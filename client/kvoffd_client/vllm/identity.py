@@ -221,6 +221,15 @@ def tp_replicas(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
     return replicas
 
 
+def _weights_version(vllm_config: VllmConfig) -> str:
+    """``kvoffd_weights_version``: block hashes cover tokens, not weights, so an engine whose weights
+    change under the same model name (RL updates, sleep level 2 then new weights) must name them;
+    the version enters the namespace and blocks of other weights simply miss (docs/vllm.md)."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    extra = (getattr(ktc, "kv_connector_extra_config", None) if ktc is not None else None) or {}
+    return str(extra.get("kvoffd_weights_version") or "")
+
+
 def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> CacheIdentity:
     """Fingerprint the engine's KV bytes. Raises UnsupportedConfig for what we cannot offload."""
     check_hash_stability(vllm_config)
@@ -279,6 +288,9 @@ def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> C
         "dcp": dcp,
         "kv_tp_replicas": int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1),
     }
+    weights = _weights_version(vllm_config)
+    if weights:  # absent when unset, so the namespaces of engines that never set it stay as they were
+        fields["weights_version"] = weights
     if len(kinds) > 1 or kinds[0].kind is not GroupKind.FULL:
         fields["groups"] = [g.describe() for g in kinds]
     replicas = tp_replicas(vllm_config, kv_cache_config)

@@ -84,6 +84,7 @@ class KvoffdWorker:
         self.client: KvoffdClient | None = None
         self.memory: dict[str, Any] | None = None
         self._cuda: Any = None  # handles_cuda.CudaExport on GPUs
+        self._kv_caches: dict[str, torch.Tensor] | None = None
         self._registered = False  # REGISTER was sent (or is remembered for replay on connect)
         self._stores: dict[int, _StoreJob] = {}
         self._req_stores: dict[str, set[int]] = {}
@@ -112,6 +113,7 @@ class KvoffdWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.client is None or self.identity is None or not kv_caches:
             return
+        self._kv_caches = kv_caches  # restore_kv_caches registers them again after a sleep
         first = next(iter(kv_caches.values()))
         try:
             _log_group_coverage(kv_caches, self.identity, self.num_blocks)
@@ -301,6 +303,34 @@ class KvoffdWorker:
         return self.stats.take()
 
     # --------------------------------------------------------------------------------------------
+
+    # --------------------------------------------------------------------------------------------
+    # sleep mode (vLLM 0.33+: unregister_kv_caches before the KV memory is freed, restore after wake)
+
+    def unregister_kv_caches(self) -> None:
+        """Drain this worker's jobs, then UNREGISTER: the daemon answers once it has unmapped the
+        memory, so vLLM may free it next. The exported descriptors (VMM) are closed so the memory is
+        really given back. The cached blocks stay in the daemon."""
+        client = self.client
+        if client is None or not self._registered or self._cuda is None:
+            return  # (CPU workers never sleep: vLLM's CPU worker ignores sleep, and its memfd stays)
+        pending = set(self._stores) | set(self._loads)
+        if pending:
+            self._complete(client.wait_notices(pending, self.s.job_timeout_s))
+        try:
+            client.unregister(self.engine_id, timeout_s=self.s.job_timeout_s)
+        except (DaemonUnavailable, KvoffdError) as e:
+            log.warning("kvoffd: worker %s: unregister before sleep: %s", self.engine_id, e)
+        self._registered = False
+        if self._cuda is not None:
+            self._cuda.close()
+            self._cuda = None
+
+    def restore_kv_caches(self) -> None:
+        """After wake the KV tensors keep their addresses but are backed by new physical memory:
+        export it again and register (a new mapping in the daemon)."""
+        if self._kv_caches is not None and not self._registered and self.refused is None:
+            self.register_kv_caches(self._kv_caches)
 
     def _shutdown_client(self) -> None:
         if self.client is not None:
