@@ -4,7 +4,11 @@
 # .old/tree; ln -s ../tree/client .old/py/kvoffd_client), on that tree too, alternating, so that the A/B
 # is measured in one run on one machine. Logs and JSON go to $OUT; a short table is printed last.
 #
-#   bash bench/h200_check.sh [tests|transfer|all] [extra pytest args...]
+#   bash bench/h200_check.sh [tests|transfer|pool|restart|disk|vmm|index|all] [extra pytest args...]
+#     tests     pytest tests/gpu                        transfer  daemon A/B: this tree vs .old/tree
+#     pool      daemon A/B: private pool vs pool file    restart   warm restart, 48 GiB pinned, TERM+KILL
+#     disk      disk tier vs dd O_DIRECT on local disk   vmm       cuda_vmm vs IPC-handle path
+#     index     the disk tier's index at 1M/10M/100M blocks
 set -u
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,7 +19,7 @@ new_pp="/tmp/site:$PWD:$PWD/client"
 summary="$OUT/summary.txt"; : > "$summary"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$summary" 2>&1
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if [ "$what" = tests ] || [ "$what" = all ] || case ",$what," in *,tests,*) true;; *) false;; esac; then
   PYTHONPATH=$new_pp timeout 420 python3 -m pytest -q -p no:cacheprovider tests/gpu "$@" > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests (rc $?): $(tail -n 1 "$OUT/gpu_tests.log")" >> "$summary"
 fi
@@ -25,10 +29,46 @@ bench() {  # name pythonpath dir
      --pin-configs none --iters 5 --json "$OUT/transfer_$1.json" > "$OUT/transfer_$1.log" 2>&1)
   echo "transfer $1 (rc $?): $(grep -E 'ceiling|steady state|byte-exact|pinned' "$OUT/transfer_$1.log" | sed -E 's/ +/ /g' | head -n 8 | tr '\n' ' ')" >> "$summary"
 }
-if [ "$what" = transfer ] || [ "$what" = all ]; then
+if case ",$what," in *,transfer,*|*,all,*) true;; *) false;; esac; then
   bench new1 "$new_pp" "$PWD"
   [ -d .old/tree ] && bench old1 "/tmp/site:$PWD/.old/tree:$PWD/.old/py" "$PWD/.old/tree"
   bench new2 "$new_pp" "$PWD"
   [ -d .old/tree ] && bench old2 "/tmp/site:$PWD/.old/tree:$PWD/.old/py" "$PWD/.old/tree"
+fi
+has() { case ",$what," in *",$1,"*|*",all,"*) return 0;; esac; return 1; }
+if has pool; then  # issue 14: the shared pool file must not slow the copies (same tree, alternating)
+  for i in 1 2; do
+    for mode in private file; do
+      if [ $mode = private ]; then pp=none; else rm -rf /dev/shm/kvoffd-ab; pp=/dev/shm/kvoffd-ab/kvoffd.pool; fi
+      KVOFFD_POOL_PATH=$pp PYTHONPATH=$new_pp timeout 200 python3 bench/transfer.py --daemon-only --layouts blocks \
+        --iters 5 --json "$OUT/pool_${mode}$i.json" > "$OUT/pool_${mode}$i.log" 2>&1
+      echo "pool $mode $i (rc $?): $(grep -E 'steady state|byte-exact|pinned' "$OUT/pool_${mode}$i.log" | sed -E 's/ +/ /g' | head -n 4 | tr '\n' ' ')" >> "$summary"
+    done
+  done
+  rm -rf /dev/shm/kvoffd-ab
+fi
+if has restart; then
+  df -h /dev/shm | tail -n 1 >> "$summary"
+  for sig in TERM KILL; do
+    PYTHONPATH=$new_pp timeout 240 python3 bench/restart.py --pool-size 48GiB --backend auto --engine-blocks 1024 \
+      --signal $sig --json "$OUT/restart_$sig.json" > "$OUT/restart_$sig.log" 2>&1
+    echo "restart $sig (rc $?): $(tail -n 8 "$OUT/restart_$sig.log" | tr '\n' ' ')" >> "$summary"
+  done
+fi
+if has disk; then
+  mkdir -p /var/tmp/kvoffd-disk; df -h /var/tmp | tail -n 1 >> "$summary"
+  PYTHONPATH=$new_pp timeout 240 python3 bench/disk_tier.py --dir /var/tmp/kvoffd-disk --total 8GiB --threads 16 \
+    --out "$OUT/disk_tier_h200.json" > "$OUT/disk_tier.log" 2>&1
+  echo "disk (rc $?): $(tail -n 10 "$OUT/disk_tier.log" | tr '\n' ' ')" >> "$summary"; rm -rf /var/tmp/kvoffd-disk
+fi
+if has vmm; then
+  PYTHONPATH=$new_pp timeout 200 python3 bench/vmm.py --json "$OUT/vmm.json" > "$OUT/vmm.log" 2>&1
+  echo "vmm (rc $?): $(tail -n 8 "$OUT/vmm.log" | tr '\n' ' ')" >> "$summary"
+fi
+if has index; then
+  mkdir -p /var/tmp/kvoffd-idx
+  PYTHONPATH=$new_pp timeout 300 python3 bench/index_scale.py --blocks 1000000,10000000,100000000 --iters 200 \
+    --dir /var/tmp/kvoffd-idx --out "$OUT/index_scale_h200.json" > "$OUT/index_scale.log" 2>&1
+  echo "index (rc $?): $(tail -n 8 "$OUT/index_scale.log" | tr '\n' ' ')" >> "$summary"; rm -rf /var/tmp/kvoffd-idx
 fi
 cat "$summary"
