@@ -47,6 +47,10 @@ if has pool; then  # issue 14: the shared pool file must not slow the copies (sa
   done
   rm -rf /dev/shm/kvoffd-ab
 fi
+if has alloc; then
+  PYTHONPATH=$new_pp timeout 150 python3 bench/pool_alloc.py --dir /dev/shm --size 8GiB --threads 8 > "$OUT/pool_alloc.log" 2>&1
+  echo "alloc (rc $?): $(cat "$OUT/pool_alloc.log" | tr '\n' ';')" >> "$summary"
+fi
 if has restart; then
   df -h /dev/shm | tail -n 1 >> "$summary"
   for sig in TERM KILL; do

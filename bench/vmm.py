@@ -42,7 +42,10 @@ def _start_daemon(pool: str) -> tuple[subprocess.Popen, str]:
     address = f"ipc://{sock}"
     log = os.path.join(os.path.dirname(sock), "daemon.log")
     proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", pool,
-                             "--backend", "cuda", "--metrics-address", "127.0.0.1:0"], stdout=subprocess.DEVNULL,
+                             "--backend", "cuda", "--metrics-address", "127.0.0.1:0",
+                             # every block admitted: the bench's keys are unchained, which the default
+                             # policy refuses into a full pool; this measures the copies, not the policy
+                             "--eviction-policy", "lru", "--pool-path", "none"], stdout=subprocess.DEVNULL,
                             stderr=open(log, "w"), cwd=ROOT)  # noqa: SIM115
     from kvoffd_client.client import KvoffdClient
 

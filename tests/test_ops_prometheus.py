@@ -212,7 +212,10 @@ def _rfc3339(s: str) -> float:
 
 
 def test_a_real_prometheus_scrapes_the_daemon_and_every_query_returns_series(bins, make_daemon, tmp_path):
-    d = make_daemon("64MiB", name="prom")
+    # With a disk tier, so that the dashboard's tier panels have series too (a daemon without one has
+    # only the pool's: those panels are empty there by design).
+    (tmp_path / "disk").mkdir()
+    d = make_daemon("64MiB", "--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB", name="prom")
     target = d.metrics_address
     engine = ShmEngine(16, 4096, tag="prom")
     with Prometheus(bins.prometheus, _config(target), tmp_path) as p:

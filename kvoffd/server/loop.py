@@ -201,14 +201,14 @@ class Server:
         sock.bind(addr)
         self.sock = sock
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if "cpu_fd" in self.by_kind:
+        if self.by_kind.keys() & {"cpu_fd", "cuda_vmm"}:  # the kinds whose memory comes as descriptors
             self._bind_fd_socket()
         if self.kv_events is not None:
             self.kv_events.bind()
         return self.bound_address
 
     def _bind_fd_socket(self) -> None:
-        """The UNIX socket CPU engines pass their memfd on: beside the ipc socket (same checks), or in
+        """The UNIX socket engines pass their memory descriptors on (CPU memfds, VMM allocations): beside the ipc socket (same checks), or in
         the token file's private directory for tcp://. Its path goes out in HELLO_OK."""
         path = fd_socket_path(self.bound_address, os.path.dirname(self.cfg.auth_token_file) or ".")
         ensure_private_dir(os.path.dirname(path) or ".")
