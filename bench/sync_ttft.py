@@ -71,7 +71,9 @@ def run(hit_blocks: list[int], tail: int, reps: int) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="kvoffd-sync-ttft-"))
     model = str(build_tiny_llama(work / "tiny-llama"))
     daemon = Daemon(work, pool="512MiB").start()
-    llm = make_llm(model, daemon.address, kv_bytes=256 << 20, max_model_len=2048)
+    # the connector's own defaults for same-step loads (the test helper turns them off)
+    llm = make_llm(model, daemon.address, kv_bytes=256 << 20, max_model_len=2048,
+                   extra={"kvoffd_sync_load_bytes": -1, "kvoffd_sync_load_timeout_ms": 200})
     rows: dict[int, dict[str, list[tuple[float, int]]]] = {h: {m: [] for m in MODES} for h in hit_blocks}
     try:
         budget = connector_of(llm)._scheduler.sync_budget

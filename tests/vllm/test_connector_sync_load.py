@@ -151,7 +151,7 @@ def test_all_hits_same_step_by_default(tiny_model: str, reference: list[list[int
                                        watch: Any) -> None:
     """The derived default budget (prior link speed x 2 ms: megabytes) covers the tiny model's hits:
     every prompt runs in the schedule() that allocates its hit, outputs identical."""
-    llm = make_llm(tiny_model, daemon.address)
+    llm = make_llm(tiny_model, daemon.address, extra={"kvoffd_sync_load_bytes": -1})  # the connector's default
     try:
         assert connector_of(llm)._scheduler.sync_budget.per_step() >= 13 * BLOCK_BYTES
         assert generate(llm, PROMPTS) == reference
@@ -177,7 +177,7 @@ def test_frozen_daemon_recomputes_without_hanging(tiny_model: str, reference: li
     outputs) while the daemon is still frozen. The late load stays in flight: the finished request's
     blocks are held until the thawed daemon answers, so a late write can land nowhere else."""
     d = Daemon(tmp_path).start()
-    llm = make_llm(tiny_model, d.address, extra={"kvoffd_sync_load_timeout_ms": 300,
+    llm = make_llm(tiny_model, d.address, extra={"kvoffd_sync_load_bytes": -1, "kvoffd_sync_load_timeout_ms": 300,
                                                  "kvoffd_lookup_timeout_ms": 1000})
     frozen: list[int] = []
     try:
