@@ -224,3 +224,40 @@ def test_frozen_daemon_recomputes_without_hanging(tiny_model: str, reference: li
     finally:
         close_llm(llm)
         d.stop()
+
+
+def test_daemon_killed_before_a_same_step_load_recomputes(tiny_model: str, reference: list[list[int]],
+                                                         tmp_path: Path) -> None:
+    """The daemon is SIGKILLed right before the worker submits a same-step load, with a wait bound
+    far longer than the test: the load fails as soon as the client knows the daemon is gone (not by
+    the timer), its blocks go through vLLM's load-error path, and the outputs are identical."""
+    d = Daemon(tmp_path).start()
+    llm = make_llm(tiny_model, d.address, extra={"kvoffd_sync_load_bytes": -1, "kvoffd_sync_load_timeout_ms": 60_000,
+                                                 "kvoffd_lookup_timeout_ms": 1000})
+    killed: list[bool] = []
+    try:
+        assert generate(llm, PROMPTS) == reference
+        drain(llm)
+        worker = _worker()
+        real_start = worker.start_load_kv
+
+        def kill_then_load(meta: Any) -> None:
+            if any(ld.sync for ld in meta.loads) and not killed:
+                d.kill()
+                killed.append(True)
+            real_start(meta)
+
+        worker.start_load_kv = kill_then_load
+        assert llm.reset_prefix_cache()
+        try:
+            assert generate(llm, PROMPTS) == reference
+        finally:
+            worker.start_load_kv = real_start
+        assert killed, "no same-step load was submitted"
+        assert worker.stats.lifetime.get("load_failed_jobs", 0) >= 1
+        assert worker.stats.lifetime.get("sync_load_timeouts", 0) == 0
+        drain(llm)
+        assert not worker._late
+    finally:
+        close_llm(llm)
+        d.stop()
