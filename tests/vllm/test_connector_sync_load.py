@@ -175,7 +175,8 @@ def test_frozen_daemon_recomputes_without_hanging(tiny_model: str, reference: li
     """The daemon is stopped (SIGSTOP) right before the worker submits a same-step load: the bounded
     wait runs out, the blocks go through vLLM's load-error path and are recomputed (identical
     outputs) while the daemon is still frozen. The late load stays in flight: the finished request's
-    blocks are held until the thawed daemon answers, so a late write can land nowhere else."""
+    blocks are held until the thawed daemon answers, so a late write could land nowhere else; and
+    as its deadline was the wait's, the thawed daemon answers it ``expired`` without copying."""
     d = Daemon(tmp_path).start()
     llm = make_llm(tiny_model, d.address, extra={"kvoffd_sync_load_bytes": -1, "kvoffd_sync_load_timeout_ms": 300,
                                                  "kvoffd_lookup_timeout_ms": 1000})
@@ -211,6 +212,9 @@ def test_frozen_daemon_recomputes_without_hanging(tiny_model: str, reference: li
         assert not log.waited_remote  # nothing was moved to the asynchronous path mid-step
         drain(llm)
         assert not worker._late and not connector_of(llm)._scheduler._sync_owner
+        # thawed after the wait ran out, the daemon met the load past its own (same) deadline:
+        # answered expired, not a byte written
+        assert d.metric("kvoffd_expired_jobs_total") >= 1
         # the daemon serves again afterwards: end the cooldown and forget the failed keys now
         # rather than after their timers
         sched_conn = connector_of(llm)._scheduler

@@ -265,7 +265,10 @@ class KvoffdWorker:
                 if not self.active:
                     raise DaemonUnavailable()
                 assert self.client is not None
-                self.client.submit_load(self.engine_id, ld.job_id, ld.keys, ld.block_ids, lease_id=ld.lease_id)
+                # A same-step load is not started after the step gave up on it (its blocks are
+                # recomputed by then); it still ends only with its notice.
+                self.client.submit_load(self.engine_id, ld.job_id, ld.keys, ld.block_ids, lease_id=ld.lease_id,
+                                        deadline_s=self.s.sync_load_timeout_ms / 1000 if ld.sync else None)
                 self._loads[ld.job_id] = lj
                 if ld.sync:
                     sync.add(ld.job_id)
