@@ -385,11 +385,14 @@ class KvoffdClient:
                              tokens=tokens, parents=parents))
 
     def submit_load(self, engine_id: str, job_id: int, keys: Sequence[bytes] | bytes,
-                    block_ids: Sequence[int] | bytes, lease_id: int = 0, event: int = -1) -> None:
+                    block_ids: Sequence[int] | bytes, lease_id: int = 0, event: int = -1,
+                    deadline_s: float | None = None) -> None:
+        """``deadline_s``: this job's own deadline, when shorter than ``job_deadline_s`` (a load the
+        engine waits for within its step is not worth starting after the engine gave up on it)."""
         self._submit(P.Load(engine_id=engine_id, job_id=job_id, keys=keys, block_ids=block_ids, lease_id=lease_id,
-                            event=event))
+                            event=event), deadline_s)
 
-    def _submit(self, msg: P.Store | P.Load) -> None:
+    def _submit(self, msg: P.Store | P.Load, deadline_s: float | None = None) -> None:
         with self._lock:
             self._pump(0)
             if not self._link.ready:
@@ -400,10 +403,11 @@ class KvoffdClient:
             now = time.monotonic()
             # The daemon will not start the job (or any further part of it) after job_deadline_s; the
             # job still ends only with its notice, or once that daemon is gone (see _reap_jobs).
-            msg.expires_ns = int((now + self.job_deadline_s) * 1e9)
+            deadline = now + min(self.job_deadline_s, self.job_deadline_s if deadline_s is None else deadline_s)
+            msg.expires_ns = int(deadline * 1e9)
             if not self._link.send(msg):
                 raise DaemonUnavailable("cannot send to kvoffd")
-            self._jobs[msg.job_id] = _Job(P.count_keys(msg.keys), now + self.job_deadline_s, self._daemons.current)
+            self._jobs[msg.job_id] = _Job(P.count_keys(msg.keys), deadline, self._daemons.current)
 
     def take_notices(self) -> list[P.Notice]:
         """Completion notices that arrived (real or synthesized for lost jobs). Never waits."""

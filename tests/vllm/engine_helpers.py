@@ -207,10 +207,15 @@ def make_llm(model: str, address: str | None = None, *, dtype: str = "float32", 
                                kv_role="kv_both", kv_load_failure_policy="recompute",
                                # a loaded 2-core CI box can take longer than the defaults (500 ms)
                                # to answer a lookup or a fresh process's handshake; these tests check
-                               # what is served, not how fast
+                               # what is served, not how fast. Loads are asynchronous unless a test
+                               # asks for same-step loads (test_connector_sync_load.py): the exact hit
+                               # counts asserted here are the asynchronous path's (a same-step load's
+                               # blocks are shared by the requests scheduled after it in vLLM's cache).
                                kv_connector_extra_config={"kvoffd_address": address,
                                                           "kvoffd_lookup_timeout_ms": 10_000,
-                                                          "kvoffd_connect_timeout_s": 10.0, **(extra or {})})
+                                                          "kvoffd_connect_timeout_s": 10.0,
+                                                          "kvoffd_sync_load_bytes": 0,
+                                                          "kvoffd_sync_load_timeout_ms": 10_000, **(extra or {})})
     return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, max_model_len=max_model_len,
                block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, kv_cache_memory_bytes=kv_bytes,
                seed=0, disable_log_stats=False, **{"kv_transfer_config": ktc, **kw})

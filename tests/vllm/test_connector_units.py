@@ -229,3 +229,55 @@ def test_kv_groups_classify_and_refuse() -> None:
         kv_groups(cfg(FullAttentionSpec(**kw), SlidingWindowSpec(**{**kw, "block_size": 64}, sliding_window=64)))
     k = bytes(32)
     assert len({group_key(k, 0), group_key(k, 1), k}) == 3 and group_key(k, 1) == group_key(bytes(32), 1)
+
+
+def _budget(extra: dict, block_bytes: int = 1000, device: str = "cpu", single_group: bool = True):
+    from kvoffd_client.vllm.common import Settings
+    from kvoffd_client.vllm.syncload import SyncLoadBudget
+
+    return SyncLoadBudget.from_settings(Settings.from_extra({"kvoffd_address": "ipc:///x", **extra}),
+                                        block_bytes, device, single_group)
+
+
+def test_sync_budget_is_per_step_and_derived_from_the_link() -> None:
+    from kvoffd_client.vllm.syncload import PRIOR_RATE
+
+    b = _budget({"kvoffd_sync_step_ms": 1})
+    assert b.per_step() == int(PRIOR_RATE["cpu"] * 1e-3)
+    assert _budget({"kvoffd_link_gbps": 4, "kvoffd_sync_step_ms": 2}).per_step() == 8_000_000
+    b = _budget({"kvoffd_sync_load_bytes": 2500})
+    assert b.take(2, 0.0) and not b.take(1, 0.0)  # 2000 spent, 500 left: a third block does not fit
+    assert not b.take(3, 0.0)
+    b.new_step()
+    assert b.take(1, 0.0) and b.take(1, 0.0) and not b.take(1, 0.0)
+    assert not b.take(0, 0.0)
+
+
+def test_sync_budget_off_cases() -> None:
+    assert not _budget({"kvoffd_sync_load_bytes": 0}).take(1, 0.0)
+    assert not _budget({}, single_group=False).take(1, 0.0)  # vLLM takes block errors from one group only
+    assert not _budget({}, block_bytes=0).take(1, 0.0)
+
+
+def test_sync_budget_follows_measurements_and_cools_down_after_a_timeout() -> None:
+    b = _budget({"kvoffd_sync_step_ms": 1})
+    before = b.per_step()
+    for _ in range(50):
+        b.observe(nbytes=10_000_000, us=1000, timeouts=0, now=0.0)  # 10 GB/s measured
+    b.new_step()
+    assert b.per_step() > 4 * before and abs(b.rate - 1e10) / 1e10 < 0.01
+    fixed = _budget({"kvoffd_link_gbps": 1, "kvoffd_sync_step_ms": 1})
+    fixed.observe(nbytes=10_000_000, us=1000, timeouts=0, now=0.0)
+    assert fixed.per_step() == 1_000_000  # a configured link speed is not overridden
+    b.observe(0, 0, timeouts=1, now=100.0)
+    assert not b.take(1, 105.0) and b.take(1, 111.0)
+
+
+def test_worker_meta_aggregates_same_step_results() -> None:
+    from kvoffd_client.vllm.common import KvoffdWorkerMeta
+
+    a = KvoffdWorkerMeta(sync_settled={7: 1}, sync_bytes=100, sync_us=10)
+    b = KvoffdWorkerMeta(sync_settled={7: 1, 8: 1}, sync_timeouts=1)
+    assert not a.is_empty() and KvoffdWorkerMeta().is_empty()
+    a.aggregate(b)
+    assert a.sync_settled == {7: 2, 8: 1} and a.sync_timeouts == 1 and a.sync_bytes == 100 and a.sync_us == 10

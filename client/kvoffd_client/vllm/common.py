@@ -64,6 +64,12 @@ class Settings:
     reset_clears_namespace: bool = False  # reset_prefix_cache(reset_connector=True) also empties the namespace
     kv_cache_layout: str | None = None  # ask vLLM for this KV layout (CUDA; ignored where unsupported)
     weights_version: str | None = None  # names the weights in the namespace: blocks of other weights never hit
+    # Same-step loads (kvoffd_client.vllm.syncload): hits of at most this many bytes per rank and step
+    # are loaded within the step that computes the rest of the prompt. -1: link speed x sync_step_ms.
+    sync_load_bytes: int = -1  # 0: every load asynchronous (one extra engine step per hit)
+    sync_step_ms: float = 2.0  # the step time a same-step load may add (for the derived budget)
+    link_gbps: float = 0.0  # GB/s for the derived budget; 0: measured from same-step loads
+    sync_load_timeout_ms: int = 200  # a same-step load not done by then is recomputed (vLLM's load-error path)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -104,6 +110,9 @@ class LoadSpec:
     keys: list[bytes]
     block_ids: list[int]
     lease_id: int
+    #: Loaded within this step (vLLM schedules the request's remaining tokens now): the worker waits
+    #: for it before the forward, bounded, and reports failures as invalid blocks.
+    sync: bool = False
 
 
 @dataclass
@@ -135,9 +144,21 @@ class KvoffdWorkerMeta(KVConnectorWorkerMetadata):
     stores_done: dict[int, int] = field(default_factory=dict)  # job id -> workers that finished it
     stores_failed: dict[int, int] = field(default_factory=dict)  # job id -> workers where part failed
     load_failed_at: dict[str, int] = field(default_factory=dict)  # req id -> first failed block index
+    # Same-step loads: job id -> workers on which the daemon can no longer write the job's blocks (its
+    # notice came, in time or late, or its daemon is gone); how many waits ran out; bytes and wall
+    # time of those that ended in time (the measured link speed).
+    sync_settled: dict[int, int] = field(default_factory=dict)
+    sync_timeouts: int = 0
+    sync_bytes: int = 0
+    sync_us: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvoffdWorkerMeta)
+        for j, n in other.sync_settled.items():
+            self.sync_settled[j] = self.sync_settled.get(j, 0) + n
+        self.sync_timeouts += other.sync_timeouts
+        self.sync_bytes += other.sync_bytes
+        self.sync_us += other.sync_us
         for j, n in other.stores_done.items():
             self.stores_done[j] = self.stores_done.get(j, 0) + n
         for j, n in other.stores_failed.items():
@@ -147,7 +168,8 @@ class KvoffdWorkerMeta(KVConnectorWorkerMetadata):
         return self
 
     def is_empty(self) -> bool:
-        return not (self.stores_done or self.stores_failed or self.load_failed_at)
+        return not (self.stores_done or self.stores_failed or self.load_failed_at or self.sync_settled
+                    or self.sync_timeouts or self.sync_bytes)
 
 
 #: Counters the connector keeps; every one is a sum over the interval and over workers.
@@ -156,6 +178,7 @@ STAT_KEYS = (
     "lookups",  # LOOKUP messages sent
     "lookup_timeouts",  # lookups that became misses because no answer came in time
     "lookup_hit_blocks",  # blocks offered to vLLM as external hits
+    "sync_offers",  # hits offered to be loaded within the step (the rest: asynchronously)
     "lookup_miss_blocks",  # blocks asked about that were not offered
     "leases_released",  # leases dropped without a load
     "delayed_frees",  # finished requests held until their stores were acknowledged
@@ -167,6 +190,9 @@ STAT_KEYS = (
     "load_jobs",
     "load_blocks",
     "load_failed_jobs",
+    "sync_load_jobs",  # loads waited for within their step (also counted in load_jobs)
+    "sync_load_wait_us",  # time those waits took, summed
+    "sync_load_timeouts",  # waits that ran out: the blocks were recomputed
     "fence_waits",  # preemptions that had to wait for in-flight stores
     "fence_wait_us",
     "fence_timeouts",  # fences that waited longer than fence_timeout_s (they still waited)

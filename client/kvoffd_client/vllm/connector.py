@@ -81,7 +81,11 @@ class KvoffdConnector(KVConnectorBase_V1, SupportsHMA):
             from kvoffd_client.vllm.scheduler import KvoffdScheduler
 
             world = identity.world_size if identity else 1
-            self._scheduler = KvoffdScheduler(self.settings, identity, world, base_id)
+            # What one rank copies per block: every KV tensor's share of one block.
+            block_bytes = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors) // max(1, kv_cache_config.num_blocks)
+            device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
+            self._scheduler = KvoffdScheduler(self.settings, identity, world, base_id, block_bytes=block_bytes,
+                                              device=device)
             if identity is not None:
                 log.info("kvoffd: connector on %s, namespace %s (%s)", self.settings.address, identity.namespace,
                          ", ".join(f"{k}={v}" for k, v in identity.fields.items()))
@@ -109,7 +113,9 @@ class KvoffdConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are whole-request and asynchronous: nothing to wait for per layer."""
+        """Nothing per layer: a same-step load is waited for whole in ``start_load_kv``, which vLLM
+        runs before the forward in a step with same-step loads. (Per-layer hooks do not run under
+        full CUDA graphs, so waiting here could let a replayed graph read blocks still loading.)"""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
@@ -125,6 +131,10 @@ class KvoffdConnector(KVConnectorBase_V1, SupportsHMA):
             return KVConnectorTransferResults(set(), set(), set())
         meta = self._connector_metadata
         return self._worker.get_transfer_results(meta if isinstance(meta, KvoffdMetadata) else None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of this step's same-step loads that failed or ran out of time: vLLM recomputes them."""
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)

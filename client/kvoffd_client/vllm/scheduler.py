@@ -25,6 +25,7 @@ from kvoffd_client.vllm.common import (
 from kvoffd_client.vllm.events import NO_PARENT, block_tokens, kv_events_layout
 from kvoffd_client.vllm.groups import NULL_BLOCK_ID, GroupKind, group_key
 from kvoffd_client.vllm.identity import CacheIdentity, fold_key
+from kvoffd_client.vllm.syncload import SyncLoadBudget
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -54,6 +55,11 @@ class _Req:
     packed: bytearray = field(default_factory=bytearray)  # the same keys back to back (what LOOKUP sends)
     lookup: _Lookup | None = None
     offer_start: int = 0  # block where the last offered hit starts
+    offer_sync: bool = False  # the last offered hit is to be loaded within its step
+    # Same-step loads some worker's daemon may still write (job -> workers known settled). While any
+    # is listed, the request's stores wait (they could read blocks computed on a failed load) and a
+    # finish holds the blocks.
+    sync_jobs: dict[int, int] = field(default_factory=dict)
     load_job: int = 0  # load in flight (0: none)
     load_keys: list[bytes] = field(default_factory=list)
     no_external: bool = False  # a load for this request failed: recompute, never offer again
@@ -81,7 +87,8 @@ _MAX_KNOWN = 1 << 17  # ~8 MiB of confirmed keys
 
 
 class KvoffdScheduler:
-    def __init__(self, settings: Settings, identity: CacheIdentity | None, world_size: int, engine_id: str):
+    def __init__(self, settings: Settings, identity: CacheIdentity | None, world_size: int, engine_id: str,
+                 *, block_bytes: int = 0, device: str = "cpu"):
         self.s = settings
         self.identity = identity
         self.enabled = identity is not None
@@ -95,6 +102,8 @@ class KvoffdScheduler:
         groups = identity.groups if identity is not None else ()
         self._ngroups = max(1, len(groups))
         self._window_groups = tuple(g.index for g in groups if g.kind is GroupKind.SLIDING)
+        self.sync_budget = SyncLoadBudget.from_settings(settings, block_bytes, device, single_group=self._ngroups == 1)
+        self._sync_owner: dict[int, str] = {}  # same-step load job -> request id, until settled
         self._negative: dict[bytes, float] = {}
         # Keys the daemon recently confirmed holding (a lookup hit or an acknowledged store), so a block
         # vLLM found in its own prefix cache is not sent again. Entries age out (the daemon evicts too)
@@ -327,7 +336,8 @@ class KvoffdScheduler:
             self._drop_lookup(st)
             return 0, False
         st.offer_start = start
-        return n * bs, True
+        st.offer_sync = self.sync_budget.take(n, now)
+        return n * bs, not st.offer_sync
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -345,10 +355,16 @@ class KvoffdScheduler:
         start = st.offer_start
         keys, block_ids = self._load_plan(st, blocks.get_block_ids(), start, n)
         job = next(self._job_ids)
-        self._pending_loads.append(LoadSpec(request.request_id, job, keys, block_ids, lk.lease_id))
+        self._pending_loads.append(LoadSpec(request.request_id, job, keys, block_ids, lk.lease_id, sync=st.offer_sync))
         self._unprefetch(lk)
         st.lookup = None  # the LOAD consumes the lease
-        st.load_job, st.load_keys = job, keys
+        st.load_keys = keys
+        if st.offer_sync:  # vLLM runs the request in this step: no finished_recving will come
+            st.sync_jobs[job] = 0
+            self._sync_owner[job] = request.request_id
+            self.stats.add("sync_offers")
+        else:
+            st.load_job = job
         st.next_store = start + n
         self.stats.add("lookup_hit_blocks", n)
 
@@ -385,6 +401,7 @@ class KvoffdScheduler:
         meta = KvoffdMetadata(loads=self._pending_loads, await_stores=self._await_stores,
                               preempted=sorted(so.preempted_req_ids or ()))
         self._pending_loads, self._await_stores = [], []
+        self.sync_budget.new_step()  # this step's schedule is complete
         block_state = so.kv_connector_block_state
         if self._window_groups:
             # vLLM frees out-of-window blocks while scheduling this step, before this call.
@@ -422,7 +439,7 @@ class KvoffdScheduler:
         tokens, parents = bytearray(), bytearray()
         for req_id, n_sched in so.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
-            if st is None or n_sched <= 0:
+            if st is None or n_sched <= 0 or st.sync_jobs:
                 continue
             req = st.request
             if req_id in fresh:
@@ -478,6 +495,7 @@ class KvoffdScheduler:
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         wm = out.kv_connector_worker_meta
         if isinstance(wm, KvoffdWorkerMeta):
+            self._sync_results(wm)
             for job_id, n in wm.stores_failed.items():
                 if job_id in self._store_jobs:
                     self._store_jobs[job_id].failed += n
@@ -505,14 +523,7 @@ class KvoffdScheduler:
             if st is None:
                 continue
             if req_id in failed:
-                at = wm.load_failed_at.get(req_id, 0) if isinstance(wm, KvoffdWorkerMeta) else 0
-                bad = st.load_keys[min(at, max(len(st.load_keys) - 1, 0)):]
-                if bad:
-                    self._negative[bad[0]] = time.monotonic() + self.s.negative_ttl_s
-                for k in bad:
-                    self._known.pop(k, None)
-                st.no_external = True
-                st.next_store = 0
+                self._load_failed(st, wm.load_failed_at.get(req_id, 0) if isinstance(wm, KvoffdWorkerMeta) else 0)
                 n_failed += 1
                 log.debug("kvoffd: loading %d blocks for request %s failed", len(st.load_keys), req_id)
             st.load_job, st.load_keys = 0, []
@@ -520,6 +531,41 @@ class KvoffdScheduler:
             log.warning("kvoffd: %d load(s) failed this step; vLLM recomputes those blocks", n_failed)
         for req_id in out.finished_sending or ():
             self._reqs.pop(req_id, None)
+
+    def _load_failed(self, st: _Req, at: int) -> None:
+        """A load failed from its block ``at``: those keys are misses for a while (vLLM may ask again
+        from zero), and the request is never offered a hit again."""
+        bad = st.load_keys[min(at, max(len(st.load_keys) - 1, 0)):]
+        if bad:
+            self._negative[bad[0]] = time.monotonic() + self.s.negative_ttl_s
+        for k in bad:
+            self._known.pop(k, None)
+        st.no_external = True
+        st.next_store = 0
+
+    def _sync_results(self, wm: KvoffdWorkerMeta) -> None:
+        """Same-step loads: the measured link speed, failures, and loads settled on every worker."""
+        self.sync_budget.observe(wm.sync_bytes, wm.sync_us, wm.sync_timeouts, time.monotonic())
+        failed = 0
+        for req_id, at in wm.load_failed_at.items():
+            st = self._reqs.get(req_id)
+            if st is not None and st.sync_jobs and not st.load_job:
+                self._load_failed(st, at)
+                failed += 1
+        if failed:
+            log.warning("kvoffd: %d same-step load(s) failed this step; vLLM recomputes those blocks", failed)
+        for job, n in wm.sync_settled.items():
+            req_id = self._sync_owner.get(job)
+            st = self._reqs.get(req_id) if req_id is not None else None
+            if st is None or job not in st.sync_jobs:
+                self._sync_owner.pop(job, None)
+                continue
+            st.sync_jobs[job] += n
+            if st.sync_jobs[job] >= self.world_size:
+                del st.sync_jobs[job], self._sync_owner[job]
+                if not st.sync_jobs:
+                    st.load_keys = []
+                    st.next_store = 0  # stores resume, from the start (what the daemon holds is skipped)
 
     def request_finished(self, request: Request, block_ids: list[int] | tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -537,7 +583,8 @@ class KvoffdScheduler:
             # finished_sending would free them twice. Stores from before a preemption were fenced.
             self._reqs.pop(request.request_id, None)
             return False, None
-        if st.store_jobs:
+        if st.store_jobs or st.sync_jobs:
+            # (a same-step load whose wait ran out may still be written into these blocks)
             self._await_stores.append(request.request_id)
             self.stats.add("delayed_frees")
             return True, None

@@ -2,9 +2,10 @@
 
 The daemon copies on its own, so the worker only sends one STORE per step (after the forward) and
 one LOAD per loading request, and turns the daemon's NOTICEs into vLLM's finished/failed sets. It
-never waits, except to fence a preemption: vLLM frees a preempted request's blocks without telling
+waits only twice. To fence a preemption: vLLM frees a preempted request's blocks without telling
 the connector and may hand them out in the same step, so stores still reading them must finish
-before this step's forward writes there. No job is given up on a timer: a load's request waits (as
+before this step's forward writes there. And for a same-step load (kvoffd_client.vllm.syncload),
+bounded: the forward reads its blocks. No job is given up on a timer: a load's request waits (as
 vLLM's WAITING_FOR_REMOTE_KVS) and a finished request's blocks stay held until the job's notice, or
 until the client fails the job because the daemon that took it is gone (kvoffd_client.liveness);
 other requests go on meanwhile. Where TP ranks hold identical KV (MLA, ``CacheIdentity.replicas``)
@@ -41,6 +42,10 @@ class _StoreJob:
 class _LoadJob:
     req_id: str
     n: int
+    #: A same-step load: its blocks, for vLLM's load-error path (a failure is reported per block,
+    #: never through finished_recving: vLLM is not waiting for this request).
+    block_ids: list[int] | None = None
+    late: bool = False  # the step's wait ran out: the daemon may still write its blocks
 
 
 def _log_group_coverage(kv_caches: dict[str, torch.Tensor], identity: CacheIdentity, num_blocks: int) -> None:
@@ -86,12 +91,15 @@ class KvoffdWorker:
         self._cuda: Any = None  # handles_cuda.CudaExport on GPUs
         self._kv_caches: dict[str, torch.Tensor] | None = None
         self._registered = False  # REGISTER was sent (or is remembered for replay on connect)
+        self._block_bytes = 0  # bytes this rank copies per block (measures same-step loads)
         self._stores: dict[int, _StoreJob] = {}
         self._req_stores: dict[str, set[int]] = {}
         self._loads: dict[int, _LoadJob] = {}
         self._awaiting: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        self._invalid_blocks: set[int] = set()  # same-step loads that failed, for this step's output
+        self._late: dict[str, set[int]] = {}  # req id -> same-step loads past their wait, still in flight
         self._meta = KvoffdWorkerMeta()
         #: Store jobs this worker is waiting for before a forward (empty otherwise); tests watch it.
         self.fencing: frozenset[int] = frozenset()
@@ -137,6 +145,7 @@ class KvoffdWorker:
             return
         layout["desc"] = f"{self.identity.fields.get('layout')} {layout.get('desc', '')}"[:200]
         layout.update(kv_events_layout(self.identity))  # whether the daemon may publish KV events
+        self._block_bytes = sum(int(seg[2]) for seg in layout.get("segments", ()))
         self._registered = True
         try:
             reg = self.client.register(self.engine_id, self.identity.namespace, self.rank,
@@ -180,7 +189,9 @@ class KvoffdWorker:
                     self._cuda.ring.release(sj.event)
                 continue
             lj = self._loads.pop(nt.job_id, None)
-            if lj is not None:
+            if lj is not None and lj.block_ids is not None:
+                self._sync_done(nt, lj)
+            elif lj is not None:
                 self._finished_recving.add(lj.req_id)
                 if not nt.ok or nt.failed:
                     self._failed_recving.add(lj.req_id)
@@ -189,17 +200,40 @@ class KvoffdWorker:
                     log.debug("kvoffd: load job %d for %s failed (%s: %s)", nt.job_id, lj.req_id, nt.code,
                               nt.message)
 
+    def _sync_done(self, nt: Notice, lj: _LoadJob) -> None:
+        """A same-step load ended: its blocks are the daemon's no more (the scheduler may free them)."""
+        self._meta.sync_settled[nt.job_id] = self._meta.sync_settled.get(nt.job_id, 0) + 1
+        if lj.late:
+            jobs = self._late.get(lj.req_id, set())
+            jobs.discard(nt.job_id)
+            if not jobs:
+                self._late.pop(lj.req_id, None)
+            return  # already reported failed when its wait ran out
+        if not nt.ok or nt.failed:
+            self._sync_failed(lj, min(nt.failed) if nt.failed else 0)
+            log.debug("kvoffd: same-step load %d for %s failed (%s: %s)", nt.job_id, lj.req_id, nt.code, nt.message)
+
+    def _sync_failed(self, lj: _LoadJob, at: int) -> None:
+        """Report blocks ``at..`` of a same-step load through vLLM's load-error path: vLLM cuts the
+        request back to the first of them, drops this step's token for it and recomputes."""
+        assert lj.block_ids is not None
+        self._invalid_blocks.update(lj.block_ids[at:])
+        self._meta.load_failed_at[lj.req_id] = min(at, self._meta.load_failed_at.get(lj.req_id, at))
+        self.stats.add("load_failed_jobs")
+
     def _poll(self) -> None:
         # take_notices also drives reconnection, so call it while the link is down too.
         if self.client is not None and (self._stores or self._loads or not self.client.connected):
             self._complete(self.client.take_notices())
 
     def handle_preemptions(self, meta: KvoffdMetadata) -> None:
-        if not (meta.preempted or meta.fence_jobs) or not self._stores:
+        if not (meta.preempted or meta.fence_jobs) or not (self._stores or self._late):
             return
         preempted = set(meta.preempted)
         jobs = {j for j, sj in self._stores.items() if preempted.intersection(sj.req_ids)}
         jobs.update(j for j in meta.fence_jobs if j in self._stores)
+        # A same-step load past its wait may still write the preempted request's blocks.
+        jobs.update(j for r in preempted.intersection(self._late) for j in self._late[r])
         if not jobs or self.client is None:
             return
         t0 = time.perf_counter()
@@ -218,35 +252,80 @@ class KvoffdWorker:
         keys. A frozen daemon stalls this step (logged every ``fence_timeout_s``) until it thaws,
         answers or dies; stores normally end long before, so the wait is microseconds."""
         assert self.client is not None
-        left = jobs.intersection(self._stores)
+        left = {j for j in jobs if j in self._stores or j in self._loads}
         logged = False
         while left:
             self._complete(self.client.wait_notices(left, self.s.fence_timeout_s))
-            left = left.intersection(self._stores)
+            left = {j for j in left if j in self._stores or j in self._loads}
             if left:
                 if not logged:
                     self.stats.add("fence_timeouts")
                     logged = True
-                log.error("kvoffd: %d store jobs may still read freed blocks (preempted, or out of a sliding window) after %.1f s; "
+                log.error("kvoffd: %d jobs may still touch freed blocks (preempted, or out of a sliding window) after %.1f s; "
                           "this step waits until the daemon answers or is gone (frozen or stalled daemon?)",
                           len(left), time.perf_counter() - t0)
 
     def start_load_kv(self, meta: KvoffdMetadata) -> None:
+        """Submit the step's loads; then wait for its same-step loads (vLLM calls this before the
+        forward when the step has any: ``SchedulerOutput.has_sync_kv_loads``)."""
+        sync: set[int] = set()
         for ld in meta.loads:
             self.stats.add("load_jobs")
             self.stats.add("load_blocks", len(ld.keys))
+            lj = _LoadJob(ld.req_id, len(ld.keys), list(ld.block_ids) if ld.sync else None)
             try:
                 if not self.active:
                     raise DaemonUnavailable()
                 assert self.client is not None
-                self.client.submit_load(self.engine_id, ld.job_id, ld.keys, ld.block_ids, lease_id=ld.lease_id)
-                self._loads[ld.job_id] = _LoadJob(ld.req_id, len(ld.keys))
+                # A same-step load is not started after the step gave up on it (its blocks are
+                # recomputed by then); it still ends only with its notice.
+                self.client.submit_load(self.engine_id, ld.job_id, ld.keys, ld.block_ids, lease_id=ld.lease_id,
+                                        deadline_s=self.s.sync_load_timeout_ms / 1000 if ld.sync else None)
+                self._loads[ld.job_id] = lj
+                if ld.sync:
+                    sync.add(ld.job_id)
             except (DaemonUnavailable, KvoffdError):
+                if ld.sync:  # nothing was sent: nothing can write its blocks
+                    self._meta.sync_settled[ld.job_id] = self._meta.sync_settled.get(ld.job_id, 0) + 1
+                    self._sync_failed(lj, 0)
+                    continue
                 # Reported as failed with this step's results: vLLM recomputes.
                 self._finished_recving.add(ld.req_id)
                 self._failed_recving.add(ld.req_id)
                 self._meta.load_failed_at[ld.req_id] = 0
                 self.stats.add("load_failed_jobs")
+        if sync:
+            self._wait_sync(sync, meta)
+
+    def _wait_sync(self, jobs: set[int], meta: KvoffdMetadata) -> None:
+        """Wait (at most ``sync_load_timeout_ms``) for this step's same-step loads. A load still out
+        then is reported failed (its blocks recomputed) but stays in flight: its blocks remain the
+        request's, and a preemption or finish of the request waits for it (handle_preemptions, and
+        the scheduler's delayed free), since the daemon may still write them."""
+        assert self.client is not None
+        t0 = time.perf_counter()
+        self._complete(self.client.wait_notices(jobs, self.s.sync_load_timeout_ms / 1000))
+        us = int((time.perf_counter() - t0) * 1e6)
+        self.stats.add("sync_load_jobs", len(jobs))
+        self.stats.add("sync_load_wait_us", us)
+        late = [j for j in jobs if j in self._loads]
+        for j in late:
+            lj = self._loads[j]
+            lj.late = True
+            self._late.setdefault(lj.req_id, set()).add(j)
+            self._sync_failed(lj, 0)
+        if late:
+            self.stats.add("sync_load_timeouts", len(late))
+            self._meta.sync_timeouts += len(late)
+            log.warning("kvoffd: %d same-step load(s) not done after %d ms; vLLM recomputes those blocks, "
+                        "and loads are asynchronous for a while", len(late), self.s.sync_load_timeout_ms)
+        elif us > 0:
+            self._meta.sync_bytes += sum(len(ld.block_ids) for ld in meta.loads if ld.job_id in jobs) * self._block_bytes
+            self._meta.sync_us += us
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid_blocks = self._invalid_blocks, set()
+        return out
 
     def wait_for_save(self, meta: KvoffdMetadata) -> None:
         """Submit the step's STORE. On CPU the forward is done when this runs; on CUDA an event marks it."""
@@ -287,7 +366,7 @@ class KvoffdWorker:
         self._poll()
         sending: set[str] = set()
         if self._awaiting:
-            sending = {r for r in self._awaiting if r not in self._req_stores}
+            sending = {r for r in self._awaiting if r not in self._req_stores and r not in self._late}
             self._awaiting -= sending
         recving, self._finished_recving = self._finished_recving, set()
         failed, self._failed_recving = self._failed_recving, set()
@@ -341,8 +420,9 @@ class KvoffdWorker:
     def shutdown(self) -> None:
         client = self.client
         if client is not None:
-            if self._stores:
-                self._complete(client.wait_notices(set(self._stores), min(self.s.fence_timeout_s, 2.0)))
+            if self._stores or self._late:
+                self._complete(client.wait_notices(set(self._stores) | set().union(*self._late.values()),
+                                                   min(self.s.fence_timeout_s, 2.0)))
             if self._registered and client.connected:
                 try:
                     client.unregister(self.engine_id, timeout_s=1.0)
