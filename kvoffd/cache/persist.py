@@ -17,7 +17,7 @@ a pool that lives in a file (kvoffd/cache/pool_file.py), keeping its slot record
 
 ``adopt`` (at start, before the daemon serves) rebuilds the pool's slabs and the index from the sealed
 records: the blocks are visible at once. Their bytes are verified lazily: the first LOAD of an
-adopted block checks its crc32 first (the ``--verify`` machinery of kvoffd/server/jobs.py), and a
+adopted block checks its crc32 first (the ``--verify`` machinery of kvoffd/server/verify.py), and a
 background pass checks the rest; a mismatch drops that block only (a counted miss). The end of that
 pass is "full adoption" (``stats()['verified_s']``).
 """
