@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvoffd.cache.index import Index, StorePlan
-from kvoffd.cache.persist import Keeper
+from kvoffd.cache.keeper import Keeper
 from kvoffd.cache.pool import Pool
 from kvoffd.cache.tiers.manager import PROMOTE_WAIT_S, Tiers
 from kvoffd.metrics import Metrics

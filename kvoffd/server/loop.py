@@ -28,7 +28,7 @@ import zmq
 
 from kvoffd import __version__, sdnotify
 from kvoffd.cache.index import Index
-from kvoffd.cache.persist import keeper, open_pool
+from kvoffd.cache.keeper import keeper, open_pool
 from kvoffd.cache.tiers.manager import make_tiers
 from kvoffd.config import Config
 from kvoffd.events.publisher import make_publisher

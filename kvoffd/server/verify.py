@@ -22,7 +22,7 @@ from kvoffd.transfer.base import Direction, JobExpired, past
 from kvoffd_client.protocol import NoticeCode
 
 if TYPE_CHECKING:
-    from kvoffd.cache.persist import Keeper
+    from kvoffd.cache.keeper import Keeper
     from kvoffd.cache.pool import Pool
     from kvoffd.metrics import Metrics
 
