@@ -34,6 +34,8 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
 from kvoffd.cache.entries import Entry, Hits, LoadPlan, Namespace, StorePlan, Table
+from kvoffd.cache.index_views import IndexViews
+from kvoffd.cache.observer import IndexObserver
 from kvoffd.cache.policy import LRU, EvictionPolicy, make_policy
 from kvoffd.cache.pool import Pool
 from kvoffd.cache.reclaim import ChunkReclaim, _Drain
@@ -47,39 +49,7 @@ _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoff
 log = logging.getLogger(__name__)
 
 
-class IndexObserver:
-    """Something that mirrors the index: warm-restart slot records, a lower tier, a KV-event stream.
-
-    One seam for all of them, so that none needs a branch in the server: the index calls every
-    registered observer, on the loop thread, synchronously, at each moment below. Subclass it and
-    override the moments you need (the others do nothing). Observers must not block and must not call
-    back into the index from inside a call.
-    """
-
-    def committed(self, entries: Sequence[Entry]) -> None:
-        """``entries`` just became visible: their copy completed and their bytes are in their slots."""
-
-    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
-        """The index chose ``entries`` to make room (eviction, or emptying a chunk for another slot
-        size): their ``freeing`` follows at once. A lower tier keeps them from here."""
-
-    def unlinked(self, entries: Sequence[Entry]) -> None:
-        """Committed ``entries`` left the index (CLEAR, found corrupt) while refs still hold them (a LOAD,
-        a lease): they are gone now, but their slots are freed (``freeing``) only when the last ref drops."""
-
-    def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
-        """The slots of ``entries`` go back to the pool right after this call and may be reused at once.
-
-        The entries are already dead (evicted, cleared, discarded, drained, or a failed store's); their
-        bytes are still in place during the call and only then. ``e.ready`` tells a committed one.
-        """
-
-    def cleared(self, namespace: str) -> None:
-        """CLEAR removed every entry of ``namespace`` (told once per namespace, after its entries)."""
-
-
-
-class Index(ChunkReclaim):
+class Index(ChunkReclaim, IndexViews):
     """Refs are lazy with respect to the LRU: taking one is ``entry.refs += 1`` and nothing else
     (``hold`` takes thousands per step for leases, in one loop here); eviction skips held entries it
     meets and ``release`` puts them back as most recently used. Callers never touch ``refs``."""
@@ -577,43 +547,6 @@ class Index(ChunkReclaim):
             self.failed.clear()
         self.resident -= removed
         return removed
-
-    def namespace_stats(self) -> list[dict]:
-        out = []
-        for ns in self.namespaces.values():
-            blocks = sum(len(t.visible) for t in ns.tables.values())
-            nbytes = sum(len(t.visible) * t.slot_bytes for t in ns.tables.values())
-            out.append({"namespace": ns.name, "world_size": ns.world_size, "replicas": ns.replicas,
-                        "ranks": sorted(ns.tables), "blocks": blocks, "bytes": nbytes})
-        return out
-
-    def explain(self, namespace: str, keys: list[bytes]) -> list[dict]:
-        ns = self.namespaces.get(namespace)
-        out = []
-        for k in keys:
-            item: dict = {"key": k.hex()}
-            ranks = {}
-            if ns is not None:
-                for r, t in ns.tables.items():
-                    e = t.entries.get(k)
-                    if e is not None:
-                        ranks[r] = ("resident" if e.ready else "storing", e.stored_at, e.refs, e.slot)
-            if ns is None:
-                item["state"] = "namespace_unknown"
-            elif len(ranks) * ns.replicas == ns.world_size and all(v[0] == "resident" for v in ranks.values()):
-                item.update(state="resident", stored_at=min(v[1] for v in ranks.values()),
-                            pinned=any(v[2] for v in ranks.values()),
-                            slots={str(r): v[3] for r, v in ranks.items()})
-            elif ranks:
-                item.update(state="partial", ranks={str(r): v[0] for r, v in ranks.items()})
-            elif (namespace, k) in self.evicted:
-                item.update(state="evicted", at=self.evicted[(namespace, k)])
-            elif (namespace, k) in self.failed:
-                item.update(state="failed", at=self.failed[(namespace, k)])
-            else:
-                item["state"] = "never_seen"
-            out.append(item)
-        return out
 
     @staticmethod
     def _remember(history: OrderedDict, key: tuple[str, bytes], when: float) -> None:

@@ -1,6 +1,6 @@
 """Warm restart: the index's mirror in the pool file, and adoption of a previous daemon's blocks.
 
-``Persistence`` is an ``IndexObserver`` (kvoffd/cache/index.py: it overrides the moments below; the
+``Persistence`` is an ``IndexObserver`` (kvoffd/cache/observer.py: it overrides the moments below; the
 index's ``evicted`` and ``cleared`` need nothing more here, since their slots' ``freeing`` follows) of
 a pool that lives in a file (kvoffd/cache/pool_file.py), keeping its slot records
 (kvoffd/cache/slots_table.py) true:
