@@ -8,7 +8,7 @@ import signal
 import sys
 
 from kvoffd import sdnotify
-from kvoffd.config import ConfigError, check_pool_fits, check_pool_geometry, format_size, load_config
+from kvoffd.config import Config, ConfigError, check_pool_fits, check_pool_geometry, format_size, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,48 +35,51 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
     except ImportError:
         uvloop = None
+    if uvloop is not None:
+        return uvloop.run(_serve(cfg))
+    return asyncio.run(_serve(cfg))
+
+
+async def _serve(cfg: Config) -> int:
+    """Build, bind and run the daemon until SIGINT/SIGTERM; 1 if it cannot start."""
     from kvoffd.server.endpoint import AddressInUse
     from kvoffd.server.loop import Server
 
-    async def run() -> int:
+    try:
+        daemon = Server(cfg)
+        daemon.bind()
+    except (AddressInUse, OSError, RuntimeError, MemoryError) as e:
+        logging.getLogger("kvoffd").error("cannot start: %s", e)
+        return 1
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        sdnotify.stopping(f"draining {daemon.jobs_in_flight} jobs")
+        daemon.stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    http = None
+    hp = cfg.metrics_host_port
+    if hp is not None:
+        from kvoffd.server.http import start_http
+
         try:
-            daemon = Server(cfg)
-            daemon.bind()
-        except (AddressInUse, OSError, RuntimeError, MemoryError) as e:
-            logging.getLogger("kvoffd").error("cannot start: %s", e)
+            http = await start_http(daemon, *hp)
+        except OSError as e:
+            logging.getLogger("kvoffd").error("cannot serve metrics on %s: %s", cfg.metrics_address, e)
             return 1
-        loop = asyncio.get_running_loop()
+        port = http.sockets[0].getsockname()[1]
+        daemon.metrics_address = f"{hp[0]}:{port}"
+        logging.getLogger("kvoffd").info("metrics on http://%s:%d/metrics", hp[0], port)
 
-        def stop() -> None:
-            sdnotify.stopping(f"draining {daemon.jobs_in_flight} jobs")
-            daemon.stop()
+    def ready() -> None:
+        sdnotify.ready(f"serving on {daemon.bound_address}; pool {format_size(daemon.pool.nbytes)}, "
+                       f"backends {','.join(b.name for b in daemon.backends)}")
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop)
-        http = None
-        hp = cfg.metrics_host_port
-        if hp is not None:
-            from kvoffd.server.http import start_http
-
-            try:
-                http = await start_http(daemon, *hp)
-            except OSError as e:
-                logging.getLogger("kvoffd").error("cannot serve metrics on %s: %s", cfg.metrics_address, e)
-                return 1
-            port = http.sockets[0].getsockname()[1]
-            daemon.metrics_address = f"{hp[0]}:{port}"
-            logging.getLogger("kvoffd").info("metrics on http://%s:%d/metrics", hp[0], port)
-        def ready() -> None:
-            sdnotify.ready(f"serving on {daemon.bound_address}; pool {format_size(daemon.pool.nbytes)}, "
-                           f"backends {','.join(b.name for b in daemon.backends)}")
-
-        try:
-            await daemon.serve(on_ready=ready)
-        finally:
-            if http is not None:
-                http.close()
-        return 0
-
-    if uvloop is not None:
-        return uvloop.run(run())
-    return asyncio.run(run())
+    try:
+        await daemon.serve(on_ready=ready)
+    finally:
+        if http is not None:
+            http.close()
+    return 0

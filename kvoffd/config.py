@@ -9,6 +9,7 @@ import argparse
 import ipaddress
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvoffd.cache.policy import DEFAULT_POLICY, LRU, POLICIES
@@ -212,7 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> Config:
     env = os.environ if environ is None else environ
-    args = build_parser().parse_args(argv)
+    raw = _raw_settings(build_parser().parse_args(argv), env)
+    cfg = Config()
+    try:
+        _apply(cfg, raw)
+    except ValueError as e:
+        raise ConfigError(str(e) if isinstance(e, ConfigError) else f"bad value: {e}") from None
+    _check(cfg, raw)
+    return cfg
+
+
+def _raw_settings(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:
+    """Each setting given, flag over ``KVOFFD_*`` environment variable, still unparsed."""
     raw: dict[str, object] = {}
     for name in [f[0] for f in _FLAGS] + ["allow_remote", "verify", "cold"]:
         v = getattr(args, name)
@@ -220,41 +232,47 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
             v = env.get("KVOFFD_" + name.upper())
         if v is not None:
             raw[name] = v
-    cfg = Config()
-    try:
-        if "address" in raw:
-            cfg.address = str(raw["address"])
-        if "pool_size" in raw:
-            cfg.pool_size = parse_size(str(raw["pool_size"]))
-        if "metrics_address" in raw:
-            cfg.metrics_address = str(raw["metrics_address"])
-        if "log_level" in raw:
-            cfg.log_level = str(raw["log_level"]).lower()
-        if "backend" in raw:
-            cfg.backend = str(raw["backend"]).lower()
-        if "engine_timeout" in raw:
-            cfg.engine_timeout_s = float(str(raw["engine_timeout"]))
-        if "copy_threads" in raw:
-            cfg.copy_threads = int(str(raw["copy_threads"]))
-        if "auth_token_file" in raw:
-            cfg.auth_token_file = str(raw["auth_token_file"])
-        if "eviction_policy" in raw:
-            cfg.eviction_policy = str(raw["eviction_policy"]).lower()
-        if "pool_path" in raw:
-            cfg.pool_path = str(raw["pool_path"])
-        for name in ("kv_events_address", "kv_events_replay_address", "kv_events_topic"):
-            if name in raw:
-                setattr(cfg, name, str(raw[name]))
-        if "disk_path" in raw:
-            cfg.disk_path = str(raw["disk_path"])
-        if "disk_size" in raw:
-            cfg.disk_size = parse_size(str(raw["disk_size"]))
-        for flag in ("allow_remote", "verify", "cold"):
-            if flag in raw:
-                v = raw[flag]
-                setattr(cfg, flag, v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on"))
-    except ValueError as e:
-        raise ConfigError(str(e) if isinstance(e, ConfigError) else f"bad value: {e}") from None
+    return raw
+
+
+def _apply(cfg: Config, raw: dict[str, object]) -> None:
+    """Parse the settings given into ``cfg`` (ValueError for one that does not parse)."""
+    if "address" in raw:
+        cfg.address = str(raw["address"])
+    if "pool_size" in raw:
+        cfg.pool_size = parse_size(str(raw["pool_size"]))
+    if "metrics_address" in raw:
+        cfg.metrics_address = str(raw["metrics_address"])
+    if "log_level" in raw:
+        cfg.log_level = str(raw["log_level"]).lower()
+    if "backend" in raw:
+        cfg.backend = str(raw["backend"]).lower()
+    if "engine_timeout" in raw:
+        cfg.engine_timeout_s = float(str(raw["engine_timeout"]))
+    if "copy_threads" in raw:
+        cfg.copy_threads = int(str(raw["copy_threads"]))
+    if "auth_token_file" in raw:
+        cfg.auth_token_file = str(raw["auth_token_file"])
+    if "eviction_policy" in raw:
+        cfg.eviction_policy = str(raw["eviction_policy"]).lower()
+    if "pool_path" in raw:
+        cfg.pool_path = str(raw["pool_path"])
+    for name in ("kv_events_address", "kv_events_replay_address", "kv_events_topic"):
+        if name in raw:
+            setattr(cfg, name, str(raw[name]))
+    if "disk_path" in raw:
+        cfg.disk_path = str(raw["disk_path"])
+    if "disk_size" in raw:
+        cfg.disk_size = parse_size(str(raw["disk_size"]))
+    for flag in ("allow_remote", "verify", "cold"):
+        if flag in raw:
+            v = raw[flag]
+            setattr(cfg, flag, v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on"))
+
+
+def _check(cfg: Config, raw: dict[str, object]) -> None:
+    """Refuse values out of range or contradicting each other, with one line naming the flag (and give
+    a disk tier lru unless a policy was asked for)."""
     if cfg.log_level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"--log-level must be debug, info, warning or error, got {cfg.log_level!r}")
     if cfg.backend not in ("auto", "cpu", "cuda"):
@@ -282,7 +300,6 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     cfg.address = check_address(cfg.address, cfg.allow_remote)
     cfg.metrics_host_port  # noqa: B018 - validates
     _check_kv_events(cfg)
-    return cfg
 
 
 def _check_kv_events(cfg: Config) -> None:

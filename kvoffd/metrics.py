@@ -140,6 +140,15 @@ class Metrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.lookup = LookupCounts()
         r.register(_LookupCounters(self.lookup))
+        self._block_series(r)
+        self._job_series(r)
+        self._daemon_series(r, version)
+        self._label_every_series()
+        if read_state is not None:
+            self.watch_live_state(read_state)
+
+    def _block_series(self, r: CollectorRegistry) -> None:
+        """What happened to blocks: missed, stored, loaded, evicted, refused, dropped."""
         self.misses = Counter("kvoffd_misses", "Missed blocks by the reason of the first miss in the lookup",
                               ["reason"], registry=r)
         self.stored_blocks = Counter("kvoffd_stored_blocks", "Blocks copied into the pool", registry=r)
@@ -147,6 +156,15 @@ class Metrics:
                                          "Blocks a STORE named that were already resident (no copy)", registry=r)
         self.loaded_blocks = Counter("kvoffd_loaded_blocks", "Blocks copied back into an engine: the hits "
                                      "served", registry=r)
+        self.evicted_blocks = Counter("kvoffd_evicted_blocks", "Blocks evicted (LRU) to make room", registry=r)
+        self.admission_refused = Counter("kvoffd_admission_refused_blocks", "New blocks of a STORE the "
+                                         "admission policy refused (--eviction-policy): not stored, not copied",
+                                         registry=r)
+        self.dropped_stores = Counter("kvoffd_dropped_stores", "Blocks a STORE could not keep, by reason",
+                                      ["reason"], registry=r)
+
+    def _job_series(self, r: CollectorRegistry) -> None:
+        """How copies went: bytes, latency, sizes, speed, failures, expiries."""
         self.transfer_bytes = Counter("kvoffd_transfer_bytes", "Bytes moved, by direction", ["direction"],
                                       registry=r)
         self.transfer_seconds = Histogram("kvoffd_transfer_seconds", "Job latency from accepted to complete",
@@ -158,12 +176,6 @@ class Metrics:
         self.link_ceiling_gbps = Gauge("kvoffd_link_ceiling_gbps",
                                        "Host<->device copy ceiling measured at start (0: not measured)",
                                        ["direction"], registry=r)
-        self.evicted_blocks = Counter("kvoffd_evicted_blocks", "Blocks evicted (LRU) to make room", registry=r)
-        self.admission_refused = Counter("kvoffd_admission_refused_blocks", "New blocks of a STORE the "
-                                         "admission policy refused (--eviction-policy): not stored, not copied",
-                                         registry=r)
-        self.dropped_stores = Counter("kvoffd_dropped_stores", "Blocks a STORE could not keep, by reason",
-                                      ["reason"], registry=r)
         self.failed_jobs = Counter("kvoffd_failed_jobs", "Jobs whose copy failed", ["direction"], registry=r)
         self.checksum_failures = Counter("kvoffd_checksum_failures", "Blocks whose checksum did not match on "
                                          "load (--verify); each is reported failed so the engine recomputes",
@@ -171,6 +183,9 @@ class Metrics:
         self.expired_jobs = Counter("kvoffd_expired_jobs", "Jobs not started by their deadline: refused on arrival "
                                     "or stopped where their copy was to start (backlog or stalled daemon)",
                                     registry=r)
+
+    def _daemon_series(self, r: CollectorRegistry, version: str) -> None:
+        """The daemon itself: errors, engines, KV events, start time, build."""
         self.errors = Counter("kvoffd_errors", "ERROR replies, by code", ["code"], registry=r)
         self.engine_events = Counter("kvoffd_engine_events", "Engine registrations and departures",
                                      ["event"], registry=r)
@@ -183,6 +198,9 @@ class Metrics:
         self.start_time.set_to_current_time()
         self.build = Info("kvoffd_build", "Build information", registry=r)
         self.build.info({"version": version, "protocol": str(PROTOCOL_VERSION)})
+
+    def _label_every_series(self) -> None:
+        """Every label value exists from the start (at 0), so a query never sees a series appear."""
         for reason in MISS_REASONS:
             self.misses.labels(reason)
         for d in DIRECTIONS:
@@ -198,8 +216,6 @@ class Metrics:
             self.errors.labels(code.value)
         for ev in ("registered", "unregistered", "disconnected", "timed_out"):
             self.engine_events.labels(ev)
-        if read_state is not None:
-            self.watch_live_state(read_state)
 
     def watch_live_state(self, read_state: Callable[[], dict[str, Any]]) -> None:
         """Export the gauges ``read_state`` gives at each scrape (the server calls it once it has the

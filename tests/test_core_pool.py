@@ -11,8 +11,9 @@ import tracemalloc
 
 from kvtest import chain_keys
 
-from kvoffd.cache.index import RECLAIM_BUDGET, Index, Table
+from kvoffd.cache.index import Index, Table
 from kvoffd.cache.pool import Pool
+from kvoffd.cache.reclaim import RECLAIM_BUDGET
 
 KB = 1024
 

@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "kvoffd" / "server"
 #: the handlers' modules: what the daemon knows and how it answers, given reply/spawn callables
-HANDLERS = ("sessions", "register", "jobs", "admin", "limits", "endpoint", "pidwatch")
+HANDLERS = ("sessions", "register", "jobs", "job", "verify", "admin", "limits", "endpoint", "pidwatch")
 
 
 def _imports(path: Path) -> set[str]:

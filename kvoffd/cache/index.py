@@ -18,7 +18,7 @@ Rules it keeps (docs/architecture.md):
     policies existed (bench/trace_replay.py checks it against an exact model);
   * CLEAR unlinks entries at once; a slot still being copied is freed when its job ends;
   * a slot size below its fair share of the pool takes a chunk from the one furthest above it,
-    evicting that chunk's unheld entries a bounded number per store (``_reclaim``);
+    evicting that chunk's unheld entries a bounded number per store (``_reclaim``, reclaim.py);
   * observers (``IndexObserver``: a persistent slot table, a lower tier, an event stream) are told of
     every entry that becomes visible and of every slot before it goes back to the pool, in the same
     loop callback, so what they keep can never disagree with the index for longer than that callback.
@@ -32,174 +32,24 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
-from itertools import takewhile
 
+from kvoffd.cache.entries import Entry, Hits, LoadPlan, Namespace, StorePlan, Table
+from kvoffd.cache.index_views import IndexViews
+from kvoffd.cache.observer import IndexObserver
 from kvoffd.cache.policy import LRU, EvictionPolicy, make_policy
 from kvoffd.cache.pool import Pool
-from kvoffd_client.protocol import KEY_SIZE, MissReason, split_keys
+from kvoffd.cache.reclaim import ChunkReclaim, _Drain
+from kvoffd.cache.runs import Run, leading
+from kvoffd_client.protocol import KEY_SIZE, MissReason
+
+__all__ = ["Entry", "Hits", "Index", "IndexObserver", "LoadPlan", "Namespace", "StorePlan", "Table"]
 
 _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoffctl explain`
-RECLAIM_BUDGET = 4096  # entries one store may evict from a chunk taken for another slot size
-_PICK_CHUNKS = 4  # candidate chunks compared (the least recently allocated from)
-_PICK_CHECK = 2  # candidates scanned for held entries (a scan costs one dict probe per slot of the chunk)
-_DRAIN_SCAN = 8 * RECLAIM_BUDGET  # slots of the draining chunk looked at per store
-DRAIN_PATIENCE_S = 30.0  # a drain stuck on held entries this long is given up (the connector leases 30 s)
 
 log = logging.getLogger(__name__)
 
 
-class Run:
-    """The keys one commit made visible in one table, in the order the STORE listed them.
-
-    A LOOKUP that finds one of them compares the keys that follow it in the request with the keys
-    that follow it here as two binaries (one memcmp) instead of one dict probe per key: a prompt
-    stored in a few chunks is checked in a few steps, and a lease takes the matching entries as one
-    list slice. When any member stops being visible the run forgets its keys and entries
-    (``invalidate``): the shortcut never reports a key that is not there, and a run costs memory only
-    while all its blocks are resident.
-    """
-
-    __slots__ = ("keys", "entries")
-
-    def __init__(self, keys: bytes, entries: list[Entry]):
-        self.keys = keys
-        self.entries = entries
-
-    def invalidate(self) -> None:
-        self.keys = b""
-        self.entries = []
-
-
-class Entry:
-    __slots__ = ("key", "table", "slot", "ready", "refs", "dead", "in_lru", "stored_at", "checksum", "run",
-                 "run_at")
-
-    def __init__(self, key: bytes, table: Table, slot: int, refs: int = 0):
-        self.key = key
-        self.table = table
-        self.slot = slot
-        self.ready = False
-        self.refs = refs
-        self.dead = False  # unlinked (evicted, cleared, failed) while a job may still hold it
-        self.in_lru = False
-        self.stored_at = 0.0  # set when the copy completes
-        self.checksum = -1  # set in --verify mode
-        self.run: Run | None = None  # set when it becomes visible
-        self.run_at = 0  # its index in the run
-
-
-@dataclass(eq=False)  # hashed by identity (commit groups entries by table)
-class Table:
-    """One (namespace, rank): its entries (``visible`` holds the ready ones) and its slot size."""
-
-    namespace: str
-    rank: int
-    slot_bytes: int
-    entries: dict[bytes, Entry] = field(default_factory=dict)
-    visible: dict[bytes, Entry] = field(default_factory=dict)
-
-
-@dataclass
-class _Drain:
-    """A chunk being emptied for another slot size: ``cursor`` is the next of its carved slots to
-    look at; ``progress_at`` when it last evicted something."""
-
-    chunk: int
-    slot_bytes: int  # the size whose entries live there now
-    cursor: int = 0
-    progress_at: float = 0.0
-
-
-@dataclass
-class Namespace:
-    name: str
-    world_size: int
-    replicas: int = 1  # consecutive ranks sharing one copy (REGISTER.replicas); 1: every rank its own
-    tables: dict[int, Table] = field(default_factory=dict)  # storing rank -> table
-    layouts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # storing rank -> segment lengths
-    policies: list[EvictionPolicy] = field(default_factory=list)  # its tables' slot sizes' policies, once each
-
-    def storing_rank(self, rank: int) -> int:
-        """The rank whose table ``rank`` reads (itself unless it shares a replicated copy)."""
-        return rank - rank % self.replicas
-
-
-@dataclass(eq=False)
-class StorePlan:
-    """What a STORE will do (``Index.prepare_store``), as indices into its keys.
-
-    The plan travels through the whole store: ``add_pending`` fills ``entries`` once the copy has
-    started, and ``complete_store`` commits or aborts them.
-    """
-
-    table: Table
-    keys: list[bytes]
-    copy_idx: list[int]  # to copy, into ``slots``
-    slots: list[int]
-    present: int  # already stored (or being stored)
-    dropped: list[int]  # admitted, but no room (from the end)
-    refused: list[int]  # refused by the admission policy: no slot, no copy
-    evicted: int = 0  # entries evicted to find the slots (reclaimed chunks included)
-    entries: list[Entry] = field(default_factory=list)  # pending, one per ``copy_idx`` (add_pending)
-
-
-@dataclass
-class Hits:
-    """What a LOOKUP found (``Index.lookup``): the leading keys ready on every rank."""
-
-    n: int
-    by_rank: dict[int, list[Entry]]  # their entries, rank by rank (only when asked for)
-    miss_reason: MissReason | None  # why key ``n`` missed (None when every key hit)
-    world_size: int  # ranks of the namespace (0: unknown namespace)
-
-    @property
-    def held_entries(self) -> int:
-        """Entries a lease on these hits holds (keys x ranks)."""
-        return sum(len(v) for v in self.by_rank.values())
-
-
-@dataclass
-class LoadPlan:
-    """What a LOAD will read (``Index.prepare_load``): the entries found, each holding a ref."""
-
-    entries: list[Entry]
-    found_idx: list[int]  # indices into the LOAD's keys, one per entry
-    missing_idx: list[int]  # keys not resident (reported failed)
-
-
-class IndexObserver:
-    """Something that mirrors the index: warm-restart slot records, a lower tier, a KV-event stream.
-
-    One seam for all of them, so that none needs a branch in the server: the index calls every
-    registered observer, on the loop thread, synchronously, at each moment below. Subclass it and
-    override the moments you need (the others do nothing). Observers must not block and must not call
-    back into the index from inside a call.
-    """
-
-    def committed(self, entries: Sequence[Entry]) -> None:
-        """``entries`` just became visible: their copy completed and their bytes are in their slots."""
-
-    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
-        """The index chose ``entries`` to make room (eviction, or emptying a chunk for another slot
-        size): their ``freeing`` follows at once. A lower tier keeps them from here."""
-
-    def unlinked(self, entries: Sequence[Entry]) -> None:
-        """Committed ``entries`` left the index (CLEAR, found corrupt) while refs still hold them (a LOAD,
-        a lease): they are gone now, but their slots are freed (``freeing``) only when the last ref drops."""
-
-    def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
-        """The slots of ``entries`` go back to the pool right after this call and may be reused at once.
-
-        The entries are already dead (evicted, cleared, discarded, drained, or a failed store's); their
-        bytes are still in place during the call and only then. ``e.ready`` tells a committed one.
-        """
-
-    def cleared(self, namespace: str) -> None:
-        """CLEAR removed every entry of ``namespace`` (told once per namespace, after its entries)."""
-
-
-class Index:
+class Index(ChunkReclaim, IndexViews):
     """Refs are lazy with respect to the LRU: taking one is ``entry.refs += 1`` and nothing else
     (``hold`` takes thousands per step for leases, in one loop here); eviction skips held entries it
     meets and ``release`` puts them back as most recently used. Callers never touch ``refs``."""
@@ -282,7 +132,7 @@ class Index:
         """Leading keys ready on every rank; their entries by rank (if asked); the first miss's reason.
 
         ``keys`` is the message's binary of keys: this is the hot path of every step, and
-        ``_leading`` mostly checks it without splitting it into keys. Takes no ref: a lease calls
+        ``runs.leading`` mostly checks it without splitting it into keys. Takes no ref: a lease calls
         ``hold`` once it has answered (nothing runs on the loop in between). With replicas each table
         is probed once and its entries are listed under every rank that reads them (the same list).
         """
@@ -294,7 +144,7 @@ class Index:
         total = n = len(keys) // KEY_SIZE
         hits: dict[int, list[Entry]] = {}
         for r in range(0, ns.world_size, ns.replicas):
-            n, hits[r] = _leading(ns.tables[r].visible, keys, n, with_entries)
+            n, hits[r] = leading(ns.tables[r].visible, keys, n, with_entries)
             if not n:
                 break
         if ns.replicas > 1 and n:
@@ -655,81 +505,6 @@ class Index:
         self.evictions += len(freed)
         return len(freed)
 
-    def _reclaim(self, slot_bytes: int) -> None:
-        """Move memory towards ``slot_bytes`` if it holds less than its fair share of the pool.
-
-        One chunk at a time is drained: the pool hands nothing more out of it, and each call evicts
-        at most ``RECLAIM_BUDGET`` of its unheld entries (a 64 MiB chunk of 4 KiB blocks holds
-        16k), so no store stalls the loop whatever the block size. Held and pending entries are
-        never touched; a chunk that holds some is drained around them and freed when their refs
-        drop, or given up after ``DRAIN_PATIENCE_S``. When the chunk's last slot is given back the
-        pool gives the chunk to the slot size that asked.
-        """
-        d = self._drain
-        if d is not None and not self.pool.draining(d.chunk):
-            d = self._drain = None  # emptied meanwhile (evictions, CLEAR, finished stores)
-        if d is None:
-            victim = self.pool.reclaim_victim(slot_bytes)
-            chunk = self._pick_chunk(victim) if victim else None
-            if chunk is None:
-                return
-            self.pool.begin_drain(chunk, slot_bytes)
-            d = self._drain = _Drain(chunk, victim, progress_at=time.monotonic())
-        self._drain_step(d)
-
-    def _pick_chunk(self, slot_bytes: int) -> int | None:
-        """The chunk of this slot size to empty: of the few least recently allocated from (the oldest
-        blocks), the emptiest (fewest evictions) that holds no held entry; if each holds one, the
-        emptiest anyway, drained around them. Bounded work: two chunk scans at most."""
-        pool = self.pool
-        order = sorted(pool.oldest_chunks(slot_bytes, _PICK_CHUNKS), key=pool.chunk_live)  # stable: age
-        for c in order[:_PICK_CHECK]:
-            if not self._chunk_held(c):
-                return c
-        return order[0] if order else None
-
-    def _chunk_held(self, chunk: int) -> bool:
-        get = self._slot_entry.get
-        return any(e.refs for e in map(get, self.pool.carved_slots(chunk)) if e is not None)
-
-    def _drain_step(self, d: _Drain) -> None:
-        """Evict up to ``RECLAIM_BUDGET`` unheld entries of the draining chunk."""
-        slots = self.pool.carved_slots(d.chunk)
-        get = self._slot_entry.get
-        now = time.time()
-        freed: list[int] = []
-        i = d.cursor
-        end = min(len(slots), i + _DRAIN_SCAN)
-        while i < end and len(freed) < RECLAIM_BUDGET:
-            e = get(slots[i])
-            i += 1
-            if e is None or e.refs:
-                continue
-            t = e.table
-            del t.entries[e.key]
-            if t.visible.pop(e.key, None) is not None:
-                e.run.invalidate()
-                self.resident -= 1
-            if e.in_lru:
-                self._untrack(e)
-            e.dead = True
-            freed.append(e.slot)
-            self._remember(self.evicted, (t.namespace, e.key), now)
-        d.cursor = i
-        if freed:
-            d.progress_at = time.monotonic()
-            self.evictions += len(freed)
-            self.reclaim_evictions += len(freed)
-            self._free(d.slot_bytes, freed, evicted=True)  # the chunk changes hands here if that was its last slot
-        if not self.pool.draining(d.chunk):
-            self._drain = None
-        elif i >= len(slots):  # what is left was held when passed
-            if time.monotonic() - d.progress_at > DRAIN_PATIENCE_S:
-                self.pool.end_drain(d.chunk)  # held for good, it seems: let its slab use it again
-                self._drain = None
-            else:
-                d.cursor = 0  # look again on a later store
-
     def clear(self, namespace: str = "", in_use: Collection[str] | None = None) -> int:
         """Unlink every entry of one namespace (or all) and forget the cleared namespaces no engine
         uses (``in_use``: those some engine is registered in; None: forget none), so that their world size and layouts
@@ -773,103 +548,9 @@ class Index:
         self.resident -= removed
         return removed
 
-    def namespace_stats(self) -> list[dict]:
-        out = []
-        for ns in self.namespaces.values():
-            blocks = sum(len(t.visible) for t in ns.tables.values())
-            nbytes = sum(len(t.visible) * t.slot_bytes for t in ns.tables.values())
-            out.append({"namespace": ns.name, "world_size": ns.world_size, "replicas": ns.replicas,
-                        "ranks": sorted(ns.tables), "blocks": blocks, "bytes": nbytes})
-        return out
-
-    def explain(self, namespace: str, keys: list[bytes]) -> list[dict]:
-        ns = self.namespaces.get(namespace)
-        out = []
-        for k in keys:
-            item: dict = {"key": k.hex()}
-            ranks = {}
-            if ns is not None:
-                for r, t in ns.tables.items():
-                    e = t.entries.get(k)
-                    if e is not None:
-                        ranks[r] = ("resident" if e.ready else "storing", e.stored_at, e.refs, e.slot)
-            if ns is None:
-                item["state"] = "namespace_unknown"
-            elif len(ranks) * ns.replicas == ns.world_size and all(v[0] == "resident" for v in ranks.values()):
-                item.update(state="resident", stored_at=min(v[1] for v in ranks.values()),
-                            pinned=any(v[2] for v in ranks.values()),
-                            slots={str(r): v[3] for r, v in ranks.items()})
-            elif ranks:
-                item.update(state="partial", ranks={str(r): v[0] for r, v in ranks.items()})
-            elif (namespace, k) in self.evicted:
-                item.update(state="evicted", at=self.evicted[(namespace, k)])
-            elif (namespace, k) in self.failed:
-                item.update(state="failed", at=self.failed[(namespace, k)])
-            else:
-                item["state"] = "never_seen"
-            out.append(item)
-        return out
-
     @staticmethod
     def _remember(history: OrderedDict, key: tuple[str, bytes], when: float) -> None:
         history[key] = when
         history.move_to_end(key)
         if len(history) > _HISTORY:
             history.popitem(last=False)
-
-
-_K = KEY_SIZE
-_RUN_MISSES = 2  # runs in a row that match no further key: the keys are scattered, probe them all
-
-
-def _leading(visible: dict[bytes, Entry], keys: bytes, n: int, want: bool) -> tuple[int, list[Entry]]:
-    """How many of the first ``n`` keys of the binary ``keys`` are in ``visible`` (and, if
-    ``want``, their entries in order).
-
-    Keys a STORE wrote together usually come back together (a prompt's blocks): after a key is
-    found, the keys that follow it are compared with those that followed it in its run, as binaries.
-    Scattered keys (blocks stored one per step while decoding) fall back to one dict probe per key,
-    run in C by ``takewhile``.
-    """
-    i = 0
-    misses = 0
-    got: list[Entry] = []
-    while i < n:
-        e = visible.get(keys[i * _K:(i + 1) * _K])
-        if e is None:
-            break
-        if want:
-            got.append(e)
-        i += 1
-        run = e.run
-        rk = run.keys  # empty once invalidated
-        j = e.run_at + 1
-        m = min(n - i, len(rk) // _K - j)
-        if m <= 0 or keys[i * _K:(i + 1) * _K] != rk[j * _K:(j + 1) * _K]:
-            misses += 1
-            if misses >= _RUN_MISSES:
-                rest = list(takewhile(visible.__contains__, split_keys(keys[i * _K:n * _K])))
-                if want:
-                    got += map(visible.__getitem__, rest)
-                i += len(rest)
-                break
-            continue
-        misses = 0
-        mine, theirs = keys[i * _K:(i + m) * _K], rk[j * _K:(j + m) * _K]
-        c = m if mine == theirs else _common_keys(mine, theirs)
-        if want:
-            got += run.entries[j:j + c]
-        i += c
-    return i, got
-
-
-def _common_keys(a: bytes, b: bytes) -> int:
-    """Leading keys two key binaries of the same length share (binary search; memcmp per step)."""
-    lo, hi = 0, len(a) // _K - 1  # the last key differs, or a == b would have been taken
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid * _K] == b[:mid * _K]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

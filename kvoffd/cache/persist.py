@@ -1,6 +1,6 @@
 """Warm restart: the index's mirror in the pool file, and adoption of a previous daemon's blocks.
 
-``Persistence`` is an ``IndexObserver`` (kvoffd/cache/index.py: it overrides the moments below; the
+``Persistence`` is an ``IndexObserver`` (kvoffd/cache/observer.py: it overrides the moments below; the
 index's ``evicted`` and ``cleared`` need nothing more here, since their slots' ``freeing`` follows) of
 a pool that lives in a file (kvoffd/cache/pool_file.py), keeping its slot records
 (kvoffd/cache/slots_table.py) true:
@@ -17,7 +17,7 @@ a pool that lives in a file (kvoffd/cache/pool_file.py), keeping its slot record
 
 ``adopt`` (at start, before the daemon serves) rebuilds the pool's slabs and the index from the sealed
 records: the blocks are visible at once. Their bytes are verified lazily: the first LOAD of an
-adopted block checks its crc32 first (the ``--verify`` machinery of kvoffd/server/jobs.py), and a
+adopted block checks its crc32 first (the ``--verify`` machinery of kvoffd/server/verify.py), and a
 background pass checks the rest; a mismatch drops that block only (a counted miss). The end of that
 pass is "full adoption" (``stats()['verified_s']``).
 """
@@ -40,9 +40,9 @@ import numpy as np
 from kvoffd.cache.adopt import adopt_records
 from kvoffd.cache.index import Entry, Index, IndexObserver, Table
 from kvoffd.cache.pool import Pool
-from kvoffd.cache.pool_file import PoolFile, PoolFileError, open_pool_file
+from kvoffd.cache.pool_file import PoolFile
 from kvoffd.cache.slots_table import NamespaceFacts, NamespaceTable, RankFacts, SlotRecords
-from kvoffd.pool_format import NS_AREA_BYTES, Layout, default_pool_path, pool_geometry
+from kvoffd.pool_format import NS_AREA_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -335,71 +335,3 @@ class Persistence(IndexObserver):
                 "verified_s": round(self.verified_s, 6), "unverified_blocks": len(self.unverified),
                 "verify_failures": self.verify_failures, "sealed_blocks": self.sealed,
                 "unsealed_blocks": sum(len(b) for b in self._queue)}
-
-
-class Volatile:
-    """The pool in private memory (``--pool-path none``, or no room for a file): nothing survives the
-    process, and the daemon calls this instead of a ``Persistence`` without a branch."""
-
-    def __init__(self) -> None:
-        self.unverified: set[Entry] = set()
-
-    def adopt(self) -> None:
-        pass
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        pass
-
-    def must_check(self, entries: Sequence[Entry]) -> bool:
-        return False
-
-    def corrupt(self, entries: Sequence[Entry]) -> list[int]:
-        return []
-
-    def checked(self, entries: Sequence[Entry]) -> None:
-        pass
-
-    def touched(self, entries: Sequence[Entry]) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {"path": "", "adopted_blocks": 0}
-
-
-#: what the server holds: the pool file's keeper, or its stand-in for a pool in private memory
-Keeper = Persistence | Volatile
-
-
-def open_pool(size: int, path: str, address: str, cold: bool) -> tuple[Pool, PoolFile | None]:
-    """The daemon's pool: in its file (``path``; "" for the default beside the socket or in
-    /dev/shm; "none" for private memory). A file that cannot be used gives one warning and private
-    memory: the daemon works, its cache just does not survive it."""
-    chunk, _ = pool_geometry(size)
-    if path == "none":
-        return Pool(size, chunk), None
-    path = path or default_pool_path(address)
-    layout = Layout.of(size, chunk)
-    try:
-        pf, why = open_pool_file(path, layout, cold)
-    except PoolFileError as e:
-        log.warning("%s; the pool is kept in private memory and will not survive a restart", e)
-        return Pool(size, chunk), None
-    if why == "--cold":
-        log.info("pool file %s: starting cold (--cold)", path)
-    elif why:
-        log.warning("pool file %s not adopted: %s; starting cold", path, why)
-    return Pool(size, chunk, mapping=pf.map, offset=layout.data_offset), pf
-
-
-def keeper(pf: PoolFile | None, pool: Pool, index: Index) -> Keeper:
-    """The pool file's keeper, having adopted the previous daemon's blocks and joined the index's
-    observers (a ``Volatile`` for a pool in private memory)."""
-    if pf is None:
-        return Volatile()
-    p = Persistence(pf, pool, index)
-    p.adopt()
-    index.observers.append(p)
-    return p

@@ -30,7 +30,6 @@ usable chunks are handed out.
 
 from __future__ import annotations
 
-import errno
 import heapq
 import logging
 import mmap
@@ -39,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvoffd.config import format_size
+from kvoffd.cache.private_memory import reserve_private
 from kvoffd.pool_format import DEFAULT_CHUNK, MIN_SLOT_BYTES, pool_geometry
 
 log = logging.getLogger(__name__)
@@ -81,21 +80,6 @@ class SlabStats:
     used_slots: int
 
 
-def _mem_line() -> str:
-    """``23.4 GiB, 21.0 GiB available`` from /proc/meminfo (what an operator compares a pool with)."""
-    info: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name in ("MemTotal", "MemAvailable"):
-                    info[name] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        return "unknown"
-    total = format_size(info["MemTotal"]) if "MemTotal" in info else "unknown"
-    return f"{total}, {format_size(info['MemAvailable'])} available" if "MemAvailable" in info else total
-
-
 class Pool:
     def __init__(self, nbytes: int, chunk_bytes: int = DEFAULT_CHUNK, mapping: mmap.mmap | None = None,
                  offset: int = 0):
@@ -104,7 +88,7 @@ class Pool:
         self.chunk_bytes, self.num_chunks = pool_geometry(nbytes, chunk_bytes)
         self.nbytes = nbytes
         self.persistent = mapping is not None  # touched by populating, never writing (kvoffd/transfer/pinning.py)
-        self._map = mapping if mapping is not None else self._reserve(self.nbytes)
+        self._map = mapping if mapping is not None else reserve_private(self.nbytes)
         self.buffer = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=offset)
         self.base_address = self.buffer.ctypes.data
         self._chunks = [_Chunk(i) for i in range(self.num_chunks)]
@@ -114,19 +98,6 @@ class Pool:
         self._slabs: dict[int, _Slab] = {}
         self.pinned_bytes = 0
         self.reclaimed_chunks = 0  # chunks handed from one slot size to another by a drain
-
-    @staticmethod
-    def _reserve(nbytes: int) -> mmap.mmap:
-        """The pool's address space. The kernel's refusal (overcommit, RLIMIT_AS, a cgroup) becomes one
-        line naming the pool and the memory, not a bare "Cannot allocate memory"."""
-        try:
-            return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        except OSError as e:
-            if e.errno != errno.ENOMEM:
-                raise
-            raise MemoryError(f"cannot reserve a pool of {format_size(nbytes)}: the kernel refused the memory "
-                              f"(RAM {_mem_line()}); choose a smaller --pool-size (kvoffd doctor --pool-size "
-                              "SIZE checks one)") from None
 
     # --- capacity ---------------------------------------------------------------------------------
     def set_usable_bytes(self, nbytes: int) -> None:

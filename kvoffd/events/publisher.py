@@ -11,7 +11,7 @@ second endpoint:
 
 Why it is shaped like this:
 
-* It is an ``IndexObserver`` (kvoffd/cache/index.py): the index calls ``committed``/``freeing`` on
+* It is an ``IndexObserver`` (kvoffd/cache/observer.py): the index calls ``committed``/``freeing`` on
   the loop thread inside its own callbacks; they only append the keys to a list (no encoding, no
   syscall). One flush per loop turn (``call_soon``)
   turns the turn's events into one batch and hands it to the publisher thread through a bounded

@@ -13,7 +13,6 @@ try, never a traceback: it is the first thing an operator sees when the daemon i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import stat
 import sys
@@ -23,7 +22,9 @@ from typing import Any
 
 import zmq
 
-from kvoffd.config import default_address, format_size
+from kvoffd.config import default_address
+from kvoffd.ops.ctl_format import emit_json, fmt_dur, fmt_size, jsonable, table
+from kvoffd.ops.ctl_status import hit_rate, status_rows
 from kvoffd_client.client import DaemonUnavailable, KvoffdClient, KvoffdError
 from kvoffd_client.protocol import KEY_SIZE
 
@@ -107,36 +108,6 @@ def _call(fn: Callable[[], Any]) -> Any:
 
 
 # --------------------------------------------------------------------------------------------------
-# Formatting
-
-
-def _size(n: Any) -> str:
-    return format_size(float(n)) if isinstance(n, (int, float)) else "-"
-
-
-def _dur(s: Any) -> str:
-    if not isinstance(s, (int, float)):
-        return "-"
-    s = float(s)
-    if s < 1:
-        return f"{s * 1000:.0f}ms"
-    if s < 120:
-        return f"{s:.1f}s"
-    if s < 7200:
-        return f"{s / 60:.1f}m"
-    if s < 172800:
-        return f"{s / 3600:.1f}h"
-    return f"{s / 86400:.1f}d"
-
-
-def _backend(b: Any) -> str:
-    """``cpu (threads 2, process_vm_readv)`` from the daemon's description of one backend."""
-    if not isinstance(b, dict):
-        return str(b)
-    rest = [f"{k} {v}" if k != "method" else str(v) for k, v in b.items() if k != "name"]
-    return f"{b.get('name', '?')} ({', '.join(rest)})" if rest else str(b.get("name", "?"))
-
-
 def _timeout(text: str) -> float:
     """--timeout: a finite number of seconds in (0, MAX_TIMEOUT_S]; nan and inf are usage errors."""
     try:
@@ -148,86 +119,8 @@ def _timeout(text: str) -> float:
     return v
 
 
-def _pct(part: Any, whole: Any) -> str:
-    try:
-        return f"{100.0 * float(part) / float(whole):.1f}%" if float(whole) > 0 else "-"
-    except (TypeError, ValueError):
-        return "-"
-
-
-def table(rows: Sequence[Sequence[Any]], header: Sequence[str] | None = None) -> str:
-    """Left-aligned text columns; numbers right-aligned."""
-    cells = [[str(c) for c in r] for r in rows]
-    if header:
-        cells.insert(0, list(header))
-    if not cells:
-        return ""
-    widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(max(map(len, cells)))]
-    numeric = [all(_looks_numeric(r[i]) for r in cells[1 if header else 0:] if i < len(r)) for i in range(len(widths))]
-    out = []
-    for r in cells:
-        parts = [c.rjust(widths[i]) if numeric[i] else c.ljust(widths[i]) for i, c in enumerate(r)]
-        out.append("  ".join(parts).rstrip())
-    return "\n".join(out)
-
-
-def _looks_numeric(s: str) -> bool:
-    return bool(s) and (s.replace(".", "", 1).replace("%", "").replace(",", "").lstrip("-").isdigit())
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, bytes):
-        return obj.hex()
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if hasattr(obj, "__dataclass_fields__"):
-        return {k: _jsonable(getattr(obj, k)) for k in obj.__dataclass_fields__ if k != "seq"}
-    return obj
-
-
-def emit_json(obj: Any) -> None:
-    print(json.dumps(_jsonable(obj), indent=2, sort_keys=True))
-
-
 # --------------------------------------------------------------------------------------------------
 # Commands. Each takes the parsed args and a connected client and returns an exit code.
-
-
-def _hit_rate(counters: dict[str, Any]) -> str:
-    """Served hit rate: blocks loaded into engines / blocks looked up (what saved a recompute), then
-    the share a LOOKUP found resident, an upper bound: a found block is not always loaded (the engine
-    already held it, or the request was looked up again before it was scheduled)."""
-    hit = counters.get("lookup_hit_blocks", 0) or 0
-    asked = hit + (counters.get("lookup_miss_blocks", 0) or 0)
-    if not asked:
-        return "- (no lookups yet)"
-    loaded = counters.get("loaded_blocks", 0) or 0
-    return f"{_pct(loaded, asked)} served (loaded / looked up); {_pct(hit, asked)} found by lookup"
-
-
-def _persistence(p: dict) -> str:
-    """Where the pool lives and what this daemon adopted from the previous one (issue 14)."""
-    if not p.get("path"):
-        return "pool in private memory: lost when the daemon stops"
-    line = f"pool file {p['path']}; "
-    if not p.get("adopted_blocks"):
-        return line + "started cold"
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(p.get("adopted_from", 0)))
-    line += f"adopted {p['adopted_blocks']} blocks ({_size(p.get('adopted_bytes'))}) written until {when}"
-    if p.get("unverified_blocks"):
-        return line + f", {p['unverified_blocks']} not verified yet"
-    return line + f", verified {_dur(p.get('verified_s'))} after start ({p.get('verify_failures', 0)} corrupt)"
-
-
-def _kv_events(ev: Any) -> str:
-    """The KV-event endpoints (--kv-events-address), or "off"."""
-    if not isinstance(ev, dict) or not ev.get("endpoint"):
-        return "off"
-    topic = f", topic {ev['topic']!r}" if ev.get("topic") else ""
-    return (f"{ev['endpoint']} (replay {ev.get('replay_endpoint', '?')}{topic}; "
-            f"{ev.get('published', 0):,} published, {ev.get('dropped', 0):,} dropped)")
 
 
 def cmd_status(args: argparse.Namespace, client: Any) -> int:
@@ -239,51 +132,9 @@ def cmd_status(args: argparse.Namespace, client: Any) -> int:
     if args.json:
         emit_json({"address": args.address, "ping_s": rtt, "stats": st})
         return EXIT_OK
-    d, pool, c = st.get("daemon", {}), st.get("pool", {}), st.get("counters", {})
-    engines = st.get("engines", [])
-    n_eng = len(engines) if isinstance(engines, list) else engines
-    rows = [
-        ("daemon", f"{d.get('id', '?')} (pid {d.get('pid', '?')}, version {d.get('version', '?')})"),
-        ("address", d.get("address") or args.address),
-        ("metrics", d.get("metrics_address") or "-"),
-        ("kv events", _kv_events(d.get("kv_events"))),
-        ("uptime", _dur(d.get("uptime_s"))),
-        ("backends", ", ".join(_backend(b) for b in d.get("backends", [])) or "-"),
-        ("ping", f"{rtt * 1000:.2f} ms"),
-        ("pool", f"{_size(pool.get('used_bytes'))} used of {_size(pool.get('capacity_bytes'))} "
-                 f"({_pct(pool.get('used_bytes'), pool.get('capacity_bytes'))}); "
-                 f"{_size(pool.get('pinned_bytes'))} pinned of {_size(pool.get('total_bytes'))}"),
-        ("warm restart", _persistence(st.get("persistence") or {})),
-        ("engines", n_eng),
-        ("namespaces", len(st.get("namespaces", []) or [])),
-        ("hit rate", _hit_rate(c)),
-        ("in flight", f"{st.get('in_flight_jobs', 0)} jobs, oldest {_dur(st.get('oldest_in_flight_s', 0))}"),
-    ]
-    rows += [(f"tier {t.get('name', '?')}", _tier_line(t)) for t in st.get("tiers", []) or []
-             if isinstance(t, dict)]
+    rows = status_rows(st, args.address, rtt)
     print(table(rows))
     return EXIT_OK
-
-
-def _tier_line(t: dict[str, Any]) -> str:
-    """One tier of STATS ``tiers`` (the pool is "dram"): what it holds, what it served, what went wrong."""
-    if t.get("disabled"):
-        return f"DISABLED: {t['disabled']}"
-    parts = [f"{_size(t.get('resident_bytes'))} in {t.get('resident_blocks', 0)} blocks of "
-             f"{_size(t.get('capacity_bytes'))}", f"{t.get('hits', 0)} hits"]
-    if t.get("name") != "dram":
-        dropped = sum((t.get("spills_dropped") or {}).values())
-        parts += [f"{t.get('promotions', 0)} promoted ({t.get('promotion_failures', 0)} failed)",
-                  f"{t.get('spills', 0)} spilled ({dropped} dropped)",
-                  f"read {_size(t.get('read_bytes'))}, written {_size(t.get('write_bytes'))}",
-                  f"{t.get('io_errors', 0)} I/O errors, {t.get('checksum_failures', 0)} bad checksums"]
-        note = (t.get("notes") or {}).get("direct_io")
-        if note:
-            parts.append(f"direct I/O {note}")
-    parts.append(f"{t.get('evictions', 0)} evicted")
-    if t.get("admissions_refused"):
-        parts.append(f"{t['admissions_refused']} refused")
-    return "; ".join(parts)
 
 
 def cmd_stats(args: argparse.Namespace, client: Any) -> int:
@@ -296,20 +147,20 @@ def cmd_stats(args: argparse.Namespace, client: Any) -> int:
     prow = []
     for key in ("capacity_bytes", "total_bytes", "used_bytes", "pinned_bytes", "free_chunk_bytes"):
         if key in pool:
-            prow.append((key, _size(pool[key]), pool[key]))
+            prow.append((key, fmt_size(pool[key]), pool[key]))
     for key, v in pool.items():
         if not key.endswith("_bytes") or key in {r[0] for r in prow}:
             continue
-        prow.append((key, _size(v), v))
+        prow.append((key, fmt_size(v), v))
     print(table([("  " + a, b, f"{c_:,}" if isinstance(c_, int) else c_) for a, b, c_ in prow],
                 header=("  state", "size", "bytes")))
     print()
     print("counters (since start)")
     crow = [("  " + k, f"{v:,}" if isinstance(v, int) else v) for k, v in sorted(c.items())]
-    crow.append(("  hit rate (blocks)", _hit_rate(c)))
+    crow.append(("  hit rate (blocks)", hit_rate(c)))
     print(table(crow))
     print()
-    print(f"in flight: {st.get('in_flight_jobs', 0)} jobs, oldest {_dur(st.get('oldest_in_flight_s', 0))}; "
+    print(f"in flight: {st.get('in_flight_jobs', 0)} jobs, oldest {fmt_dur(st.get('oldest_in_flight_s', 0))}; "
           f"engines: {len(st.get('engines', []) or [])}; namespaces: {len(st.get('namespaces', []) or [])}")
     return EXIT_OK
 
@@ -324,7 +175,7 @@ def cmd_engines(args: argparse.Namespace, client: Any) -> int:
         print("no engines registered")
         return EXIT_OK
     rows = [(e.get("engine_id", "?"), e.get("namespace", "?"), f"{e.get('rank', '?')}/{e.get('world_size', '?')}",
-             e.get("pid", "?"), e.get("backend", "-"), _dur(e.get("registered_s")), _dur(e.get("last_seen_s")),
+             e.get("pid", "?"), e.get("backend", "-"), fmt_dur(e.get("registered_s")), fmt_dur(e.get("last_seen_s")),
              e.get("in_flight", 0))
             for e in engines]
     print(table(rows, header=("ENGINE", "NAMESPACE", "RANK", "PID", "BACKEND", "REGISTERED", "LAST SEEN",
@@ -341,7 +192,7 @@ def cmd_namespaces(args: argparse.Namespace, client: Any) -> int:
     if not spaces:
         print("no namespaces (nothing stored and no engine registered)")
         return EXIT_OK
-    rows = [(n.get("namespace", "?"), n.get("world_size", "?"), f"{n.get('blocks', 0):,}", _size(n.get("bytes")))
+    rows = [(n.get("namespace", "?"), n.get("world_size", "?"), f"{n.get('blocks', 0):,}", fmt_size(n.get("bytes")))
             for n in spaces]
     print(table(rows, header=("NAMESPACE", "RANKS", "BLOCKS", "SIZE")))
     return EXIT_OK
@@ -383,7 +234,7 @@ def _parse_keys(texts: Sequence[str]) -> list[bytes]:
 def _ago(ts: Any) -> str:
     if not isinstance(ts, (int, float)):
         return "?"
-    return f"{_dur(max(0.0, time.time() - ts))} ago ({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ts))})"
+    return f"{fmt_dur(max(0.0, time.time() - ts))} ago ({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ts))})"
 
 
 #: What each EXPLAIN state means for the operator (index.py decides the state).
@@ -419,7 +270,7 @@ def _explain_line(e: dict[str, Any]) -> tuple[str, str, str]:
         shown.add("ranks")
     for name, v in sorted(e.items()):
         if name not in shown and v not in (None, "", [], {}):
-            detail.append(f"{name}={_jsonable(v)}")
+            detail.append(f"{name}={jsonable(v)}")
     short = key[:16] + "..." if len(key) > 19 else key
     return short, state, "; ".join(d for d in detail if d)
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvoffd.cache.index import Index
-from kvoffd.cache.persist import Keeper
+from kvoffd.cache.keeper import Keeper
 from kvoffd.cache.pool import Pool
 from kvoffd.cache.tiers.manager import Tiers
 from kvoffd.metrics import Metrics

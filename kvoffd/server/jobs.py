@@ -23,21 +23,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import zlib
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvoffd.cache.index import Entry, Index, StorePlan
-from kvoffd.cache.persist import Keeper
+from kvoffd.cache.index import Index, StorePlan
+from kvoffd.cache.keeper import Keeper
 from kvoffd.cache.pool import Pool
 from kvoffd.cache.tiers.manager import PROMOTE_WAIT_S, Tiers
 from kvoffd.metrics import Metrics
+from kvoffd.server.job import Job
 from kvoffd.server.limits import MAX_JOBS_PER_CONN, MAX_RUNS_PER_JOB
 from kvoffd.server.sessions import Conn, Engine, Lease, Reply, Sessions
-from kvoffd.transfer.base import Direction, JobExpired, past
+from kvoffd.server.verify import LoadVerify
+from kvoffd.transfer.base import Direction, JobExpired
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import DropReason, ErrorCode, MissReason, NoticeCode, ProtocolError
 
@@ -49,36 +49,13 @@ log = logging.getLogger(__name__)
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
 
-@dataclass(eq=False)
-class Job:
-    """An accepted STORE or LOAD. Its ``entries`` hold a ref each until the job ends."""
-
-    conn: Conn
-    engine: Engine
-    msg: P.Store | P.Load
-    direction: Direction
-    started: float  # monotonic: when it was accepted (in-flight age)
-    entries: list[Entry]
-    idx: list[int]  # the job's key indices being copied, one per entry
-    block_ids: np.ndarray  # engine blocks being copied, one per entry
-    slots: np.ndarray  # their pool slots (byte offsets)
-    failed: list[int]  # indices reported failed whatever the copy does (dropped, refused, absent)
-    code: str  # the notice code for ``failed`` when the copy succeeds
-    future: Awaitable[None] | None  # the copy (None: a LOAD that checks its checksums first submits after)
-    plan: StorePlan | None = None  # a STORE's plan, completed when the copy ends
-
-    @property
-    def job_id(self) -> int:
-        return self.msg.job_id
-
-
 def _failed_future(exc: BaseException) -> asyncio.Future:
     fut = asyncio.get_running_loop().create_future()
     fut.set_exception(exc)
     return fut
 
 
-class Jobs:
+class Jobs(LoadVerify):
     """The data path's requests. ``running`` is every accepted job until its notice. ``kv_events``
     (--kv-events-address; None: off) keeps what a STORE tells of its blocks for their KV events."""
 
@@ -339,31 +316,6 @@ class Jobs:
         self._notice(job, failed, code, text)  # first: the engine is waiting on it
         self.index.release(job.entries)
 
-    async def _verified_load(self, job: Job) -> tuple[list[int], str, str, int]:
-        """Check the slots' crc32 (in an executor: every slot with --verify, else the adopted ones not
-        checked yet), unlink and report the corrupt ones, copy the rest. Returns (failed, code, text,
-        blocks copied)."""
-        eng, msg, entries = job.engine, job.msg, job.entries
-        failed, code, text = job.failed, job.code, ""
-        ids, slots = job.block_ids, job.slots
-        bad = await asyncio.get_running_loop().run_in_executor(None, self._corrupt, entries)
-        self.persist.checked(entries)
-        if bad:
-            log.error("engine %s: %d blocks failed their checksum; reporting them failed", eng.engine_id, len(bad))
-            self.metrics.checksum_failures.inc(len(bad))
-            for j in bad:
-                self.index.discard(entries[j])
-            failed = sorted(failed + [job.idx[j] for j in bad])
-            code, text = NoticeCode.CHECKSUM_MISMATCH.value, f"{len(bad)} blocks corrupt in the pool"
-            keep = np.ones(len(entries), dtype=bool)
-            keep[bad] = False
-            ids, slots = ids[keep], slots[keep]
-        if past(msg.expires_ns):  # checksums took too long
-            raise JobExpired("deadline passed before the copy could start")
-        if len(ids):
-            await eng.backend.submit(Direction.LOAD, eng.mapped, ids, slots, msg.event, msg.expires_ns)
-        return failed, code, text, len(ids)
-
     # --- a job's life -----------------------------------------------------------------------------------
     def _begin(self, job: Job) -> None:
         """An accepted job: counted in flight (and aged) from now until its notice."""
@@ -409,15 +361,3 @@ class Jobs:
         m.transfer_blocks.labels(d.value).observe(blocks)
         if nbytes >= (1 << 20) and dt > 0:
             m.transfer_gbps.labels(d.value).set(nbytes / dt / 1e9)
-
-    def _checksums(self, entries: list[Entry]) -> list[int]:
-        """crc32 of each slot (--verify). Runs in an executor: zlib releases the GIL on big buffers."""
-        buf = self.pool.buffer
-        return [zlib.crc32(buf[e.slot:e.slot + e.table.slot_bytes]) for e in entries]
-
-    def _corrupt(self, entries: list[Entry]) -> list[int]:
-        """Positions of the entries whose bytes fail their checksum (in an executor): all of them with
-        --verify, else the adopted ones not checked yet."""
-        if not self.verify:
-            return self.persist.corrupt(entries)
-        return [j for j, (e, c) in enumerate(zip(entries, self._checksums(entries), strict=True)) if e.checksum != c]

@@ -28,14 +28,14 @@ import zmq
 
 from kvoffd import __version__, sdnotify
 from kvoffd.cache.index import Index
-from kvoffd.cache.persist import keeper, open_pool
-from kvoffd.cache.pool import Pool
+from kvoffd.cache.keeper import keeper, open_pool
 from kvoffd.cache.tiers.manager import make_tiers
 from kvoffd.config import Config
 from kvoffd.events.publisher import make_publisher
 from kvoffd.metrics import Metrics
 from kvoffd.runtime import ensure_private_dir, load_or_create_token
 from kvoffd.server.admin import Admin
+from kvoffd.server.backends import by_kind, make_backends
 from kvoffd.server.endpoint import UnreadReplies, new_router, prepare_ipc_path, unlink_if_ours
 from kvoffd.server.fdbudget import LISTEN_BACKLOG, FdBudget, ListenerGuard, open_listener
 from kvoffd.server.fdserver import FdServer, fd_socket_path, remove_stale_socket
@@ -49,8 +49,6 @@ from kvoffd.server.limits import (
 )
 from kvoffd.server.register import Registrar
 from kvoffd.server.sessions import Engine, Sessions
-from kvoffd.transfer.base import TransferBackend
-from kvoffd.transfer.cpu import CpuBackend
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import ErrorCode, ProtocolError
 
@@ -72,24 +70,6 @@ class Route:
     is_async: bool = False
 
 
-def _make_backends(cfg: Config, pool: Pool) -> list[TransferBackend]:
-    backends: list[TransferBackend] = []
-    if cfg.backend in ("auto", "cuda"):
-        try:
-            from kvoffd.transfer.cuda import CudaBackend, cuda_available
-        except ImportError as e:
-            if cfg.backend == "cuda":
-                raise RuntimeError(f"--backend cuda: the CUDA backend cannot load ({e})") from None
-        else:
-            if cuda_available():
-                backends.append(CudaBackend(pool))
-            elif cfg.backend == "cuda":
-                raise RuntimeError("--backend cuda: no CUDA device is visible")
-    if cfg.backend in ("auto", "cpu"):
-        backends.append(CpuBackend(pool, cfg.copy_threads))
-    return backends
-
-
 class Server:
     """The daemon's server: it owns the socket and the loop, and hands each request to its handler."""
 
@@ -101,11 +81,8 @@ class Server:
         self.index = Index(self.pool, cfg.eviction_policy)
         self.persist = keeper(pool_file, self.pool, self.index)  # adopts the previous daemon's blocks
         self.tiers = make_tiers(self.index, cfg.disk_path, cfg.disk_size, cfg.verify)  # below the pool
-        self.backends = _make_backends(cfg, self.pool)
-        self.by_kind: dict[str, TransferBackend] = {}
-        for b in self.backends:
-            for k in b.kinds():
-                self.by_kind.setdefault(k, b)
+        self.backends = make_backends(cfg, self.pool)
+        self.by_kind = by_kind(self.backends)
         self.fds = FdBudget()
         self.metrics = Metrics(__version__)
         self.kv_events = make_publisher(cfg, self.metrics, self.index)  # --kv-events-address (None: off)

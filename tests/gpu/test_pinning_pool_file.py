@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from kvoffd.cache.persist import open_pool
+from kvoffd.cache.keeper import open_pool
 from kvoffd.transfer.pinning import Pinner
 
 

@@ -1,0 +1,86 @@
+"""The daemon's pool and its keeper: a pool in its file with the ``Persistence`` that keeps the file's
+records true (kvoffd/cache/persist.py), or a pool in private memory with ``Volatile``, its stand-in, so
+that the server calls one ``Keeper`` without a branch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from kvoffd.cache.index import Entry, Index
+from kvoffd.cache.persist import Persistence
+from kvoffd.cache.pool import Pool
+from kvoffd.cache.pool_file import PoolFile, PoolFileError, open_pool_file
+from kvoffd.pool_format import Layout, default_pool_path, pool_geometry
+
+log = logging.getLogger(__name__)
+
+
+class Volatile:
+    """The pool in private memory (``--pool-path none``, or no room for a file): nothing survives the
+    process, and the daemon calls this instead of a ``Persistence`` without a branch."""
+
+    def __init__(self) -> None:
+        self.unverified: set[Entry] = set()
+
+    def adopt(self) -> None:
+        pass
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        pass
+
+    def must_check(self, entries: Sequence[Entry]) -> bool:
+        return False
+
+    def corrupt(self, entries: Sequence[Entry]) -> list[int]:
+        return []
+
+    def checked(self, entries: Sequence[Entry]) -> None:
+        pass
+
+    def touched(self, entries: Sequence[Entry]) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"path": "", "adopted_blocks": 0}
+
+
+#: what the server holds: the pool file's keeper, or its stand-in for a pool in private memory
+Keeper = Persistence | Volatile
+
+
+def open_pool(size: int, path: str, address: str, cold: bool) -> tuple[Pool, PoolFile | None]:
+    """The daemon's pool: in its file (``path``; "" for the default beside the socket or in
+    /dev/shm; "none" for private memory). A file that cannot be used gives one warning and private
+    memory: the daemon works, its cache just does not survive it."""
+    chunk, _ = pool_geometry(size)
+    if path == "none":
+        return Pool(size, chunk), None
+    path = path or default_pool_path(address)
+    layout = Layout.of(size, chunk)
+    try:
+        pf, why = open_pool_file(path, layout, cold)
+    except PoolFileError as e:
+        log.warning("%s; the pool is kept in private memory and will not survive a restart", e)
+        return Pool(size, chunk), None
+    if why == "--cold":
+        log.info("pool file %s: starting cold (--cold)", path)
+    elif why:
+        log.warning("pool file %s not adopted: %s; starting cold", path, why)
+    return Pool(size, chunk, mapping=pf.map, offset=layout.data_offset), pf
+
+
+def keeper(pf: PoolFile | None, pool: Pool, index: Index) -> Keeper:
+    """The pool file's keeper, having adopted the previous daemon's blocks and joined the index's
+    observers (a ``Volatile`` for a pool in private memory)."""
+    if pf is None:
+        return Volatile()
+    p = Persistence(pf, pool, index)
+    p.adopt()
+    index.observers.append(p)
+    return p

@@ -1,0 +1,109 @@
+"""Chunk reclaim: moving a chunk of the pool from one slot size to another that holds less than its
+fair share, by draining it a bounded number of entries per store (docs/architecture.md, "The pool").
+
+``ChunkReclaim`` is a part of ``Index`` (its base class): it works on the index's entries, slot map
+and counters, on the loop thread, and never blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+RECLAIM_BUDGET = 4096  # entries one store may evict from a chunk taken for another slot size
+_PICK_CHUNKS = 4  # candidate chunks compared (the least recently allocated from)
+_PICK_CHECK = 2  # candidates scanned for held entries (a scan costs one dict probe per slot of the chunk)
+_DRAIN_SCAN = 8 * RECLAIM_BUDGET  # slots of the draining chunk looked at per store
+DRAIN_PATIENCE_S = 30.0  # a drain stuck on held entries this long is given up (the connector leases 30 s)
+
+
+@dataclass
+class _Drain:
+    """A chunk being emptied for another slot size: ``cursor`` is the next of its carved slots to
+    look at; ``progress_at`` when it last evicted something."""
+
+    chunk: int
+    slot_bytes: int  # the size whose entries live there now
+    cursor: int = 0
+    progress_at: float = 0.0
+
+
+
+class ChunkReclaim:
+    """The reclaim half of ``Index``: it expects the index's ``pool``, ``_slot_entry``, ``_drain``,
+    ``resident``, ``evictions``, ``reclaim_evictions``, ``evicted``, ``_untrack``, ``_free`` and ``_remember``."""
+
+    def _reclaim(self, slot_bytes: int) -> None:
+        """Move memory towards ``slot_bytes`` if it holds less than its fair share of the pool.
+
+        One chunk at a time is drained: the pool hands nothing more out of it, and each call evicts
+        at most ``RECLAIM_BUDGET`` of its unheld entries (a 64 MiB chunk of 4 KiB blocks holds
+        16k), so no store stalls the loop whatever the block size. Held and pending entries are
+        never touched; a chunk that holds some is drained around them and freed when their refs
+        drop, or given up after ``DRAIN_PATIENCE_S``. When the chunk's last slot is given back the
+        pool gives the chunk to the slot size that asked.
+        """
+        d = self._drain
+        if d is not None and not self.pool.draining(d.chunk):
+            d = self._drain = None  # emptied meanwhile (evictions, CLEAR, finished stores)
+        if d is None:
+            victim = self.pool.reclaim_victim(slot_bytes)
+            chunk = self._pick_chunk(victim) if victim else None
+            if chunk is None:
+                return
+            self.pool.begin_drain(chunk, slot_bytes)
+            d = self._drain = _Drain(chunk, victim, progress_at=time.monotonic())
+        self._drain_step(d)
+
+    def _pick_chunk(self, slot_bytes: int) -> int | None:
+        """The chunk of this slot size to empty: of the few least recently allocated from (the oldest
+        blocks), the emptiest (fewest evictions) that holds no held entry; if each holds one, the
+        emptiest anyway, drained around them. Bounded work: two chunk scans at most."""
+        pool = self.pool
+        order = sorted(pool.oldest_chunks(slot_bytes, _PICK_CHUNKS), key=pool.chunk_live)  # stable: age
+        for c in order[:_PICK_CHECK]:
+            if not self._chunk_held(c):
+                return c
+        return order[0] if order else None
+
+    def _chunk_held(self, chunk: int) -> bool:
+        get = self._slot_entry.get
+        return any(e.refs for e in map(get, self.pool.carved_slots(chunk)) if e is not None)
+
+    def _drain_step(self, d: _Drain) -> None:
+        """Evict up to ``RECLAIM_BUDGET`` unheld entries of the draining chunk."""
+        slots = self.pool.carved_slots(d.chunk)
+        get = self._slot_entry.get
+        now = time.time()
+        freed: list[int] = []
+        i = d.cursor
+        end = min(len(slots), i + _DRAIN_SCAN)
+        while i < end and len(freed) < RECLAIM_BUDGET:
+            e = get(slots[i])
+            i += 1
+            if e is None or e.refs:
+                continue
+            t = e.table
+            del t.entries[e.key]
+            if t.visible.pop(e.key, None) is not None:
+                e.run.invalidate()
+                self.resident -= 1
+            if e.in_lru:
+                self._untrack(e)
+            e.dead = True
+            freed.append(e.slot)
+            self._remember(self.evicted, (t.namespace, e.key), now)
+        d.cursor = i
+        if freed:
+            d.progress_at = time.monotonic()
+            self.evictions += len(freed)
+            self.reclaim_evictions += len(freed)
+            self._free(d.slot_bytes, freed, evicted=True)  # the chunk changes hands here if that was its last slot
+        if not self.pool.draining(d.chunk):
+            self._drain = None
+        elif i >= len(slots):  # what is left was held when passed
+            if time.monotonic() - d.progress_at > DRAIN_PATIENCE_S:
+                self.pool.end_drain(d.chunk)  # held for good, it seems: let its slab use it again
+                self._drain = None
+            else:
+                d.cursor = 0  # look again on a later store

@@ -1,0 +1,93 @@
+"""``kvoffctl status``'s lines: one row per fact of STATS (daemon, pool, warm restart, KV events, hit
+rate, jobs in flight, each tier), rendered from the reply as plain text."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvoffd.ops.ctl_format import fmt_backend, fmt_dur, fmt_pct, fmt_size
+
+
+def status_rows(st: dict[str, Any], address: str, rtt: float) -> list[tuple[str, Any]]:
+    """The rows of ``status`` from a STATS reply (``address``: the one asked, when the daemon does not
+    say; ``rtt``: the ping's round trip in seconds)."""
+    d, pool, c = st.get("daemon", {}), st.get("pool", {}), st.get("counters", {})
+    engines = st.get("engines", [])
+    n_eng = len(engines) if isinstance(engines, list) else engines
+    rows = [
+        ("daemon", f"{d.get('id', '?')} (pid {d.get('pid', '?')}, version {d.get('version', '?')})"),
+        ("address", d.get("address") or address),
+        ("metrics", d.get("metrics_address") or "-"),
+        ("kv events", kv_events_line(d.get("kv_events"))),
+        ("uptime", fmt_dur(d.get("uptime_s"))),
+        ("backends", ", ".join(fmt_backend(b) for b in d.get("backends", [])) or "-"),
+        ("ping", f"{rtt * 1000:.2f} ms"),
+        ("pool", f"{fmt_size(pool.get('used_bytes'))} used of {fmt_size(pool.get('capacity_bytes'))} "
+                 f"({fmt_pct(pool.get('used_bytes'), pool.get('capacity_bytes'))}); "
+                 f"{fmt_size(pool.get('pinned_bytes'))} pinned of {fmt_size(pool.get('total_bytes'))}"),
+        ("warm restart", persistence_line(st.get("persistence") or {})),
+        ("engines", n_eng),
+        ("namespaces", len(st.get("namespaces", []) or [])),
+        ("hit rate", hit_rate(c)),
+        ("in flight", f"{st.get('in_flight_jobs', 0)} jobs, oldest {fmt_dur(st.get('oldest_in_flight_s', 0))}"),
+    ]
+    rows += [(f"tier {t.get('name', '?')}", tier_line(t)) for t in st.get("tiers", []) or []
+             if isinstance(t, dict)]
+    return rows
+
+
+def hit_rate(counters: dict[str, Any]) -> str:
+    """Served hit rate: blocks loaded into engines / blocks looked up (what saved a recompute), then
+    the share a LOOKUP found resident, an upper bound: a found block is not always loaded (the engine
+    already held it, or the request was looked up again before it was scheduled)."""
+    hit = counters.get("lookup_hit_blocks", 0) or 0
+    asked = hit + (counters.get("lookup_miss_blocks", 0) or 0)
+    if not asked:
+        return "- (no lookups yet)"
+    loaded = counters.get("loaded_blocks", 0) or 0
+    return f"{fmt_pct(loaded, asked)} served (loaded / looked up); {fmt_pct(hit, asked)} found by lookup"
+
+
+def persistence_line(p: dict) -> str:
+    """Where the pool lives and what this daemon adopted from the previous one (issue 14)."""
+    if not p.get("path"):
+        return "pool in private memory: lost when the daemon stops"
+    line = f"pool file {p['path']}; "
+    if not p.get("adopted_blocks"):
+        return line + "started cold"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(p.get("adopted_from", 0)))
+    line += f"adopted {p['adopted_blocks']} blocks ({fmt_size(p.get('adopted_bytes'))}) written until {when}"
+    if p.get("unverified_blocks"):
+        return line + f", {p['unverified_blocks']} not verified yet"
+    return line + f", verified {fmt_dur(p.get('verified_s'))} after start ({p.get('verify_failures', 0)} corrupt)"
+
+
+def kv_events_line(ev: Any) -> str:
+    """The KV-event endpoints (--kv-events-address), or "off"."""
+    if not isinstance(ev, dict) or not ev.get("endpoint"):
+        return "off"
+    topic = f", topic {ev['topic']!r}" if ev.get("topic") else ""
+    return (f"{ev['endpoint']} (replay {ev.get('replay_endpoint', '?')}{topic}; "
+            f"{ev.get('published', 0):,} published, {ev.get('dropped', 0):,} dropped)")
+
+
+def tier_line(t: dict[str, Any]) -> str:
+    """One tier of STATS ``tiers`` (the pool is "dram"): what it holds, what it served, what went wrong."""
+    if t.get("disabled"):
+        return f"DISABLED: {t['disabled']}"
+    parts = [f"{fmt_size(t.get('resident_bytes'))} in {t.get('resident_blocks', 0)} blocks of "
+             f"{fmt_size(t.get('capacity_bytes'))}", f"{t.get('hits', 0)} hits"]
+    if t.get("name") != "dram":
+        dropped = sum((t.get("spills_dropped") or {}).values())
+        parts += [f"{t.get('promotions', 0)} promoted ({t.get('promotion_failures', 0)} failed)",
+                  f"{t.get('spills', 0)} spilled ({dropped} dropped)",
+                  f"read {fmt_size(t.get('read_bytes'))}, written {fmt_size(t.get('write_bytes'))}",
+                  f"{t.get('io_errors', 0)} I/O errors, {t.get('checksum_failures', 0)} bad checksums"]
+        note = (t.get("notes") or {}).get("direct_io")
+        if note:
+            parts.append(f"direct I/O {note}")
+    parts.append(f"{t.get('evictions', 0)} evicted")
+    if t.get("admissions_refused"):
+        parts.append(f"{t['admissions_refused']} refused")
+    return "; ".join(parts)
