@@ -56,7 +56,7 @@ class Arch:
 ARCHS = {
     "gemma3": Arch(build_tiny_gemma3, "float32", ("SlidingWindowSpec",) * 3 + ("FullAttentionSpec",)),
     # 5 sliding + 2 full layers: HMA groups them 2, 2, 1 sliding and 2 full, so one group's blocks leave
-    # half of each page unused (stored anyway: see kvoffd_client.vllm.worker._log_group_coverage).
+    # half of each page unused (stored anyway: see kvoffd_client.vllm.registration._log_group_coverage).
     "gemma3_uneven": Arch(functools.partial(build_tiny_gemma3, sliding=5, full=2), "float32",
                           ("SlidingWindowSpec",) * 3 + ("FullAttentionSpec",)),
     "mistral": Arch(build_tiny_mistral, "float32", ("SlidingWindowSpec",)),

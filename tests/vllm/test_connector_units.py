@@ -77,7 +77,8 @@ def test_lookup_sends_a_slice_of_the_packed_keys_up_to_the_first_negative(daemon
 
     from kvoffd_client.client import KvoffdClient
     from kvoffd_client.vllm.common import Settings
-    from kvoffd_client.vllm.scheduler import KvoffdScheduler, _Req
+    from kvoffd_client.vllm.sched_state import RequestState
+    from kvoffd_client.vllm.scheduler import KvoffdScheduler
 
     sent: list[bytes] = []
 
@@ -92,7 +93,7 @@ def test_lookup_sends_a_slice_of_the_packed_keys_up_to_the_first_negative(daemon
     try:
         assert sched.client.connect(10)
         hashes = [bytes([i]) * 32 for i in range(8)]
-        st = _Req(SimpleNamespace(request_id="r", block_hashes=hashes))
+        st = RequestState(SimpleNamespace(request_id="r", block_hashes=hashes))
         now = time.monotonic()
         assert sched._send_lookup(st, 2, 6, now)
         assert sent[-1] == b"".join(hashes[2:6])

@@ -159,7 +159,8 @@ def test_rank_0_stores_and_both_ranks_load_the_one_copy(mla_tp2: Any, daemon: An
     from kvoffd_client.client import KvoffdClient
     from kvoffd_client.vllm.common import KvoffdMetadata, LoadSpec, Settings
     from kvoffd_client.vllm.identity import cache_identity
-    from kvoffd_client.vllm.scheduler import KvoffdScheduler, _StoreJob
+    from kvoffd_client.vllm.sched_state import PlannedStore
+    from kvoffd_client.vllm.scheduler import KvoffdScheduler
     from kvoffd_client.vllm.worker import KvoffdWorker
 
     ident = cache_identity(_gpu_like(mla_tp2), _kv_config(mla_tp2, _mla_spec()))
@@ -180,7 +181,7 @@ def test_rank_0_stores_and_both_ranks_load_the_one_copy(mla_tp2: Any, daemon: An
         n = 20
         keys = [bytes([0x5A, i]) * 16 for i in range(n)]
         src, dst = list(range(n)), list(range(32, 32 + n))
-        sched._store_jobs[7] = _StoreJob(list(keys), ["req"])  # as build_connector_meta plans it
+        sched._store_jobs[7] = PlannedStore(list(keys), ["req"])  # as build_connector_meta plans it
         meta = KvoffdMetadata(store_job_id=7, store_keys=keys, store_block_ids=src, store_req_ids=["req"],
                               await_stores=["req"])
         for w in workers:

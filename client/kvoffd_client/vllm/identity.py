@@ -234,14 +234,39 @@ def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> C
     """Fingerprint the engine's KV bytes. Raises UnsupportedConfig for what we cannot offload."""
     check_hash_stability(vllm_config)
     check_prefix_reuse(vllm_config)
-    groups = list(kv_cache_config.kv_cache_groups)
+    kinds = _offloadable_groups(kv_cache_config)
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    block_size, hash_block = _block_sizes(vllm_config, kv_cache_config, spec)
+    fields = _identity_fields(vllm_config, kv_cache_config, spec, block_size, hash_block)
+    if len(kinds) > 1 or kinds[0].kind is not GroupKind.FULL:
+        fields["groups"] = [g.describe() for g in kinds]
+    replicas = tp_replicas(vllm_config, kv_cache_config)
+    if replicas > 1:  # one copy per run of ranks: not the same entries as a copy per rank
+        fields["stored_once_per_ranks"] = replicas
+    if fields["platform"] == "cpu":
+        fields["cpu_isa"] = _cpu_attention_isa(getattr(spec, "dtype", None), int(spec.block_size),
+                                               fields["head_size"], fields["cache_dtype"])
+    mc = vllm_config.model_config
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+    namespace = f"vllm{KEY_FORMAT_VERSION}:{_short_model(str(mc.model))}:{digest}"[:MAX_NAME]
+    world_size = fields["tp"] * fields["pp"] * fields["pcp"]
+    return CacheIdentity(namespace=namespace, block_size=block_size, hashes_per_block=block_size // hash_block,
+                         world_size=world_size, fields=fields, groups=kinds, replicas=replicas)
+
+
+def _offloadable_groups(kv_cache_config: KVCacheConfig) -> list[Any]:
+    """The KV-cache groups' kinds, or UnsupportedConfig for groups the connector cannot offload."""
     try:
         kinds = kv_groups(kv_cache_config)
     except UnsupportedGroups as e:
         raise UnsupportedConfig(f"{e}. Offload is disabled for this engine.") from None
-    if len({int(g.kv_cache_spec.page_size_bytes) for g in groups}) > 1:
+    if len({int(g.kv_cache_spec.page_size_bytes) for g in kv_cache_config.kv_cache_groups}) > 1:
         raise UnsupportedConfig("the KV-cache groups have different page sizes. Offload is disabled for this engine.")
-    spec = groups[0].kv_cache_spec
+    return kinds
+
+
+def _block_sizes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, spec: Any) -> tuple[int, int]:
+    """(tokens per block, tokens per block hash): a DCP-sharded block spans every DCP rank's tokens."""
     block_size = int(spec.block_size)
     if getattr(spec, "dcp_sharded", False):
         dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
@@ -250,16 +275,13 @@ def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> C
                      or block_size)
     if block_size % hash_block:
         raise UnsupportedConfig(f"block size {block_size} is not a multiple of the hash block size {hash_block}")
+    return block_size, hash_block
 
+
+def _identity_fields(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, spec: Any, block_size: int,
+                     hash_block: int) -> dict[str, Any]:
+    """Everything that decides the KV bytes of a block (the namespace digests them)."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    tp = int(pc.tensor_parallel_size)
-    pp = int(pc.pipeline_parallel_size)
-    pcp = int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
-    dcp = int(getattr(pc, "decode_context_parallel_size", 1) or 1)
-    platform = _platform()
-    layout = str(kv_cache_config.kv_cache_layout or getattr(cc, "kv_cache_layout", None) or "default")
-    head_size = int(getattr(spec, "head_size", 0))
-    spec_dtype = getattr(spec, "dtype", None)
     fields: dict[str, Any] = {
         "key_format": KEY_FORMAT_VERSION,
         "hash_compat": hash_compat(str(cc.prefix_caching_hash_algo)),
@@ -269,39 +291,29 @@ def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> C
         "quantization": str(mc.quantization),
         "dtype": str(mc.dtype),
         "cache_dtype": str(cc.cache_dtype),
-        "platform": platform,
+        "platform": _platform(),
         "attention_backend": str(getattr(getattr(vllm_config, "attention_config", None), "backend", None)),
-        "layout": layout,
+        "layout": str(kv_cache_config.kv_cache_layout or getattr(cc, "kv_cache_layout", None) or "default"),
         "spec": type(spec).__name__,
-        "spec_dtype": str(spec_dtype),
+        "spec_dtype": str(getattr(spec, "dtype", None)),
         "num_kv_heads": int(getattr(spec, "num_kv_heads", 0)),
-        "head_size": head_size,
+        "head_size": int(getattr(spec, "head_size", 0)),
         "head_size_v": int(getattr(spec, "head_size_v", 0) or 0),
         "page_size_bytes": int(spec.page_size_bytes),
-        "num_layers": sum(len(g.layer_names) for g in groups),
+        "num_layers": sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups),
         "block_size": block_size,
         "hash_block_size": hash_block,
         "hash_algo": str(cc.prefix_caching_hash_algo),
-        "tp": tp,
-        "pp": pp,
-        "pcp": pcp,
-        "dcp": dcp,
+        "tp": int(pc.tensor_parallel_size),
+        "pp": int(pc.pipeline_parallel_size),
+        "pcp": int(getattr(pc, "prefill_context_parallel_size", 1) or 1),
+        "dcp": int(getattr(pc, "decode_context_parallel_size", 1) or 1),
         "kv_tp_replicas": int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1),
     }
     weights = _weights_version(vllm_config)
     if weights:  # absent when unset, so the namespaces of engines that never set it stay as they were
         fields["weights_version"] = weights
-    if len(kinds) > 1 or kinds[0].kind is not GroupKind.FULL:
-        fields["groups"] = [g.describe() for g in kinds]
-    replicas = tp_replicas(vllm_config, kv_cache_config)
-    if replicas > 1:  # one copy per run of ranks: not the same entries as a copy per rank
-        fields["stored_once_per_ranks"] = replicas
-    if platform == "cpu":
-        fields["cpu_isa"] = _cpu_attention_isa(spec_dtype, int(spec.block_size), head_size, str(cc.cache_dtype))
-    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
-    namespace = f"vllm{KEY_FORMAT_VERSION}:{_short_model(str(mc.model))}:{digest}"[:MAX_NAME]
-    return CacheIdentity(namespace=namespace, block_size=block_size, hashes_per_block=block_size // hash_block,
-                         world_size=tp * pp * pcp, fields=fields, groups=kinds, replicas=replicas)
+    return fields
 
 
 def worker_rank(vllm_config: VllmConfig) -> int:
