@@ -89,9 +89,6 @@ class Persistence(IndexObserver):
         self._stop_allocating = threading.Event()
         self._allocator: threading.Thread | None = None
         pool.set_allocated_bytes(pf.allocated)
-        pool.backed_bytes = pf.allocated
-        if pf.allocated >= pool.nbytes:
-            pool.backing_done.set()
 
     # --- start ------------------------------------------------------------------------------------------
     def adopt(self) -> None:
@@ -133,19 +130,13 @@ class Persistence(IndexObserver):
         self._thread.start()
         if self.pf.allocated < self.pool.nbytes:
             def progress(n: int) -> None:
-                self.pool.backed_bytes = n  # for the pinner's threads, at once
                 try:
                     loop.call_soon_threadsafe(self.pool.set_allocated_bytes, n)
                 except RuntimeError:
                     pass
 
-            def allocate() -> None:
-                try:
-                    self.pf.allocate(progress, self._stop_allocating)
-                finally:
-                    self.pool.backing_done.set()
-
-            self._allocator = threading.Thread(target=allocate, name="kvoffd-allocate", daemon=True)
+            self._allocator = threading.Thread(target=self.pf.allocate, args=(progress, self._stop_allocating),
+                                               name="kvoffd-allocate", daemon=True)
             self._allocator.start()
         # KVOFFD_TEST_NO_VERIFY_PASS: no background pass, so a test sees the first LOAD check a block
         pending = [] if os.environ.get("KVOFFD_TEST_NO_VERIFY_PASS") else list(self.unverified)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import heapq
 import logging
 import mmap
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -98,13 +97,6 @@ class Pool:
         self._pinned_chunks = self._allocated_chunks = self.num_chunks  # usable = the smaller of the two
         self._slabs: dict[int, _Slab] = {}
         self.pinned_bytes = 0
-        # Bytes with pages behind them, written by the pool file's allocating thread (a private pool is
-        # backed from the start): the pinner's threads read it and touch only backed regions, since a
-        # fault on a page its tmpfs cannot back is a SIGBUS. ``backing_done``: nothing more will be backed.
-        self.backed_bytes = 0 if self.persistent else nbytes
-        self.backing_done = threading.Event()
-        if not self.persistent:
-            self.backing_done.set()
         self.reclaimed_chunks = 0  # chunks handed from one slot size to another by a drain
 
     # --- capacity ---------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ class Pinner:
         self.populate = populate
         self.hugepages = hugepages
         self.populate_step = populate_step
-        self.touch = touch  # "write" (one store per page), "populate" (MADV_POPULATE_WRITE) or "read" (pool files)
+        self.touch = touch  # "write" (one store per page) or "populate" (MADV_POPULATE_WRITE)
         self.stats = PinStats(total_bytes=pool.nbytes)
         self._regions = [(o, min(self.region_bytes, pool.nbytes - o))
                          for o in range(0, pool.nbytes, self.region_bytes)]
@@ -115,14 +115,9 @@ class Pinner:
     # --- control ----------------------------------------------------------------------------------
     def start(self) -> None:
         self.stats.started = time.monotonic()
-        # Touching by writing zeros is only for memory never handed out, and never for a pool file. A pool
-        # file's pages exist once allocated (``Pool.backed_bytes``), so they are touched by reading: read
-        # faults on existing pages take only the VMA lock and run in parallel (8.1-8.2 GiB/s touched and
-        # registered on the H200 host, against 2.4-2.9 for MADV_POPULATE_WRITE, which holds the mmap
-        # lock, and 3.1-3.4 for none: bench/pool_pin.py); a region is read only once it is backed.
-        if self.pool.persistent:
-            self.touch = "read"
-        elif self.pool.used_bytes:
+        # Touching by writing zeros is only for memory never handed out, and never for a pool file: a
+        # store to a page its filesystem cannot back is a SIGBUS, where MADV_POPULATE_WRITE returns an error.
+        if self.pool.used_bytes or self.pool.persistent:
             self.touch = "populate"
         if not self._regions:
             self.stats.finished = self.stats.started
@@ -232,9 +227,6 @@ class Pinner:
         if self.hugepages:
             self._libc.madvise(addr, length, MADV_HUGEPAGE)  # a hint; shmem may ignore it
         step = self.populate_step
-        if self.touch == "read":
-            self._read_touch(addr, length)
-            return
         if self.touch == "write":
             # Plain page faults take only the pool's own VMA lock (Linux >= 6.4), so they do not hold
             # up the mmap calls of the CUDA driver's initialisation running at the same time, which
@@ -254,24 +246,6 @@ class Pinner:
                 return
             if self._libc.madvise(a, min(step, addr + length - a), MADV_POPULATE_WRITE) != 0:
                 self.populate = False  # old kernel: registration faults the pages itself
-
-    def _read_touch(self, addr: int, length: int) -> None:
-        """One load per page of a region, once the pool file has pages behind all of it (a read of a
-        page its filesystem cannot back would be a SIGBUS); a region the allocation never reached stops
-        pinning there (the pool stays at what was allocated: kvoffd/cache/pool_file.py)."""
-        pool = self.pool
-        off0 = addr - pool.base_address
-        while pool.backed_bytes < off0 + length:
-            if pool.backing_done.is_set() and pool.backed_bytes < off0 + length:
-                self._give_up(f"the pool file has pages for {pool.backed_bytes} bytes only")
-                return
-            if self._stop.wait(0.01):
-                return
-        buf = pool.buffer
-        for off in range(off0, off0 + length, self.populate_step):
-            if self._stop.is_set():
-                return
-            int(buf[off: min(off + self.populate_step, off0 + length): mmap.PAGESIZE].sum())  # numpy drops the GIL
 
     def _give_up(self, why: str) -> None:
         with self._lock:
