@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffd.ops import doctor
-from kvoffd.ops.doctor import FAIL, PASS, SKIP, WARN, Context
+from kvoffd.ops import doctor, doctor_daemon, doctor_gpu_checks, doctor_host
+from kvoffd.ops.doctor_result import FAIL, PASS, SKIP, WARN, Context
 
 GPU_CHECKS = ("gpus", "cuda-ipc", "bandwidth")
 
@@ -76,7 +76,7 @@ def test_doctor_without_torch_skips_gpu_checks(tmp_path):
 def test_gpu_probe_failure_is_a_result_not_a_crash(monkeypatch):
     c = ctx(ipc=True, bandwidth_bytes=1 << 20)
     c._gpu = {"probe_error": "the GPU probe did not finish in 1s (a hung driver?)"}
-    for check in (doctor.check_gpus, doctor.check_ipc, doctor.check_bandwidth):
+    for check in (doctor_gpu_checks.check_gpus, doctor_gpu_checks.check_ipc, doctor_gpu_checks.check_bandwidth):
         r = check(c)
         assert r.status in (SKIP, FAIL) and "probe" in r.detail
 
@@ -92,11 +92,11 @@ def test_gpu_results_are_judged(monkeypatch):
          "link": {"max": {"gts": 32.0, "width": 16, "gbps": 63.0}, "current": {"gts": 2.5, "width": 16, "gbps": 4.0}},
          "bandwidth": {"h2d": 12.0, "d2h": 13.0}, "ipc": {"ok": False, "error": "cudaIpcOpenMemHandle failed"}},
     ]}
-    g = doctor.check_gpus(c)
+    g = doctor_gpu_checks.check_gpus(c)
     assert g.status == PASS and "GPU-aaaa" in g.detail and "GPU-bbbb" in g.detail
-    b = doctor.check_bandwidth(c)
+    b = doctor_gpu_checks.check_bandwidth(c)
     assert b.status == WARN and "GPU 1" in b.detail and "trained now at 2.5 GT/s" in b.detail and b.fix
-    i = doctor.check_ipc(c)
+    i = doctor_gpu_checks.check_ipc(c)
     assert i.status == FAIL and "GPU 1" in i.detail and "shareProcessNamespace" in i.fix
 
 
@@ -105,33 +105,33 @@ def test_socket_dir_modes(tmp_path, mode, status):
     d = tmp_path / "kvoffd"
     d.mkdir()
     d.chmod(mode)
-    r = doctor.check_socket_dir(ctx(address=f"ipc://{d}/kvoffd.sock"))
+    r = doctor_daemon.check_socket_dir(ctx(address=f"ipc://{d}/kvoffd.sock"))
     assert r.status == status, r
     if status != PASS:
         assert "chmod" in r.fix
 
 
 def test_socket_dir_missing_and_tcp(tmp_path):
-    assert doctor.check_socket_dir(ctx(address=f"ipc://{tmp_path}/new/kvoffd.sock")).status == PASS
-    assert doctor.check_socket_dir(ctx(address="tcp://127.0.0.1:5555")).status == SKIP
-    assert doctor.check_socket_dir(ctx(address="tcp://10.1.2.3:5555")).status == WARN
+    assert doctor_daemon.check_socket_dir(ctx(address=f"ipc://{tmp_path}/new/kvoffd.sock")).status == PASS
+    assert doctor_daemon.check_socket_dir(ctx(address="tcp://127.0.0.1:5555")).status == SKIP
+    assert doctor_daemon.check_socket_dir(ctx(address="tcp://10.1.2.3:5555")).status == WARN
 
 
 def test_memlock_and_memory_verdicts(monkeypatch):
-    assert doctor.check_memory(ctx(pool_size=1 << 20)).status == PASS
-    assert doctor.check_memory(ctx(pool_size=1 << 60)).status == FAIL
-    monkeypatch.setattr(doctor, "_device_nodes", lambda: ["nvidiactl", "nvidia-uvm"])  # no GPU: nothing pinned
-    assert doctor.check_memlock(ctx(pool_size=1 << 50)).status == SKIP
-    monkeypatch.setattr(doctor, "_device_nodes", lambda: ["nvidia0", "nvidiactl"])
-    m = doctor.check_memlock(ctx(pool_size=1 << 50))
+    assert doctor_host.check_memory(ctx(pool_size=1 << 20)).status == PASS
+    assert doctor_host.check_memory(ctx(pool_size=1 << 60)).status == FAIL
+    monkeypatch.setattr(doctor_host, "device_nodes", lambda: ["nvidiactl", "nvidia-uvm"])  # no GPU: nothing pinned
+    assert doctor_host.check_memlock(ctx(pool_size=1 << 50)).status == SKIP
+    monkeypatch.setattr(doctor_host, "device_nodes", lambda: ["nvidia0", "nvidiactl"])
+    m = doctor_host.check_memlock(ctx(pool_size=1 << 50))
     assert m.status in (PASS, WARN)
     if m.status == WARN:
         assert "LimitMEMLOCK=infinity" in m.fix and "memlock=-1" in m.fix
 
 
 def test_a_crashed_probe_names_its_signal():
-    assert doctor._exit_words(-7) == "was killed by SIGBUS (signal 7)"
-    assert doctor._exit_words(3) == "exited with status 3"
+    assert doctor_gpu_checks._exit_words(-7) == "was killed by SIGBUS (signal 7)"
+    assert doctor_gpu_checks._exit_words(3) == "exited with status 3"
 
 
 def test_a_broken_check_is_reported_not_raised():
@@ -143,5 +143,5 @@ def test_a_broken_check_is_reported_not_raised():
 
 
 def test_doctor_sees_a_live_daemon(daemon):
-    r = doctor.check_daemon(ctx(address=daemon.address))
+    r = doctor_daemon.check_daemon(ctx(address=daemon.address))
     assert r.status == PASS and "answers" in r.detail

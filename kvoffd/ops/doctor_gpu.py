@@ -1,7 +1,7 @@
 """The GPU half of ``kvoffd doctor``, run in a child process.
 
 Why a child: initialising CUDA can hang, abort or print driver noise on a broken host, and a CUDA
-context must not exist in the process that later forks. The parent (kvoffd/ops/doctor.py) runs
+context must not exist in the process that later forks. The parent (kvoffd/ops/doctor_gpu_checks.py) runs
 ``python -m kvoffd.ops.doctor_gpu probe`` with a deadline and reads one JSON document from its stdout;
 whatever happens here, the parent reports it as a check result, never as a traceback.
 
@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from kvoffd.ops.doctor import _read
+from kvoffd.ops.doctor_result import read_text
 
 PATTERN = 0x5A
 IPC_BYTES = 1 << 20
@@ -158,10 +158,10 @@ def pcie_link(bus_id: str) -> dict[str, Any]:
     dev = f"/sys/bus/pci/devices/{bus_id.lower()}"
     if not os.path.isdir(dev):
         return {}
-    out: dict[str, Any] = {"numa_node": _read(f"{dev}/numa_node")}
+    out: dict[str, Any] = {"numa_node": read_text(f"{dev}/numa_node")}
     for kind in ("max", "current"):
-        speed = _read(f"{dev}/{kind}_link_speed")  # "32.0 GT/s PCIe"
-        width = _read(f"{dev}/{kind}_link_width")
+        speed = read_text(f"{dev}/{kind}_link_speed")  # "32.0 GT/s PCIe"
+        width = read_text(f"{dev}/{kind}_link_width")
         try:
             gts, lanes = float(speed.split()[0]), int(width)
         except (ValueError, IndexError):

@@ -1,7 +1,7 @@
 """`kvoffd doctor`'s check of the pool file (issue 14): where the pool will live, whether that is
 memory, whether this user may keep it there, whether there is room for it, and what it holds now.
 
-Kept apart from kvoffd/ops/doctor.py (which has the host checks) so that the warm-restart rules
+Kept apart from kvoffd/ops/doctor_host.py (the host checks) so that the warm-restart rules
 live next to each other: the daemon itself falls back to private memory, with one warning, in every
 case reported here as WARN, so nothing here is a FAIL.
 """

@@ -1,0 +1,51 @@
+"""What every ``kvoffd doctor`` check is given and returns: the ``Context`` (what to check against,
+and the GPU probe's findings, fetched once) and one ``Result`` line with its verdict word.
+
+Kept free of the checks themselves so that the check modules (doctor_host, doctor_daemon,
+doctor_gpu_checks, doctor_pool) and the GPU probe's child process (doctor_gpu) share it without
+importing one another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
+
+
+@dataclass
+class Result:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class Context:
+    pool_size: int
+    pool_size_source: str
+    address: str
+    bandwidth_bytes: int
+    ipc: bool
+    gpu_timeout_s: float
+    pool_path: str = ""  # "" : the daemon's default (kvoffd/cache/pool_file.py)
+    _gpu: dict[str, Any] | None = None
+
+    def gpu(self) -> dict[str, Any]:
+        """The GPU probe's findings, run once in a child process (see doctor_gpu)."""
+        if self._gpu is None:
+            from kvoffd.ops.doctor_gpu_checks import run_gpu_probe  # the checks import this module
+
+            self._gpu = run_gpu_probe(self)
+        return self._gpu
+
+
+def read_text(path: str) -> str:
+    """A /proc or /sys file's text, stripped; "" when it cannot be read (the checks say "unknown")."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
