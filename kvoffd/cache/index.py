@@ -70,6 +70,8 @@ class Index(ChunkReclaim, IndexViews):
         self.reclaim_evictions = 0  # evicted to hand their chunk to another slot size
         self.refused = 0  # new blocks the admission policy refused (never copied)
         self.observers: list[IndexObserver] = []
+        self.deferred: dict[int, int] = {}  # slot -> slot_bytes: evicted, kept out of the pool by an observer
+        self.deferred_bytes = 0
 
     # --- namespaces -------------------------------------------------------------------------------------
     def check_table(self, namespace: str, rank: int, world_size: int, layout: tuple[int, ...],
@@ -310,14 +312,39 @@ class Index(ChunkReclaim, IndexViews):
         owner = self._slot_entry
         if self.observers:
             gone = [owner.pop(s) for s in slots]
+            kept: list[Entry] = []
             for o in self.observers:
                 if evicted and gone:
-                    o.evicted(slot_bytes, gone)
+                    kept += o.evicted(slot_bytes, gone) or ()
                 o.freeing(slot_bytes, gone)
+            if kept:
+                slots = self._defer(slot_bytes, slots, kept)
         else:
             for s in slots:
                 del owner[s]
         self.pool.free(slot_bytes, slots)
+
+    def _defer(self, slot_bytes: int, slots: list[int], kept: list[Entry]) -> list[int]:
+        """Keep the slots of ``kept`` out of the pool (an observer still reads them); the rest of ``slots``."""
+        held = {e.slot for e in kept}
+        for s in held:
+            self.deferred[s] = slot_bytes
+        self.deferred_bytes += len(held) * slot_bytes
+        return [s for s in slots if s not in held]
+
+    def release_deferred(self, slot_bytes: int, slots: Sequence[int]) -> None:
+        """An observer is done with slots it deferred (``IndexObserver.evicted``): back to the pool now.
+        A slot not deferred (a bug in the caller) is refused with an error log: freeing it twice
+        would hand one slot to two blocks."""
+        back = []
+        for s in slots:
+            if self.deferred.get(s) != slot_bytes:
+                log.error("release_deferred: slot %d of %d bytes is not deferred; ignored", s, slot_bytes)
+                continue
+            del self.deferred[s]
+            back.append(s)
+        self.deferred_bytes -= len(back) * slot_bytes
+        self.pool.free(slot_bytes, back)
 
     def _commit(self, entries: list[Entry]) -> int:
         """The store copied these: make them visible (unless unlinked meanwhile). Returns how many."""
