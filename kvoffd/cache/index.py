@@ -33,6 +33,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
+from kvoffd.cache.deferral import DeferredFree
 from kvoffd.cache.entries import Entry, Hits, LoadPlan, Namespace, StorePlan, Table
 from kvoffd.cache.index_views import IndexViews
 from kvoffd.cache.observer import IndexObserver
@@ -49,7 +50,7 @@ _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoff
 log = logging.getLogger(__name__)
 
 
-class Index(ChunkReclaim, IndexViews):
+class Index(ChunkReclaim, DeferredFree, IndexViews):
     """Refs are lazy with respect to the LRU: taking one is ``entry.refs += 1`` and nothing else
     (``hold`` takes thousands per step for leases, in one loop here); eviction skips held entries it
     meets and ``release`` puts them back as most recently used. Callers never touch ``refs``."""
@@ -72,6 +73,8 @@ class Index(ChunkReclaim, IndexViews):
         self.observers: list[IndexObserver] = []
         self.deferred: dict[int, int] = {}  # slot -> slot_bytes: evicted, kept out of the pool by an observer
         self.deferred_bytes = 0
+        self.defer_budget = 0  # bytes an observer may defer (set by it; 0: none defers, no evicting ahead)
+        self.defer_ok = True  # False while evicting for slots needed now (kvoffd/cache/deferral.py)
 
     # --- namespaces -------------------------------------------------------------------------------------
     def check_table(self, namespace: str, rank: int, world_size: int, layout: tuple[int, ...],
@@ -238,9 +241,13 @@ class Index(ChunkReclaim, IndexViews):
             self._reclaim(size)  # below its fair share: a chunk of another slot size comes this way
             slots += self.pool.alloc(size, len(want) - len(slots))
         short = len(want) - len(slots)
-        if short:
+        if short and self.defer_budget:  # the slots are needed now: no observer may defer them
+            slots += self._evict_undeferred(size, short)
+        elif short:
             self.evict(size, short)
             slots += self.pool.alloc(size, short)
+        if self.defer_budget:
+            self._keep_ahead(size, len(want))
         dropped = want[len(slots):]
         if pol is not None:
             for i in dropped:  # admitted, no room: the policy lets go of what it reserved
@@ -323,28 +330,6 @@ class Index(ChunkReclaim, IndexViews):
             for s in slots:
                 del owner[s]
         self.pool.free(slot_bytes, slots)
-
-    def _defer(self, slot_bytes: int, slots: list[int], kept: list[Entry]) -> list[int]:
-        """Keep the slots of ``kept`` out of the pool (an observer still reads them); the rest of ``slots``."""
-        held = {e.slot for e in kept}
-        for s in held:
-            self.deferred[s] = slot_bytes
-        self.deferred_bytes += len(held) * slot_bytes
-        return [s for s in slots if s not in held]
-
-    def release_deferred(self, slot_bytes: int, slots: Sequence[int]) -> None:
-        """An observer is done with slots it deferred (``IndexObserver.evicted``): back to the pool now.
-        A slot not deferred (a bug in the caller) is refused with an error log: freeing it twice
-        would hand one slot to two blocks."""
-        back = []
-        for s in slots:
-            if self.deferred.get(s) != slot_bytes:
-                log.error("release_deferred: slot %d of %d bytes is not deferred; ignored", s, slot_bytes)
-                continue
-            del self.deferred[s]
-            back.append(s)
-        self.deferred_bytes -= len(back) * slot_bytes
-        self.pool.free(slot_bytes, back)
 
     def _commit(self, entries: list[Entry]) -> int:
         """The store copied these: make them visible (unless unlinked meanwhile). Returns how many."""
