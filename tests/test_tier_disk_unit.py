@@ -86,7 +86,7 @@ async def _staged(path: str) -> None:
     tiers = Tiers(index, [tier])
     t = index.table("unit", 0, 1, SLOT, (SLOT,))
     keys = [hashlib.sha256(b"s%d" % i).digest() for i in range(32)]
-    for lo, n in ((0, 16), (16, 14)):  # the first fills the pool (2 evicted ahead), the second evicts the rest
+    for lo, n in ((0, 16), (16, 16)):  # the second evicts the first (a pool this small keeps no reserve)
         ks = keys[lo:lo + n]
         p = index.prepare_store(t, ks)
         entries = index.add_pending(p)
@@ -95,7 +95,7 @@ async def _staged(path: str) -> None:
             index.pool.view(e.slot, SLOT)[:] = np.frombuffer(hashlib.sha256(e.key).digest() * (SLOT // 32), np.uint8)
         index.complete_store(p, True)
     assert tier.stats().spills == 0 and len(tiers._staged) == 16  # all in flight
-    assert tiers.spill_copies == 14 and len(index.deferred) == 2  # a store's own victims are copied out
+    assert tiers.spill_copies == 16 and not index.deferred  # a store's own victims are copied out
     wanted = b"".join(keys[:8])
     hits = tiers.extend_lookup("unit", wanted, index.lookup("unit", wanted))
     assert hits.n == 8 and tiers.staged_hits == 8
@@ -127,22 +127,22 @@ async def _gated(path: str, budget_blocks: int) -> None:
     from kvoffd.cache.pool import Pool
     from kvoffd.cache.tiers.manager import Tiers
 
-    index = Index(Pool(32 * SLOT, chunk_bytes=32 * SLOT), "lru")  # 32 slots: a reserve of 4 kept ahead
+    index = Index(Pool(128 * SLOT, chunk_bytes=128 * SLOT), "lru")  # 128 slots: a reserve of 4 kept ahead
     tier = DiskTier(path, 64 * SLOT, threads=2)
     gate = threading.Event()
     tier._io.write_gate = gate
     tier.start(asyncio.get_running_loop())
     tiers = Tiers(index, [tier], spill_buffer_bytes=budget_blocks * SLOT)
     t = index.table("unit", 0, 1, SLOT, (SLOT,))
-    keys = [hashlib.sha256(b"g%d" % i).digest() for i in range(36)]
+    keys = [hashlib.sha256(b"g%d" % i).digest() for i in range(132)]
     pattern = {k: hashlib.sha256(k).digest() * (SLOT // 32) for k in keys}
     try:
-        for lo in range(0, 32, 4):
+        for lo in range(0, 128, 4):
             assert len(_fill(index, t, keys[lo:lo + 4])) == 4
         # the last store filled the pool: the 4 oldest were evicted ahead, their writes held by the gate
         deferred = dict(index.deferred)
         assert len(deferred) == 4 and index.deferred_bytes == 4 * SLOT and not t.visible.keys() & set(keys[:4])
-        got = _fill(index, t, keys[32:36])  # needs 4 slots now: evicts, and cannot have the deferred ones
+        got = _fill(index, t, keys[128:132])  # needs 4 slots now: evicts, and cannot have the deferred ones
         assert len(got) == 4 and not set(got) & set(deferred)
         for s in deferred:  # nothing wrote into a deferred slot: its block's bytes are still there
             assert bytes(index.pool.view(s, SLOT)) in {pattern[k] for k in keys[:4]}
@@ -163,7 +163,7 @@ async def _gated(path: str, budget_blocks: int) -> None:
         assert (await tier.read(tiers._ref(t), wanted, [dv[j * SLOT:(j + 1) * SLOT] for j in range(4)])).all()
         for j, k in enumerate(keys[:4]):
             assert bytes(dv[j * SLOT:(j + 1) * SLOT]) == pattern[k]
-        free = index.pool.alloc(SLOT, 16)  # given back once written: the pool hands them out again
+        free = index.pool.alloc(SLOT, 128)  # given back once written: the pool hands them out again
         assert set(deferred) <= set(free)
         index.pool.free(SLOT, free)
     finally:

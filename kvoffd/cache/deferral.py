@@ -15,8 +15,8 @@ Since a deferred slot is not free, a store must not wait for one; so:
 * **keep ahead**: after a store, when the pool has fewer spare slots of its size than the store took,
   the index evicts the difference now, deferred (their spills start at once, no copy), so the next
   store finds the slots their writes gave back and evicts nothing itself. The reserve is one
-  store's worth, at most 1/8 of the size's slots and within ``defer_budget``: while the disk lags,
-  a store that needs more than the other 7/8 can give loses the rest (``pool_full``), never waits.
+  store's worth, at most 1/32 of the size's slots and within ``defer_budget``: while the disk lags,
+  a store that needs more than the other 31/32 can give loses the rest (``pool_full``), never waits.
 
 Chunk reclaim's evictions (a drain) are deferred too: the chunk changes hands once its last
 deferred slot comes back, as a drain waits for held entries.
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-AHEAD_SHARE = 8  # the reserve kept ahead is at most 1/8 of a slot size's slots
+AHEAD_SHARE = 32  # the reserve kept ahead is at most 1/32 of a slot size's slots (a small pool keeps its blocks)
 
 
 class DeferredFree:
