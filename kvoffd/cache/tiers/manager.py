@@ -377,6 +377,8 @@ class Tiers(IndexObserver):
             st.promotions += self.staged_hits  # served from a spill still in flight
             if self.spill_busy:
                 st.spills_dropped[SpillResult.BUSY.value] = self.spill_busy
+            st.notes["spill_copies"] = str(self.spill_copies)  # the fallback that copies on the loop
+            st.notes["spill_deferred_bytes"] = str(self.index.deferred_bytes)  # pool slots spills still read
             out.append(st)
         return out
 
