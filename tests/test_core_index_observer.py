@@ -125,3 +125,43 @@ def test_a_block_cleared_while_a_lease_holds_it_is_unlinked_then_freed_on_releas
     index.release([held])
     assert [k for k, _, _ in rec.freed] == [key(2), key(1)]
     assert rec.evictions == []
+
+
+class Deferrer(IndexObserver):
+    """Keeps every evicted slot out of the pool, as a spill written from the pool does."""
+
+    def __init__(self):
+        self.kept: list[Entry] = []
+
+    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> Sequence[Entry]:
+        self.kept += entries
+        return entries
+
+
+def test_a_deferred_slot_is_never_handed_out_until_released_and_is_invisible():
+    pool = Pool(8 * SLOT, chunk_bytes=8 * SLOT)  # one chunk of 8 slots
+    index = Index(pool, "lru")
+    obs = Deferrer()
+    index.observers.append(obs)
+    t = index.table("ns", 0, 1, SLOT, (SLOT,))
+
+    def store(lo: int, n: int) -> list[int]:
+        p = index.prepare_store(t, [key(i) for i in range(lo, lo + n)])
+        index.add_pending(p)
+        index.complete_store(p, True)
+        return list(p.slots)
+
+    first = store(0, 8)
+    assert len(first) == 8
+    got = store(8, 4)  # evicts 4, whose slots are deferred: the store finds no room
+    assert got == [] and len(obs.kept) == 4 and index.deferred_bytes == 4 * SLOT
+    deferred = {e.slot for e in obs.kept}
+    assert index.lookup("ns", b"".join(e.key for e in obs.kept)).n == 0  # dead: invisible
+    again = store(20, 4)  # evicts the other 4: still no slot handed out
+    assert again == [] and not ({e.slot for e in obs.kept} - set(first))
+    index.release_deferred(SLOT, sorted(deferred))
+    assert index.deferred_bytes == 4 * SLOT
+    reused = store(30, 4)
+    assert set(reused) == deferred  # only the released ones came back
+    index.release_deferred(SLOT, sorted(deferred))  # a second release is refused, not a double free
+    assert index.deferred_bytes == 4 * SLOT and pool.used_bytes == 8 * SLOT

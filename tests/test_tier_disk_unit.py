@@ -73,8 +73,9 @@ def test_one_daemon_per_directory(tmp_path):
 
 
 async def _staged(path: str) -> None:
-    """The disk tier's I/O threads are not started: every spill stays in flight. A lookup of blocks
-    just evicted is served from their staging copies, byte-exact, without a read."""
+    """The disk tier's I/O threads are not started: every spill stays in flight. The second STORE
+    needs its victims' slots at once (more than the reserve kept ahead), so they are copied out to
+    staging; a lookup of blocks just evicted is served from there, byte-exact, without a read."""
     from kvoffd.cache.index import Index
     from kvoffd.cache.pool import Pool
     from kvoffd.cache.tiers.manager import Tiers
@@ -85,14 +86,16 @@ async def _staged(path: str) -> None:
     tiers = Tiers(index, [tier])
     t = index.table("unit", 0, 1, SLOT, (SLOT,))
     keys = [hashlib.sha256(b"s%d" % i).digest() for i in range(32)]
-    for lo in (0, 16):  # the second half evicts the first
-        ks = keys[lo:lo + 16]
+    for lo, n in ((0, 16), (16, 16)):  # the second evicts the first (a pool this small keeps no reserve)
+        ks = keys[lo:lo + n]
         p = index.prepare_store(t, ks)
         entries = index.add_pending(p)
+        assert len(entries) == n
         for e in entries:
             index.pool.view(e.slot, SLOT)[:] = np.frombuffer(hashlib.sha256(e.key).digest() * (SLOT // 32), np.uint8)
         index.complete_store(p, True)
     assert tier.stats().spills == 0 and len(tiers._staged) == 16  # all in flight
+    assert tiers.spill_copies == 16 and not index.deferred  # a store's own victims are copied out
     wanted = b"".join(keys[:8])
     hits = tiers.extend_lookup("unit", wanted, index.lookup("unit", wanted))
     assert hits.n == 8 and tiers.staged_hits == 8
@@ -105,3 +108,72 @@ async def _staged(path: str) -> None:
 
 def test_a_block_whose_spill_has_not_landed_is_served_from_staging(tmp_path):
     asyncio.run(_staged(str(tmp_path / "disk")))
+
+
+def _fill(index, t, keys: list[bytes]) -> list[int]:
+    """A STORE of ``keys`` whose copy writes each block's own pattern; returns the slots it got."""
+    p = index.prepare_store(t, keys)
+    for e in index.add_pending(p):
+        index.pool.view(e.slot, SLOT)[:] = np.frombuffer(hashlib.sha256(e.key).digest() * (SLOT // 32), np.uint8)
+    index.complete_store(p, True)
+    return list(p.slots)
+
+
+async def _gated(path: str, budget_blocks: int) -> None:
+    """The tier's writes wait on a gate the test holds: the spills' pool slots stay deferred."""
+    import threading
+
+    from kvoffd.cache.index import Index
+    from kvoffd.cache.pool import Pool
+    from kvoffd.cache.tiers.manager import Tiers
+
+    index = Index(Pool(128 * SLOT, chunk_bytes=128 * SLOT), "lru")  # 128 slots: a reserve of 4 kept ahead
+    tier = DiskTier(path, 64 * SLOT, threads=2)
+    gate = threading.Event()
+    tier._io.write_gate = gate
+    tier.start(asyncio.get_running_loop())
+    tiers = Tiers(index, [tier], spill_buffer_bytes=budget_blocks * SLOT)
+    t = index.table("unit", 0, 1, SLOT, (SLOT,))
+    keys = [hashlib.sha256(b"g%d" % i).digest() for i in range(132)]
+    pattern = {k: hashlib.sha256(k).digest() * (SLOT // 32) for k in keys}
+    try:
+        for lo in range(0, 128, 4):
+            assert len(_fill(index, t, keys[lo:lo + 4])) == 4
+        # the last store filled the pool: the 4 oldest were evicted ahead, their writes held by the gate
+        deferred = dict(index.deferred)
+        assert len(deferred) == 4 and index.deferred_bytes == 4 * SLOT and not t.visible.keys() & set(keys[:4])
+        got = _fill(index, t, keys[128:132])  # needs 4 slots now: evicts, and cannot have the deferred ones
+        assert len(got) == 4 and not set(got) & set(deferred)
+        for s in deferred:  # nothing wrote into a deferred slot: its block's bytes are still there
+            assert bytes(index.pool.view(s, SLOT)) in {pattern[k] for k in keys[:4]}
+        if budget_blocks == 4:  # the budget is taken by the deferred 4: the store's victims' spills are dropped
+            assert tiers.spill_busy == 4 and tiers.spill_copies == 0
+        else:  # the store's own victims are copied out (it needs their slots now), the next 4 kept ahead
+            assert tiers.spill_busy == 0 and tiers.spill_copies == 4 and len(index.deferred) == 8
+        assert index.deferred_bytes <= budget_blocks * SLOT
+        gate.set()
+        while tiers._spilling:
+            await asyncio.wait(list(tiers._spilling))
+            await asyncio.sleep(0)  # the done callbacks (a yield, not a wait for time)
+        assert not index.deferred and index.deferred_bytes == 0 and not tiers._staged
+        wanted = b"".join(keys[:4])
+        assert tier.contains(tiers._ref(t), wanted).all()
+        dst = mmap.mmap(-1, 4 * SLOT)
+        dv = memoryview(dst)
+        assert (await tier.read(tiers._ref(t), wanted, [dv[j * SLOT:(j + 1) * SLOT] for j in range(4)])).all()
+        for j, k in enumerate(keys[:4]):
+            assert bytes(dv[j * SLOT:(j + 1) * SLOT]) == pattern[k]
+        free = index.pool.alloc(SLOT, 128)  # given back once written: the pool hands them out again
+        assert set(deferred) <= set(free)
+        index.pool.free(SLOT, free)
+    finally:
+        gate.set()
+        tier.close()
+
+
+def test_a_spilled_blocks_slot_is_not_reused_before_its_write_read_it(tmp_path):
+    asyncio.run(_gated(str(tmp_path / "disk"), budget_blocks=1024))
+
+
+def test_spills_past_the_deferred_budget_are_dropped_and_counted(tmp_path):
+    asyncio.run(_gated(str(tmp_path / "disk"), budget_blocks=4))

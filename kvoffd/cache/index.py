@@ -33,6 +33,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
+from kvoffd.cache.deferral import DeferredFree
 from kvoffd.cache.entries import Entry, Hits, LoadPlan, Namespace, StorePlan, Table
 from kvoffd.cache.index_views import IndexViews
 from kvoffd.cache.observer import IndexObserver
@@ -49,7 +50,7 @@ _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoff
 log = logging.getLogger(__name__)
 
 
-class Index(ChunkReclaim, IndexViews):
+class Index(ChunkReclaim, DeferredFree, IndexViews):
     """Refs are lazy with respect to the LRU: taking one is ``entry.refs += 1`` and nothing else
     (``hold`` takes thousands per step for leases, in one loop here); eviction skips held entries it
     meets and ``release`` puts them back as most recently used. Callers never touch ``refs``."""
@@ -70,6 +71,10 @@ class Index(ChunkReclaim, IndexViews):
         self.reclaim_evictions = 0  # evicted to hand their chunk to another slot size
         self.refused = 0  # new blocks the admission policy refused (never copied)
         self.observers: list[IndexObserver] = []
+        self.deferred: dict[int, int] = {}  # slot -> slot_bytes: evicted, kept out of the pool by an observer
+        self.deferred_bytes = 0
+        self.defer_budget = 0  # bytes an observer may defer (set by it; 0: none defers, no evicting ahead)
+        self.defer_ok = True  # False while evicting for slots needed now (kvoffd/cache/deferral.py)
 
     # --- namespaces -------------------------------------------------------------------------------------
     def check_table(self, namespace: str, rank: int, world_size: int, layout: tuple[int, ...],
@@ -236,9 +241,13 @@ class Index(ChunkReclaim, IndexViews):
             self._reclaim(size)  # below its fair share: a chunk of another slot size comes this way
             slots += self.pool.alloc(size, len(want) - len(slots))
         short = len(want) - len(slots)
-        if short:
+        if short and self.defer_budget:  # the slots are needed now: no observer may defer them
+            slots += self._evict_undeferred(size, short)
+        elif short:
             self.evict(size, short)
             slots += self.pool.alloc(size, short)
+        if self.defer_budget:
+            self._keep_ahead(size, len(want))
         dropped = want[len(slots):]
         if pol is not None:
             for i in dropped:  # admitted, no room: the policy lets go of what it reserved
@@ -310,10 +319,13 @@ class Index(ChunkReclaim, IndexViews):
         owner = self._slot_entry
         if self.observers:
             gone = [owner.pop(s) for s in slots]
+            kept: list[Entry] = []
             for o in self.observers:
                 if evicted and gone:
-                    o.evicted(slot_bytes, gone)
+                    kept += o.evicted(slot_bytes, gone) or ()
                 o.freeing(slot_bytes, gone)
+            if kept:
+                slots = self._defer(slot_bytes, slots, kept)
         else:
             for s in slots:
                 del owner[s]

@@ -22,9 +22,17 @@ class IndexObserver:
     def committed(self, entries: Sequence[Entry]) -> None:
         """``entries`` just became visible: their copy completed and their bytes are in their slots."""
 
-    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
+    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> Sequence[Entry] | None:
         """The index chose ``entries`` to make room (eviction, or emptying a chunk for another slot
-        size): their ``freeing`` follows at once. A lower tier keeps them from here."""
+        size): their ``freeing`` follows at once. A lower tier keeps them from here.
+
+        Returns the entries (a subset, or None) whose slots the observer *defers*: a deferred slot
+        stays out of the pool (never handed out, its chunk never changes hands) until the observer
+        gives it back with ``Index.release_deferred``, so a thread may still read its bytes after
+        the call (a spill written straight from the pool, without a copy on the loop). The entries
+        are dead all the same: invisible to lookups, their ``freeing`` told now (a slot record is
+        invalidated before the slot can be reused, as for any free).
+        """
 
     def unlinked(self, entries: Sequence[Entry]) -> None:
         """Committed ``entries`` left the index (CLEAR, found corrupt) while refs still hold them (a LOAD,

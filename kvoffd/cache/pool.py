@@ -172,6 +172,21 @@ class Pool:
         slab.used += len(out)
         return out
 
+    def spare_slots(self, slot_bytes: int, upto: int) -> int:
+        """How many slots of this size ``alloc`` could hand out now without evicting, counted up to
+        ``upto`` (bounded work: stops there). Changes nothing."""
+        slab = self._slabs.get(slot_bytes)
+        per = self.chunk_bytes // slot_bytes if 0 < slot_bytes <= self.chunk_bytes else 0
+        n = 0
+        for c in slab.room if slab is not None else ():
+            ch = self._chunks[c]
+            n += len(ch.free) + per - ch.carved
+            if n >= upto:
+                return upto
+        heap = self._free_chunks
+        free = len(heap) if self._usable_chunks == self.num_chunks else sum(1 for c in heap if c < self._usable_chunks)
+        return min(upto, n + free * per)
+
     def _carve(self, ch: _Chunk, per: int, k: int, out: list[int]) -> None:
         size = ch.slot_bytes
         take = min(k, len(ch.free))

@@ -106,8 +106,9 @@ class Tier(Protocol):
         are served before writes when the tier is busy."""
 
     def write(self, table: TableRef, keys: bytes, src: Sequence[memoryview]) -> asyncio.Future:
-        """Keep block ``i`` = ``src[i]`` (the tier owns ``src`` until the future resolves); resolves to a
-        list of :class:`SpillResult`, one per block. Best effort: dropping is always allowed."""
+        """Keep block ``i`` = ``src[i]``; resolves to a list of :class:`SpillResult`, one per block. Best
+        effort: dropping is always allowed. ``src`` are usually the evicted blocks' own pool slots, kept
+        out of the pool until the future resolves: read them only until then, never write them."""
 
     def remove(self, table: TableRef, keys: bytes) -> None:
         """Forget these blocks (a read in flight still completes or fails cleanly)."""

@@ -30,6 +30,7 @@ class IoPool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.queued_writes = 0  # write tasks queued or running (the loop thread reads it)
         self._lock = threading.Lock()
+        self.write_gate: threading.Event | None = None  # tests: writes wait for it (a deterministic "slow disk")
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -49,6 +50,9 @@ class IoPool:
             prio, _, fn, done = self._q.get()
             if fn is None:
                 return
+            gate = self.write_gate
+            if prio == WRITE and gate is not None:
+                gate.wait()
             try:
                 res = fn()
             except Exception as e:  # a bug in a task: reported to its caller as a failure, never fatal

@@ -8,10 +8,13 @@ for the rest, at two places: ``extend_lookup`` after the pool's leading hits (th
 hits too, and their promotion into pool slots starts at once) and ``promotions`` before a LOAD (which
 then waits for them, so the LOAD itself is an ordinary pool -> engine copy).
 
-Spilled bytes are copied out of the slot inside the observer call, into a staging buffer the tier owns
-until its write completes: the pool may hand the slot to the next STORE as soon as the call returns.
-The copy is bounded by ``spill_buffer_bytes`` in flight; past it a spill is dropped (counted ``busy``),
-never delayed, so a slow disk cannot stall stores or the loop.
+Spilled bytes are never copied on the loop: the tier's I/O threads write them straight from the pool
+slot, which the index keeps out of the pool meanwhile (a deferred free, kvoffd/cache/deferral.py)
+and which ``evicted``'s write gives back once it has read it. At most ``spill_buffer_bytes`` are
+deferred; past it a spill is dropped (counted ``busy``), never waited for, so a slow disk cannot
+stall stores or the loop. One fallback copies: a STORE that needs more slots at once than the index
+kept free ahead of it (kvoffd/cache/deferral.py) has its victims copied out on the loop into a
+staging buffer (within the same budget, counted in ``spill_copies``) rather than dropped.
 
 A promotion takes pool slots the way a STORE does (evicting as needed, bypassing admission: the block
 was just asked for) as pending entries, visible only once the tier has verified the bytes; a block that
@@ -27,7 +30,7 @@ import logging
 import mmap
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -42,6 +45,19 @@ PROMOTE_WAIT_S = 10.0  # a LOAD waits at most this long for a promotion (then th
 SPILL_BUFFER_BYTES = 256 << 20
 
 
+@dataclass
+class _Spill:
+    """One write to a tier of blocks evicted together: ``src`` are views of their deferred pool slots."""
+
+    tier: Tier
+    table: Table
+    slot_bytes: int
+    keys: list[bytes]
+    slots: list[int]  # deferred pool slots, given back when the write resolves ([] once copied out)
+    src: list[memoryview] = field(default_factory=list)
+    copied: int = 0  # bytes in a staging copy (the fallback), counted against the budget
+
+
 class Tiers(IndexObserver):
     def __init__(self, index: Index, tiers: Sequence[Tier], verify: bool = False,
                  spill_buffer_bytes: int = SPILL_BUFFER_BYTES):
@@ -52,9 +68,10 @@ class Tiers(IndexObserver):
         self._refs: dict[Table, TableRef] = {}
         self._promoting: dict[Entry, asyncio.Future] = {}
         self._spilling: set[asyncio.Future] = set()
-        self._spill_bytes = 0  # staged, not yet written
-        self._held: list | None = None  # spills staged during a LOOKUP's promotions, written after them
-        self._staged: dict[tuple[Table, bytes], memoryview] = {}  # spilled, write not done: served from here
+        self._copied_bytes = 0  # staging copies in flight (the fallback when a STORE needs the slots now)
+        self.spill_copies = 0  # blocks copied on the loop by that fallback
+        self._held: list[_Spill] | None = None  # spills begun during a LOOKUP's promotions, written after them
+        self._staged: dict[tuple[Table, bytes], memoryview] = {}  # spilled, write not done: its pool slot
         self.staged_hits = 0
         self.hits: dict[str, int] = {t.name: 0 for t in self.tiers}
         self.spill_busy = 0
@@ -62,6 +79,7 @@ class Tiers(IndexObserver):
         self.disabled = ""  # why a configured tier is not running (kvoffctl status shows it)
         if self.tiers:
             index.observers.append(self)
+            index.defer_budget = spill_buffer_bytes  # spills read their (deferred) pool slots
 
     @property
     def enabled(self) -> bool:
@@ -110,54 +128,79 @@ class Tiers(IndexObserver):
             self._clearing_all = False
             self.cleared("")
 
-    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
-        """Spill what the pool evicts (visible blocks, admitted once), unless a tier holds it already."""
+    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> list[Entry]:
+        """Spill what the pool evicts (visible blocks, admitted once), unless a tier holds it already.
+        Returns the entries spilled: their slots stay out of the pool (deferred) until the write has
+        read them. When the index needs the slots now (``defer_ok`` off: a STORE larger than the
+        reserve kept ahead) the blocks are copied out instead. Past the budget a spill is dropped
+        (counted ``busy``), never waited for."""
         tier = self.tiers[0]
+        index = self.index
         groups: dict[Table, list[Entry]] = {}
         for e in entries:
             if e.ready:
                 groups.setdefault(e.table, []).append(e)
+        kept: list[Entry] = []
         for t, es in groups.items():
             keys = b"".join([e.key for e in es])
             have_it = tier.contains(self._ref(t), keys, touch=True).tolist()  # used in the pool since
             todo = [e for e, have in zip(es, have_it, strict=True)
                     if not have and (t, e.key) not in self._staged]
-            room = max(0, self.spill_buffer_bytes - self._spill_bytes) // slot_bytes
+            room = max(0, index.defer_budget - index.deferred_bytes - self._copied_bytes
+                       - len(kept) * slot_bytes) // slot_bytes
             if len(todo) > room:
                 self.spill_busy += len(todo) - room
                 todo = todo[:room]
             if todo:
-                self._spill(tier, t, slot_bytes, todo)
+                sp = _Spill(tier, t, slot_bytes, [e.key for e in todo], [e.slot for e in todo])
+                if index.defer_ok:
+                    kept += todo
+                else:  # the STORE needs these slots now: the one case the loop still copies (bounded)
+                    self._copy_out(sp)
+                self._spill(sp)
+        return kept
 
-    def _spill(self, tier: Tier, t: Table, slot_bytes: int, todo: list[Entry]) -> None:
-        nbytes = len(todo) * slot_bytes
-        staging = mmap.mmap(-1, nbytes)  # page-aligned: O_DIRECT writes straight from it
+    def _copy_out(self, sp: _Spill) -> None:
+        """Copy the blocks out of their slots into a page-aligned staging buffer (O_DIRECT writes
+        straight from it); the slots are then free at once (``sp.slots`` emptied: nothing deferred)."""
+        size = sp.slot_bytes
+        staging = mmap.mmap(-1, len(sp.slots) * size)
         dst = np.frombuffer(staging, dtype=np.uint8)
         buf = self.index.pool.buffer
-        for i, e in enumerate(todo):
-            dst[i * slot_bytes:(i + 1) * slot_bytes] = buf[e.slot:e.slot + slot_bytes]
+        for i, s in enumerate(sp.slots):
+            dst[i * size:(i + 1) * size] = buf[s:s + size]
         view = memoryview(staging)
-        src = [view[i * slot_bytes:(i + 1) * slot_bytes] for i in range(len(todo))]
-        self._spill_bytes += nbytes
-        keys = [e.key for e in todo]
-        for k, v in zip(keys, src, strict=True):  # until the write lands, a lookup is served from here
-            self._staged[(t, k)] = v
-        args = (tier, t, keys, src, nbytes)
-        if self._held is not None:  # a LOOKUP is promoting: its reads go first (see extend_lookup)
-            self._held.append(args)
-        else:
-            self._write(*args)
+        sp.src = [view[i * size:(i + 1) * size] for i in range(len(sp.slots))]
+        sp.copied = len(sp.slots) * size
+        sp.slots = []
+        self._copied_bytes += sp.copied
+        self.spill_copies += len(sp.src)
 
-    def _write(self, tier: Tier, t: Table, keys: list[bytes], src: list[memoryview], nbytes: int) -> None:
-        fut = tier.write(self._ref(t), b"".join(keys), src)
+    def _spill(self, sp: _Spill) -> None:
+        if not sp.src:
+            buf = self.index.pool.buffer
+            size = sp.slot_bytes
+            sp.src = [memoryview(buf[s:s + size]) for s in sp.slots]  # the pool's memory: no copy
+        for k, v in zip(sp.keys, sp.src, strict=True):  # until the write lands, a lookup is served from here
+            self._staged[(sp.table, k)] = v
+        if self._held is not None:  # a LOOKUP is promoting: its reads go first (see extend_lookup)
+            self._held.append(sp)
+        else:
+            self._write(sp)
+
+    def _write(self, sp: _Spill) -> None:
+        fut = sp.tier.write(self._ref(sp.table), b"".join(sp.keys), sp.src)
         self._spilling.add(fut)
 
-        def done(f: asyncio.Future) -> None:  # the staging buffer goes with the last view of it
+        def done(f: asyncio.Future) -> None:  # every task of the write has read its slots
             self._spilling.discard(f)
-            self._spill_bytes -= nbytes
-            for k, v in zip(keys, src, strict=True):
-                if self._staged.get((t, k)) is v:
-                    del self._staged[(t, k)]
+            for k, v in zip(sp.keys, sp.src, strict=True):
+                if self._staged.get((sp.table, k)) is v:
+                    del self._staged[(sp.table, k)]
+            sp.src = []
+            self._copied_bytes -= sp.copied
+            if sp.slots:
+                self.index.release_deferred(sp.slot_bytes, sp.slots)
 
         fut.add_done_callback(done)
 
@@ -200,8 +243,8 @@ class Tiers(IndexObserver):
         finally:
             held, self._held = self._held, None
             self.index.release(pinned)
-            for args in held:
-                self._write(*args)
+            for sp in held:
+                self._write(sp)
         if not limit:
             return hits
         out = {r: list(by_rank.get(r, ()))[:n] + walks[r][1][:limit] for r in range(ns.world_size)}
@@ -278,8 +321,9 @@ class Tiers(IndexObserver):
             self.index.complete_store(replace(plan, entries=entries), ok)
 
     def _from_staging(self, plan: StorePlan, entries: list[Entry]) -> list[Entry]:
-        """Blocks spilled moments ago, whose write has not landed, are copied back from the staging
-        buffer (the bytes of a committed slot) and made visible at once; returns the others."""
+        """Blocks spilled moments ago, whose write has not landed, are copied back from their deferred
+        pool slot (the bytes of a committed block, untouched until the write gives it back) and made
+        visible at once; returns the others."""
         if not self._staged:
             return entries
         t = plan.table
@@ -333,6 +377,8 @@ class Tiers(IndexObserver):
             st.promotions += self.staged_hits  # served from a spill still in flight
             if self.spill_busy:
                 st.spills_dropped[SpillResult.BUSY.value] = self.spill_busy
+            st.notes["spill_copies"] = str(self.spill_copies)  # the fallback that copies on the loop
+            st.notes["spill_deferred_bytes"] = str(self.index.deferred_bytes)  # pool slots spills still read
             out.append(st)
         return out
 
