@@ -20,7 +20,7 @@ summary="$OUT/summary.txt"; : > "$summary"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$summary" 2>&1
 
 if [ "$what" = tests ] || [ "$what" = all ] || case ",$what," in *,tests,*) true;; *) false;; esac; then
-  PYTHONPATH=$new_pp timeout 420 python3 -m pytest -q -p no:cacheprovider tests/gpu "$@" > "$OUT/gpu_tests.log" 2>&1
+  PYTHONPATH=$new_pp timeout 420 python3 -m pytest -v -p no:cacheprovider tests/gpu "$@" > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests (rc $?): $(tail -n 1 "$OUT/gpu_tests.log")" >> "$summary"
 fi
 
@@ -53,8 +53,8 @@ if has alloc; then
 fi
 if has restart; then
   df -h /dev/shm | tail -n 1 >> "$summary"
-  for sig in TERM KILL; do
-    PYTHONPATH=$new_pp timeout 240 python3 bench/restart.py --pool-size 48GiB --backend auto --engine-blocks 1024 \
+  for sig in ${RESTART_SIGNALS:-TERM KILL}; do
+    PYTHONPATH=$new_pp timeout 240 python3 bench/restart.py --pool-size ${RESTART_POOL:-48GiB} --backend auto --engine-blocks 1024 \
       --signal $sig --json "$OUT/restart_$sig.json" > "$OUT/restart_$sig.log" 2>&1
     echo "restart $sig (rc $?): $(tail -n 8 "$OUT/restart_$sig.log" | tr '\n' ' ')" >> "$summary"
   done
