@@ -114,6 +114,6 @@ def test_no_doc_states_another_job_timeout() -> None:
 def test_the_runbook_quotes_the_connectors_miss_log_line() -> None:
     """docs/operations.md tells operators to take keys from the connector's debug line: that line exists."""
     ops = (ROOT / "docs" / "operations.md").read_text()
-    src = (ROOT / "client" / "kvoffd_client" / "vllm" / "scheduler.py").read_text()
+    src = (ROOT / "client" / "kvoffd_client" / "vllm" / "sched_lookup.py").read_text()  # the lookup planner
     assert "first missed key" in ops and "first missed key" in src
     assert "kvoffctl explain --namespace" in src
