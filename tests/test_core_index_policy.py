@@ -135,7 +135,7 @@ def test_random_operations_keep_the_policy_consistent(seed, caplog):
     pool_of = {"a": 400, "b": 24}  # key universe per namespace: chains of random length, so stores overlap
     in_flight: list[StorePlan] = []
     leases: list[list[Entry]] = []
-    caplog.set_level(logging.ERROR, logger="kvoffd.cache.index")
+    caplog.set_level(logging.ERROR, logger="kvoffd.cache.eviction")
     for step in range(3000):
         ns = "a" if step < 400 else rng.choice("ab")  # "a" takes every chunk first; "b" reclaims its share
         t = tables[ns]

@@ -31,10 +31,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable
 
+from kvoffd.cache.adoption import Adoption
 from kvoffd.cache.deferral import DeferredFree
 from kvoffd.cache.entries import Entry, Hits, LoadPlan, Namespace, StorePlan, Table
+from kvoffd.cache.eviction import Eviction
 from kvoffd.cache.index_views import IndexViews
 from kvoffd.cache.observer import IndexObserver
 from kvoffd.cache.policy import LRU, EvictionPolicy, make_policy
@@ -50,7 +52,7 @@ _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoff
 log = logging.getLogger(__name__)
 
 
-class Index(ChunkReclaim, DeferredFree, IndexViews):
+class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
     """Refs are lazy with respect to the LRU: taking one is ``entry.refs += 1`` and nothing else
     (``hold`` takes thousands per step for leases, in one loop here); eviction skips held entries it
     meets and ``release`` puts them back as most recently used. Callers never touch ``refs``."""
@@ -374,43 +376,6 @@ class Index(ChunkReclaim, DeferredFree, IndexViews):
             o.committed(shown)
         return done
 
-    def adopt(self, tables: Sequence[Table], keys: Sequence[bytes], slots: Sequence[int], stamps: Sequence[float],
-              checksums: Sequence[int]) -> list[Entry]:
-        """Blocks a warm restart found committed (kvoffd/cache/persist.py), in last-use order, oldest
-        first: visible at once, least recently used first in their LRU lists (or handed to the
-        policy as admitted). Their slots are already held in the pool (``Pool.adopt_slots``); the
-        observers are not told (the blocks are already what they mirror). One run per table and
-        stamp (a commit's blocks share one), so a prompt's lookups take the run shortcut again."""
-        out: list[Entry] = []
-        runs: dict[Table, tuple[float, list[Entry]]] = {}
-        for t, k, s, when, crc in zip(tables, keys, slots, stamps, checksums, strict=True):
-            e = Entry(k, t, s)
-            e.ready, e.stored_at, e.checksum = True, when, crc
-            t.entries[k] = t.visible[k] = self._slot_entry[s] = e
-            pol = self._policies.get(t.slot_bytes)
-            if pol is not None:
-                pol.on_insert((t, k), None)
-            else:
-                self._lru[t.slot_bytes][e] = None
-            e.in_lru = True
-            out.append(e)
-            cur = runs.get(t)
-            if cur is None or cur[0] != when:
-                self._close_run(cur)
-                cur = runs[t] = (when, [])
-            cur[1].append(e)
-        for cur in runs.values():
-            self._close_run(cur)
-        self.resident += len(out)
-        return out
-
-    @staticmethod
-    def _close_run(cur: tuple[float, list[Entry]] | None) -> None:
-        if cur:
-            run = Run(b"".join([e.key for e in cur[1]]), cur[1])
-            for i, e in enumerate(cur[1]):
-                e.run, e.run_at = run, i
-
     @staticmethod
     def _release_admission(pol: EvictionPolicy, e: Entry) -> None:
         """``e`` was admitted but never placed: the policy forgets it, unless its key was stored again
@@ -451,114 +416,6 @@ class Index(ChunkReclaim, DeferredFree, IndexViews):
         elif e.ready:
             for o in self.observers:
                 o.unlinked([e])
-
-    # --- eviction / clearing ----------------------------------------------------------------------------
-    def _untrack(self, e: Entry) -> None:
-        """``e`` leaves for a reason of the index's own (CLEAR, corrupt, its chunk drained)."""
-        pol = self._policies.get(e.table.slot_bytes)
-        if pol is not None:
-            pol.on_remove((e.table, e.key))
-        else:
-            del self._lru[e.table.slot_bytes][e]
-        e.in_lru = False
-
-    def evict(self, slot_bytes: int, n: int) -> int:
-        """Free up to ``n`` slots of this size, least recently used first (or the policy's victims),
-        skipping held blocks."""
-        pol = self._policies.get(slot_bytes)
-        if pol is not None:
-            return self._evict_victims(pol, slot_bytes, n)
-        lru = self._lru.get(slot_bytes)
-        if not lru:
-            return 0
-        freed: list[int] = []
-        now = time.time()
-        while lru and len(freed) < n:
-            e, _ = lru.popitem(last=False)
-            e.in_lru = False
-            if e.refs:
-                continue  # back in the list when its last ref drops
-            t = e.table
-            del t.entries[e.key]
-            del t.visible[e.key]
-            e.run.invalidate()
-            e.dead = True
-            freed.append(e.slot)
-            self._remember(self.evicted, (t.namespace, e.key), now)
-        self.resident -= len(freed)
-        self._free(slot_bytes, freed, evicted=True)
-        self.evictions += len(freed)
-        return len(freed)
-
-    def _evict_victims(self, pol: EvictionPolicy, slot_bytes: int, n: int) -> int:
-        """``evict`` with a policy: a held victim stays (untracked) and is handed back by ``release``."""
-        freed: list[int] = []
-        now = time.time()
-        while len(freed) < n:
-            key = pol.victim()
-            if key is None:
-                break
-            t, k = key
-            e = t.entries.get(k)
-            if e is None or not e.in_lru:  # a policy bug: never evict what it does not hold
-                log.error("eviction policy %s named a block it does not hold; skipped", pol.name)
-                continue
-            e.in_lru = False
-            if e.refs:
-                continue
-            del t.entries[k]
-            del t.visible[k]
-            e.run.invalidate()
-            e.dead = True
-            freed.append(e.slot)
-            self._remember(self.evicted, (t.namespace, k), now)
-        self.resident -= len(freed)
-        self._free(slot_bytes, freed, evicted=True)
-        self.evictions += len(freed)
-        return len(freed)
-
-    def clear(self, namespace: str = "", in_use: Collection[str] | None = None) -> int:
-        """Unlink every entry of one namespace (or all) and forget the cleared namespaces no engine
-        uses (``in_use``: those some engine is registered in; None: forget none), so that their world size and layouts
-        bind nobody. Returns the blocks that were resident. One pass over the miss history whatever
-        the number of namespaces (once per namespace stalled the loop for seconds)."""
-        names = [namespace] if namespace else list(self.namespaces)
-        removed = 0
-        for name in names:
-            ns = self.namespaces.get(name)
-            if ns is None:
-                continue
-            for t in ns.tables.values():
-                free: list[int] = []
-                held: list[Entry] = []
-                for e in t.entries.values():
-                    if e.ready:
-                        removed += 1
-                        e.run.invalidate()
-                    if e.in_lru:
-                        self._untrack(e)
-                    e.dead = True
-                    if e.refs == 0:
-                        free.append(e.slot)
-                    elif e.ready:
-                        held.append(e)
-                t.entries.clear()
-                t.visible.clear()
-                self._free(t.slot_bytes, free)
-                for o in self.observers if held else ():
-                    o.unlinked(held)
-            for o in self.observers:
-                o.cleared(name)
-            if in_use is not None and name not in in_use:
-                self.forget_if_idle(name)
-        if namespace:
-            self.evicted = OrderedDict((k, v) for k, v in self.evicted.items() if k[0] != namespace)
-            self.failed = OrderedDict((k, v) for k, v in self.failed.items() if k[0] != namespace)
-        else:
-            self.evicted.clear()
-            self.failed.clear()
-        self.resident -= removed
-        return removed
 
     @staticmethod
     def _remember(history: OrderedDict, key: tuple[str, bytes], when: float) -> None:
