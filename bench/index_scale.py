@@ -38,8 +38,9 @@ import numpy as np
 import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "client"), str(ROOT / "tests" / "support")]
+sys.path[:0] = [str(ROOT), str(ROOT / "client"), str(ROOT / "tests" / "support"), str(ROOT / "bench")]
 
+from control_plane import echo_server  # noqa: E402  (the same echo floor as the control-plane bench)
 from kvtest import start_daemon  # noqa: E402
 from reliability_util import ShmEngine, rss_kb  # noqa: E402
 
@@ -50,19 +51,6 @@ SLOT = 4096
 LAYOUT = [SLOT // 2, SLOT // 2]  # ShmEngine(layers=2): two runs per block
 BUILD_BATCH = 1 << 20
 
-
-def echo_server(address: str) -> None:
-    s = zmq.Context.instance().socket(zmq.ROUTER)
-    s.bind(address)
-    while True:
-        ident, frame = s.recv_multipart()
-        req = msgpack.unpackb(frame)
-        if req.get("op") == "stop":
-            s.send_multipart([ident, b""])
-            return
-        reply = {"seq": req["seq"], "hits": len(req.get("keys", ())), "lease_id": 0, "world_size": 1,
-                 "op": "lookup_result"}
-        s.send_multipart([ident, msgpack.packb(reply)])
 
 
 def build(directory: str, n: int, seed: int = 1) -> tuple[np.ndarray, int]:
