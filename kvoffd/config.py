@@ -9,7 +9,7 @@ import argparse
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvoffd.cache.policy import DEFAULT_POLICY, LRU, POLICIES
@@ -235,39 +235,43 @@ def _raw_settings(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str,
     return raw
 
 
+def _truthy(v: object) -> bool:
+    return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
+
+
+def _lower(v: object) -> str:
+    return str(v).lower()
+
+
+#: setting name -> (Config field, parser of the raw value): one row per setting, so a new flag is one line
+_PARSERS: dict[str, tuple[str, Callable[[object], object]]] = {
+    "address": ("address", str),
+    "pool_size": ("pool_size", lambda v: parse_size(str(v))),
+    "metrics_address": ("metrics_address", str),
+    "log_level": ("log_level", _lower),
+    "backend": ("backend", _lower),
+    "engine_timeout": ("engine_timeout_s", lambda v: float(str(v))),
+    "copy_threads": ("copy_threads", lambda v: int(str(v))),
+    "auth_token_file": ("auth_token_file", str),
+    "eviction_policy": ("eviction_policy", _lower),
+    "pool_path": ("pool_path", str),
+    "kv_events_address": ("kv_events_address", str),
+    "kv_events_replay_address": ("kv_events_replay_address", str),
+    "kv_events_topic": ("kv_events_topic", str),
+    "disk_path": ("disk_path", str),
+    "disk_size": ("disk_size", lambda v: parse_size(str(v))),
+    "allow_remote": ("allow_remote", _truthy),
+    "verify": ("verify", _truthy),
+    "cold": ("cold", _truthy),
+}
+
+
 def _apply(cfg: Config, raw: dict[str, object]) -> None:
     """Parse the settings given into ``cfg`` (ValueError for one that does not parse)."""
-    if "address" in raw:
-        cfg.address = str(raw["address"])
-    if "pool_size" in raw:
-        cfg.pool_size = parse_size(str(raw["pool_size"]))
-    if "metrics_address" in raw:
-        cfg.metrics_address = str(raw["metrics_address"])
-    if "log_level" in raw:
-        cfg.log_level = str(raw["log_level"]).lower()
-    if "backend" in raw:
-        cfg.backend = str(raw["backend"]).lower()
-    if "engine_timeout" in raw:
-        cfg.engine_timeout_s = float(str(raw["engine_timeout"]))
-    if "copy_threads" in raw:
-        cfg.copy_threads = int(str(raw["copy_threads"]))
-    if "auth_token_file" in raw:
-        cfg.auth_token_file = str(raw["auth_token_file"])
-    if "eviction_policy" in raw:
-        cfg.eviction_policy = str(raw["eviction_policy"]).lower()
-    if "pool_path" in raw:
-        cfg.pool_path = str(raw["pool_path"])
-    for name in ("kv_events_address", "kv_events_replay_address", "kv_events_topic"):
-        if name in raw:
-            setattr(cfg, name, str(raw[name]))
-    if "disk_path" in raw:
-        cfg.disk_path = str(raw["disk_path"])
-    if "disk_size" in raw:
-        cfg.disk_size = parse_size(str(raw["disk_size"]))
-    for flag in ("allow_remote", "verify", "cold"):
-        if flag in raw:
-            v = raw[flag]
-            setattr(cfg, flag, v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on"))
+    for name, value in raw.items():
+        row = _PARSERS.get(name)
+        if row is not None:
+            setattr(cfg, row[0], row[1](value))
 
 
 def _check(cfg: Config, raw: dict[str, object]) -> None:
