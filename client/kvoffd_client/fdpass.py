@@ -5,10 +5,12 @@ Two jobs, both about never giving memory or messages to a process that merely go
   * ``check_socket_path`` — the socket's directory must belong to this user (or root) and be writable
     by nobody else, and the socket itself must belong to this user (or root). Only then can no other
     user have put a socket there, or replace it later (docs/security.md, "Who can connect").
-  * ``send_fd`` — the CPU connector's KV memory is an anonymous, sealed memfd; it reaches the daemon
-    as a file descriptor over the daemon's fd socket (SCM_RIGHTS), never as a path. The daemon answers
-    with a one-time token that REGISTER then names (memory kind ``cpu_fd``, docs/protocol.md). The
-    daemon can map only memory its client could open, and holds nothing that outlives both.
+  * ``send_fds`` — the CPU connector's KV memory is an anonymous, sealed memfd, a VMM engine's is one
+    descriptor per physical allocation; they reach the daemon as file descriptors over its fd socket
+    (SCM_RIGHTS), never as paths, as one batch. The daemon answers with one one-time token naming the
+    whole ordered list, which REGISTER then names (memory kinds ``cpu_fd``, ``cuda_vmm``;
+    docs/protocol.md). The daemon can map only memory its client could open, and holds nothing that
+    outlives both.
 
 Standard library and msgspec only: imported in vLLM's processes.
 """
@@ -22,7 +24,14 @@ import struct
 
 import msgspec
 
-from kvoffd_client.protocol import MAX_FD_MESSAGE
+from kvoffd_client.protocol import (
+    FD_SOCKET_VERSION,
+    MAX_FD_MESSAGE,
+    MAX_FDS_PER_MESSAGE,
+    FdBatch,
+    FdChunk,
+    FdReply,
+)
 
 UCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -81,13 +90,16 @@ def peer_uid(sock: socket.socket) -> int:
     return UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))[1]
 
 
-def send_fd(path: str, fd: int, size: int, timeout_s: float = 2.0) -> str:
-    """Give ``fd`` (a sealed memfd of at least ``size`` bytes) to the daemon; returns the token.
+def send_fds(path: str, fds: list[int], sizes: list[int], timeout_s: float = 2.0) -> str:
+    """Give ``fds`` (each holding ``sizes[i]`` bytes) to the daemon as one batch; returns the one token
+    that names the ordered list (protocol.fdsocket: count first, then chunks of MAX_FDS_PER_MESSAGE).
 
-    The daemon keeps its copy of the descriptor only until a REGISTER names the token (or it
-    expires, docs/protocol.md), so a token is good for one REGISTER: call again to register again.
-    Raises UntrustedSocket, FdRefused or OSError.
+    The daemon keeps its copies only until a REGISTER names the token (or it expires, docs/protocol.md),
+    so a token is good for one REGISTER: call again to register again. This process's descriptors stay
+    open (SCM_RIGHTS duplicates them). Raises UntrustedSocket, FdRefused or OSError.
     """
+    if not fds or len(fds) != len(sizes):
+        raise ValueError(f"{len(fds)} descriptors with {len(sizes)} sizes")
     check_socket_path(path)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
@@ -96,34 +108,59 @@ def send_fd(path: str, fd: int, size: int, timeout_s: float = 2.0) -> str:
         uid = peer_uid(s)
         if not _trusted_owner(uid):
             raise UntrustedSocket(f"the process serving {path} runs as uid {uid}: not handing it memory")
-        socket.send_fds(s, [msgspec.msgpack.encode({"v": 1, "size": size})], [fd])
-        raw = s.recv(MAX_FD_MESSAGE)
+        s.send(_ENC.encode(FdBatch(v=FD_SOCKET_VERSION, count=len(fds))))
+        ready = _reply(s)  # the bounds are checked before a descriptor travels
+        if ready.ready != len(fds):
+            raise FdRefused("bad_frame", f"the daemon is ready for {ready.ready} descriptors, not {len(fds)}")
+        try:
+            for i in range(0, len(fds), MAX_FDS_PER_MESSAGE):
+                chunk = FdChunk(sizes=list(sizes[i:i + MAX_FDS_PER_MESSAGE]))
+                socket.send_fds(s, [_ENC.encode(chunk)], fds[i:i + MAX_FDS_PER_MESSAGE])
+        except (BrokenPipeError, ConnectionResetError):
+            _reply(s)  # the daemon refused mid-batch and closed: its reason is queued for us
+            raise
+        done = _reply(s)
     finally:
         s.close()
-    try:
-        reply = msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError:
-        raise FdRefused("bad_frame", "the daemon's answer is not msgpack") from None
-    if not isinstance(reply, dict):
-        raise FdRefused("bad_frame", "the daemon's answer is not a map")
-    if reply.get("error"):
-        raise FdRefused(str(reply["error"]), str(reply.get("message", "")))
-    token = reply.get("token")
-    if not isinstance(token, str) or not token:
+    if not done.token:
         raise FdRefused("bad_frame", "the daemon's answer carries no token")
-    return token
+    return done.token
+
+
+def send_fd(path: str, fd: int, size: int, timeout_s: float = 2.0) -> str:
+    """Give ``fd`` (a sealed memfd of at least ``size`` bytes) to the daemon: a batch of one."""
+    return send_fds(path, [fd], [size], timeout_s)
+
+
+_ENC = msgspec.msgpack.Encoder()
+_DEC = msgspec.msgpack.Decoder(FdReply)
+
+
+def _reply(s: socket.socket) -> FdReply:
+    """The daemon's next message; a refusal raises FdRefused (the daemon closes the connection then)."""
+    raw = s.recv(MAX_FD_MESSAGE)
+    if not raw:
+        raise FdRefused("bad_frame", "the daemon closed the fd socket without an answer")
+    try:
+        reply = _DEC.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise FdRefused("bad_frame", "the daemon's answer is not an fd-socket reply") from None
+    if reply.error:
+        raise FdRefused(reply.error, reply.message)
+    return reply
 
 
 def wire_memory(path: str, memory: dict, timeout_s: float) -> dict | None:
     """REGISTER's ``memory`` as it travels, for the kinds that hold this process's descriptors
-    (``cpu_fd``: one; ``cuda_vmm``: one per piece): each is handed to the fd socket at ``path`` now and
-    replaced by its one-time token. None for a kind with no descriptor. Raises as :func:`send_fd`."""
+    (``cpu_fd``: one; ``cuda_vmm``: one per piece): they are handed to the fd socket at ``path`` now, as
+    one batch, and replaced by its one-time token. None for a kind with no descriptor. Raises as
+    :func:`send_fds`."""
     kind = memory.get("kind")
     if kind == "cpu_fd" and "fd" in memory:
         return {"kind": "cpu_fd", "token": send_fd(path, memory["fd"], memory["size"], timeout_s),
                 "size": memory["size"]}
-    if kind == "cuda_vmm":
-        pieces = [{"token": send_fd(path, p["fd"], p["size"], timeout_s), "offset": p["offset"], "size": p["size"]}
-                  for p in memory["pieces"]]
-        return {**memory, "pieces": pieces}
+    if kind == "cuda_vmm" and "pieces" in memory:
+        pieces = memory["pieces"]
+        token = send_fds(path, [p["fd"] for p in pieces], [p["size"] for p in pieces], timeout_s)
+        return {**memory, "token": token, "pieces": [{"offset": p["offset"], "size": p["size"]} for p in pieces]}
     return None

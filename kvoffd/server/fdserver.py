@@ -1,15 +1,23 @@
-"""The fd socket: clients hand the daemon their CPU KV memory as a file descriptor (SCM_RIGHTS).
+"""The fd socket: clients hand the daemon their KV memory as file descriptors (SCM_RIGHTS), in batches.
 
 Why a descriptor and not a path: with a path the daemon opens memory with its own rights, so any
 client could name memory it could not open itself (issue 18, defect 3: a confused deputy). A
-descriptor proves the client holds the memory. The daemon answers with a random one-time token;
-REGISTER names the token (memory kind ``cpu_fd``), the CPU backend maps the descriptor and closes it.
+descriptor proves the client holds the memory. Why a batch under one token: VMM memory (``cuda_vmm``)
+is one descriptor per physical allocation, thousands for a real KV cache (issue 16); the daemon answers
+one random one-time token for the whole ordered list, REGISTER names it, and the backend maps the
+descriptors and closes them. ``cpu_fd`` memory is a batch of one. The exchange is
+kvoffd_client.protocol.fdsocket's (docs/protocol.md, "The fd socket").
 
 A small AF_UNIX SOCK_SEQPACKET listener served by the asyncio loop, never blocking it. Every resource
-a client can make it hold is bounded: connections (MAX_CONNS, each closed after one request or
-CONN_TIMEOUT_S), descriptors per message (one; the control buffer has room for MAX_FDS_PER_MSG so
-extras are seen and closed, the kernel closes anything beyond), pending descriptors per client pid
-and in all (MAX_PENDING_PER_PID, MAX_PENDING) and how long one waits for its REGISTER (TOKEN_TTL_S).
+a client can make it hold is bounded, and counted in descriptors, not tokens: connections (MAX_CONNS,
+each closed after one batch, CONN_TIMEOUT_S to say how many descriptors follow and BATCH_TIMEOUT_S to
+send them), descriptors per message (MAX_FDS_PER_MESSAGE; the control buffer has room for one more, so
+one too many is seen and closed, the kernel closes anything beyond), descriptors held per client pid
+and in all (promised by a batch in progress, received, or waiting for their REGISTER:
+MAX_PENDING_FDS_PER_PID, MAX_PENDING_FDS), the daemon's descriptor budget (a batch that would reach
+into the reserve REGISTER keeps is refused before any of its descriptors arrives), and how long a
+batch waits for its REGISTER (TOKEN_TTL_S). Every descriptor received is kept under its token or
+closed: on a malformed, short or overlong batch, a timeout, a client that leaves mid-batch, expiry.
 """
 
 from __future__ import annotations
@@ -24,46 +32,93 @@ import socket
 import stat
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvoffd_client.protocol import MAX_FD_MESSAGE
+from kvoffd_client.protocol import (
+    FD_SOCKET_VERSION,
+    MAX_BATCH_FDS,
+    MAX_FD_MESSAGE,
+    MAX_FDS_PER_MESSAGE,
+    ErrorCode,
+    FdBatch,
+    FdChunk,
+    FdReply,
+)
+
+if TYPE_CHECKING:
+    from kvoffd.server.fdbudget import FdBudget
 
 log = logging.getLogger(__name__)
 
 MAX_CONNS = 32
-MAX_FDS_PER_MSG = 4
-MAX_PENDING = 256
-MAX_PENDING_PER_PID = 8
+#: one full ``cuda_vmm`` registration per process may wait; four of them in all (a TP-4 engine's start)
+MAX_PENDING_FDS_PER_PID = MAX_BATCH_FDS
+MAX_PENDING_FDS = 4 * MAX_BATCH_FDS
 TOKEN_TTL_S = 30.0
-CONN_TIMEOUT_S = 2.0
-_CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * 4)
+CONN_TIMEOUT_S = 2.0  # connect to FdBatch
+BATCH_TIMEOUT_S = 10.0  # FdReply.ready to the last chunk (16,384 descriptors take ~50 ms)
+_CMSG_SPACE = socket.CMSG_SPACE((MAX_FDS_PER_MESSAGE + 1) * 4)
 _UCRED = struct.Struct("3i")  # the kernel's struct ucred (SO_PEERCRED): pid, uid, gid
+_ENC = msgspec.msgpack.Encoder()
+_BATCH = msgspec.msgpack.Decoder(FdBatch)
+_CHUNK = msgspec.msgpack.Decoder(FdChunk)
+
+
+class Refused(Exception):
+    """A batch the fd socket will not take: answered ``{"error": code, "message": ...}``, then the
+    connection is closed with every descriptor it brought."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 @dataclass
-class PendingFd:
-    """A descriptor a client handed over, waiting for the REGISTER that names its token."""
+class Handover:
+    """A batch of descriptors a client handed over, in order, waiting for the REGISTER that names its
+    token. Whoever claims it owns the descriptors (must close them)."""
 
-    fd: int
-    size: int
+    fds: list[int]
+    sizes: list[int]  # as the client declared them, one per descriptor
     pid: int  # as the daemon's pid namespace sees it (SO_PEERCRED)
     uid: int
     expires: float
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
 
 
 @dataclass
 class _Client:
     sock: socket.socket
     deadline: float
+    pid: int = 0
+    uid: int = 0
+    count: int = 0  # descriptors promised (FdBatch.count); 0 until the client said
+    fds: list[int] = field(default_factory=list)  # received so far: closed unless they become a Handover
+    sizes: list[int] = field(default_factory=list)
 
 
 class FdServer:
-    def __init__(self, path: str):
+    """``budget`` (the daemon's FdBudget; None in tests of the socket alone) is consulted before a batch
+    is accepted; ``per_pid`` and ``in_all`` bound the descriptors held (tests lower them)."""
+
+    def __init__(self, path: str, budget: FdBudget | None = None, *, per_pid: int = MAX_PENDING_FDS_PER_PID,
+                 in_all: int = MAX_PENDING_FDS):
         self.path = path
-        self._pending: dict[str, PendingFd] = {}
+        self.budget = budget
+        self.per_pid = per_pid
+        self.in_all = in_all
+        self._pending: dict[str, Handover] = {}
         self._clients: dict[int, _Client] = {}
+        self._held: dict[int, int] = {}  # pid -> descriptors promised, received or pending
+        self._held_total = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -95,9 +150,8 @@ class FdServer:
             for c in list(self._clients.values()):
                 self._drop_client(c)
         self._sock.close()
-        for p in self._pending.values():
-            os.close(p.fd)
-        self._pending.clear()
+        for token in list(self._pending):
+            self._forget(token).close()
         try:  # not a newer daemon's socket that took the path over
             st = os.lstat(self.path)
             if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._ino:
@@ -107,24 +161,64 @@ class FdServer:
 
     @property
     def pending(self) -> int:
+        """Batches waiting for their REGISTER."""
         return len(self._pending)
 
-    def claim(self, token: str) -> PendingFd | None:
-        """The descriptor under ``token``, once: the caller owns it from now on (must close it)."""
-        p = self._pending.pop(token, None)
-        if p is not None and p.expires < time.monotonic():
-            os.close(p.fd)
+    @property
+    def held(self) -> int:
+        """Descriptors held or promised: batches in progress and batches waiting for their REGISTER."""
+        return self._held_total
+
+    @property
+    def receiving(self) -> int:
+        """Descriptors received by batches still in progress."""
+        return sum(len(c.fds) for c in self._clients.values())
+
+    def claim(self, token: str) -> Handover | None:
+        """The batch under ``token``, once: the caller owns its descriptors from now on (must close them)."""
+        if token not in self._pending:
             return None
-        return p
+        h = self._forget(token)
+        if h.expires < time.monotonic():
+            h.close()
+            return None
+        return h
 
     def expire(self, now: float) -> None:
-        """Close descriptors nobody registered in time and connections that said nothing."""
-        for token in [t for t, p in self._pending.items() if p.expires < now]:
-            p = self._pending.pop(token)
-            log.info("fd from pid %d expired unclaimed after %.0f s", p.pid, TOKEN_TTL_S)
-            os.close(p.fd)
+        """Close batches nobody registered in time, and connections past their deadline (with what they
+        brought)."""
+        self._expire_tokens(now)
         for c in [c for c in self._clients.values() if c.deadline < now]:
-            self._drop_client(c)
+            if c.count:
+                self._refuse(c, Refused(ErrorCode.BAD_FRAME, f"{len(c.fds)} of the {c.count} descriptors "
+                                        f"announced arrived within {BATCH_TIMEOUT_S:.0f} s"))
+            else:
+                self._drop_client(c)
+
+    def _expire_tokens(self, now: float) -> None:
+        for token in [t for t, h in self._pending.items() if h.expires < now]:
+            h = self._forget(token)
+            log.info("%d descriptor(s) from pid %d expired unclaimed after %.0f s", len(h.fds), h.pid, TOKEN_TTL_S)
+            h.close()
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+
+    def _hold(self, pid: int, n: int) -> None:
+        self._held[pid] = self._held.get(pid, 0) + n
+        self._held_total += n
+
+    def _release(self, pid: int, n: int) -> None:
+        left = self._held.get(pid, 0) - n
+        if left > 0:
+            self._held[pid] = left
+        else:
+            self._held.pop(pid, None)
+        self._held_total -= n
+
+    def _forget(self, token: str) -> Handover:
+        h = self._pending.pop(token)
+        self._release(h.pid, len(h.fds))
+        return h
 
     # -- serving ----------------------------------------------------------------------------------
 
@@ -146,55 +240,119 @@ class FdServer:
             self._loop.add_reader(conn.fileno(), self._read, c)
 
     def _drop_client(self, c: _Client) -> None:
+        """Close the connection and every descriptor it brought that did not become a Handover."""
         fd = c.sock.fileno()
         if self._clients.pop(fd, None) is not None:
             self._loop.remove_reader(fd)
+            if c.count:
+                self._release(c.pid, c.count)
         c.sock.close()
+        fds, c.fds = c.fds, []
+        for f in fds:
+            os.close(f)
 
-    def _read(self, c: _Client) -> None:
-        try:
-            data, anc, flags, _ = c.sock.recvmsg(MAX_FD_MESSAGE, _CMSG_SPACE)
-        except BlockingIOError:
-            return
-        except OSError:
-            self._drop_client(c)
-            return
-        fds = _fds_of(anc)
-        try:
-            reply = self._admit(c.sock, data, fds, flags)
-        except Exception:
-            log.exception("fd socket: internal error")
-            reply = {"error": "internal", "message": "internal error; see the daemon log"}
-        if "token" not in reply:
-            for fd in fds:
-                os.close(fd)
-        try:
-            c.sock.send(msgspec.msgpack.encode(reply))
-        except OSError:
-            pass  # the client left; a token it never learnt expires
+    def _refuse(self, c: _Client, e: Refused) -> None:
+        if c.count:
+            log.info("fd socket: batch of %d from pid %d refused: %s", c.count, c.pid, e.message)
+        self._send(c, FdReply(error=e.code.value, message=e.message))
         self._drop_client(c)
 
-    def _admit(self, sock: socket.socket, data: bytes, fds: list[int], flags: int) -> dict:
-        """Keep the one descriptor under a fresh token, or say why not (then the caller closes them)."""
-        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or len(fds) != 1:
-            return {"error": "bad_frame", "message": "send exactly one descriptor with one small request"}
+    def _send(self, c: _Client, reply: FdReply) -> None:
         try:
-            req = msgspec.msgpack.decode(data)
+            c.sock.send(_ENC.encode(reply))
+        except OSError:
+            pass  # the client left; a token it never learnt expires
+
+    def _read(self, c: _Client) -> None:
+        """Every message queued on the connection (level-triggered: what is left calls again)."""
+        while c.sock.fileno() >= 0:
+            try:
+                data, anc, flags, _ = c.sock.recvmsg(MAX_FD_MESSAGE, _CMSG_SPACE)
+            except BlockingIOError:
+                return
+            except OSError:
+                self._drop_client(c)
+                return
+            fds = _fds_of(anc)
+            c.fds.extend(fds)  # ours now: closed by _drop_client unless they become a Handover
+            if fds and self.budget is not None:
+                self.budget.took(len(fds))
+            if not data and not fds:  # the client left (mid-batch: what it sent is closed)
+                self._drop_client(c)
+                return
+            try:
+                if not c.count:
+                    self._begin(c, data, fds, flags)
+                else:
+                    self._chunk(c, data, fds, flags)
+            except Refused as e:
+                self._refuse(c, e)
+                return
+            except Exception:
+                log.exception("fd socket: internal error")
+                self._refuse(c, Refused(ErrorCode.INTERNAL, "internal error; see the daemon log"))
+                return
+
+    def _begin(self, c: _Client, data: bytes, fds: list[int], flags: int) -> None:
+        """FdBatch: check the count against every bound before a descriptor may come, then promise it."""
+        if fds or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+            raise Refused(ErrorCode.BAD_FRAME, "first say how many descriptors follow ({\"v\": 1, \"count\": N}), "
+                          "with no descriptor")
+        try:
+            batch = _BATCH.decode(data)
+        except msgspec.ValidationError as e:
+            raise Refused(ErrorCode.BAD_FIELD, f"batch: {e}") from None
         except msgspec.DecodeError:
-            return {"error": "bad_frame", "message": "the request is not msgpack"}
-        size = req.get("size") if isinstance(req, dict) else None
-        if type(size) is not int or size <= 0:
-            return {"error": "bad_field", "message": "size must be a positive integer"}
-        pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            raise Refused(ErrorCode.BAD_FRAME, "the request is not an fd-socket batch (msgpack map)") from None
+        if batch.v != FD_SOCKET_VERSION:
+            raise Refused(ErrorCode.VERSION_MISMATCH, f"fd socket version {batch.v}; this daemon speaks "
+                          f"{FD_SOCKET_VERSION}")
+        c.pid, c.uid, _ = _UCRED.unpack(c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         now = time.monotonic()
-        self.expire(now)
-        if len(self._pending) >= MAX_PENDING or sum(p.pid == pid for p in self._pending.values()) \
-                >= MAX_PENDING_PER_PID:
-            return {"error": "too_many", "message": f"too many descriptors waiting for REGISTER (at most "
-                                                    f"{MAX_PENDING_PER_PID} per process, {MAX_PENDING} in all)"}
+        self._expire_tokens(now)  # (not the connections: this one may be past its deadline by now)
+        n = batch.count
+        if self._held.get(c.pid, 0) + n > self.per_pid or self._held_total + n > self.in_all:
+            raise Refused(ErrorCode.TOO_MANY, f"{n} more descriptors would exceed what may wait for REGISTER (at "
+                          f"most {self.per_pid} per process, {self.in_all} in all; this process has "
+                          f"{self._held.get(c.pid, 0)})")
+        if self.budget is not None:
+            promised = sum(o.count - len(o.fds) for o in self._clients.values() if o.count)
+            room = self.budget.headroom() - self.budget.reserve - promised
+            if n >= room:
+                log.warning("fd socket: refused a batch of %d descriptors from pid %d: the daemon has room "
+                            "for %d before its reserve (%d in use, limit %d)", n, c.pid, max(room, 0),
+                            self.budget.in_use(), self.budget.limit)
+                raise Refused(ErrorCode.TOO_MANY, f"a batch of {n} descriptors would reach into the daemon's "
+                              f"reserve of file descriptors ({max(room - 1, 0)} more fit now; RLIMIT_NOFILE "
+                              f"{self.budget.limit}): raise the daemon's limit or register fewer pieces")
+        c.count = n
+        self._hold(c.pid, n)
+        c.deadline = now + BATCH_TIMEOUT_S
+        self._send(c, FdReply(ready=n))
+
+    def _chunk(self, c: _Client, data: bytes, fds: list[int], flags: int) -> None:
+        """FdChunk: its descriptors (already in ``c.fds``) with their sizes; the last one makes the token."""
+        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+            raise Refused(ErrorCode.BAD_FRAME, f"a message carries more than {MAX_FDS_PER_MESSAGE} descriptors "
+                          f"or {MAX_FD_MESSAGE} bytes")
+        try:
+            chunk = _CHUNK.decode(data)
+        except msgspec.ValidationError as e:
+            raise Refused(ErrorCode.BAD_FIELD, f"chunk: {e}") from None
+        except msgspec.DecodeError:
+            raise Refused(ErrorCode.BAD_FRAME, "a chunk is not msgpack") from None
+        if len(chunk.sizes) != len(fds):
+            raise Refused(ErrorCode.BAD_FRAME, f"a chunk of {len(fds)} descriptors gives {len(chunk.sizes)} sizes")
+        if len(c.fds) > c.count:
+            raise Refused(ErrorCode.BAD_FRAME, f"more descriptors than the {c.count} announced")
+        c.sizes.extend(chunk.sizes)
+        if len(c.fds) < c.count:
+            return
         token = secrets.token_hex(16)
-        self._pending[token] = PendingFd(fds[0], size, pid, uid, now + TOKEN_TTL_S)
-        return {"token": token}
+        self._pending[token] = Handover(c.fds, c.sizes, c.pid, c.uid, time.monotonic() + TOKEN_TTL_S)
+        c.fds, c.count = [], 0  # the Handover holds them (and the promise) now
+        self._send(c, FdReply(token=token))
+        self._drop_client(c)
 
 
 def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:

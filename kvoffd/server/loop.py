@@ -190,7 +190,7 @@ class Server:
         path = fd_socket_path(self.bound_address, os.path.dirname(self.cfg.auth_token_file) or ".")
         ensure_private_dir(os.path.dirname(path) or ".")
         remove_stale_socket(path)  # the ZeroMQ bind above proved no daemon serves this address
-        self.fd_handover = self.sessions.fd_handover = FdServer(path)
+        self.fd_handover = self.sessions.fd_handover = FdServer(path, self.fds)
 
     # ------------------------------------------------------------------------------------------------
     # main loop

@@ -10,17 +10,20 @@ imports the connector (and so this package) in its API-server process, where not
 See docs/protocol.md for the prose. Callers import from here (``from kvoffd_client import protocol
 as P``); the modules are: ``limits`` (bounds and field types), ``codes`` (ops, codes, reasons,
 ``ProtocolError``), ``keys`` (packed keys and ids), ``memory`` (REGISTER's memory and layout),
-``messages`` (one Struct per op), ``codec`` (encode, decode, the ERROR for a refusal).
+``messages`` (one Struct per op), ``codec`` (encode, decode, the ERROR for a refusal), ``fdsocket``
+(the fd socket's batch hand-over).
 """
 
 from kvoffd_client.protocol.codec import decode, encode, error_for
 from kvoffd_client.protocol.codes import DropReason, ErrorCode, MissReason, NoticeCode, Op, ProtocolError
+from kvoffd_client.protocol.fdsocket import FD_SOCKET_VERSION, MAX_BATCH_FDS, FdBatch, FdChunk, FdReply
 from kvoffd_client.protocol.keys import count_keys, pack_ids, pack_keys, split_keys
 from kvoffd_client.protocol.limits import (
     KEY_SIZE,
     MAX_BLOCK_TOKENS,
     MAX_EVENTS,
     MAX_FD_MESSAGE,
+    MAX_FDS_PER_MESSAGE,
     MAX_FRAME_BYTES,
     MAX_KEYS,
     MAX_NAME,
@@ -76,10 +79,11 @@ from kvoffd_client.protocol.messages import (
 )
 
 __all__ = [
-    "KEY_SIZE", "MAX_BLOCK_TOKENS", "MAX_EVENTS", "MAX_FD_MESSAGE", "MAX_FRAME_BYTES", "MAX_KEYS",
+    "FD_SOCKET_VERSION", "KEY_SIZE", "MAX_BATCH_FDS", "MAX_BLOCK_TOKENS", "MAX_EVENTS", "MAX_FDS_PER_MESSAGE",
+    "MAX_FD_MESSAGE", "MAX_FRAME_BYTES", "MAX_KEYS",
     "MAX_NAME", "MAX_VMM_PIECES", "MEMORY_KINDS", "MESSAGES", "PROTOCOL_VERSION", "REQUESTS", "U63",
     "Clear", "Cleared", "CpuFd", "CudaIpc", "CudaVmm", "DropReason", "Error", "ErrorCode", "EventIndex",
-    "Explain", "Explained", "Hello", "HelloOk", "IpcHandle", "KvEventsLayout", "Layout", "LeaseMs", "Load",
+    "Explain", "Explained", "FdBatch", "FdChunk", "FdReply", "Hello", "HelloOk", "IpcHandle", "KvEventsLayout", "Layout", "LeaseMs", "Load",
     "Lookup", "LookupResult", "Memory", "Message", "MissReason", "Name", "Notice", "NoticeCode", "Ok", "Op", "Ping",
     "Pong", "ProtocolError", "Rank", "Register", "Registered", "Release", "Segment", "SegmentLength",
     "Stats", "StatsResult", "Store", "Unregister", "VmmPiece", "WorldSize", "count_keys", "decode",

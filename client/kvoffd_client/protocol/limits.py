@@ -12,8 +12,12 @@ PROTOCOL_VERSION = 1
 KEY_SIZE = 32
 #: Largest frame the daemon reads. A step of a big batch (8k blocks) stays far below it.
 MAX_FRAME_BYTES = 8 << 20
-#: The most bytes of one fd-socket request or reply (a small msgpack map; docs/protocol.md, the fd socket).
-MAX_FD_MESSAGE = 512
+#: The most bytes of one fd-socket message (a small msgpack map: a chunk's sizes at most; docs/protocol.md,
+#: the fd socket).
+MAX_FD_MESSAGE = 2048
+#: Descriptors one fd-socket message may carry (SCM_RIGHTS); a batch of more comes in several messages.
+#: The kernel's own cap is 253 (SCM_MAX_FD); 128 keeps one chunk's ``sizes`` far below MAX_FD_MESSAGE.
+MAX_FDS_PER_MESSAGE = 128
 #: Most keys (and block ids) one message may carry.
 MAX_KEYS = 65536
 #: Longest namespace / engine id / free-text field.
@@ -23,9 +27,10 @@ MAX_NAME = 256
 MAX_EVENTS = 4096
 #: Memory kinds REGISTER may name (the daemon says which it serves in HELLO_OK: ``memory:<kind>``).
 MEMORY_KINDS = ("cpu_fd", "cuda_ipc", "cuda_vmm")
-#: Physical allocations one ``cuda_vmm`` REGISTER may name (each is one descriptor handed to the fd socket,
-#: which keeps at most 8 per process waiting: docs/cuda.md, "VMM memory", limits).
-MAX_VMM_PIECES = 8
+#: Physical allocations one ``cuda_vmm`` REGISTER may name, and descriptors one fd-socket batch may carry
+#: (all of them under one token): 16,384 of PyTorch's 20 MiB expandable segments are a 320 GiB KV cache
+#: (docs/cuda.md, "VMM memory", limits).
+MAX_VMM_PIECES = 16384
 
 #: Most tokens one block may hold (``KvEventsLayout.block_size``).
 MAX_BLOCK_TOKENS = 1 << 20

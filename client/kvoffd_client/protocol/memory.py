@@ -53,10 +53,9 @@ class CudaIpc(msgspec.Struct, tag_field="kind", tag="cuda_ipc", kw_only=True):
 
 
 class VmmPiece(msgspec.Struct, kw_only=True):
-    """One physical allocation (``cuMemCreate``) behind a VMM-mapped KV range: the fd-socket token of its
-    exported POSIX descriptor, where it starts in the range and how long it is."""
+    """One physical allocation (``cuMemCreate``) behind a VMM-mapped KV range: where it starts in the range
+    and how long it is. Its descriptor is the one at the same position in the batch the token names."""
 
-    token: Annotated[str, Meta(min_length=1, max_length=64)]
     offset: U63
     size: Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
 
@@ -64,9 +63,12 @@ class VmmPiece(msgspec.Struct, kw_only=True):
 class CudaVmm(msgspec.Struct, tag_field="kind", tag="cuda_vmm", kw_only=True):
     """KV memory made with CUDA's virtual memory API (no legacy IPC handle): the physical pieces that
     back one contiguous range, in order and without gaps, from offset 0 (the daemon maps them the same
-    way in one VA reservation); the KV region is ``[offset, +size)`` of that range (docs/cuda.md)."""
+    way in one VA reservation); the KV region is ``[offset, +size)`` of that range (docs/cuda.md).
+    ``token``: the fd-socket batch that holds the pieces' descriptors, one per piece, in the same order
+    (kvoffd_client.fdpass.send_fds)."""
 
     KIND: ClassVar[str] = "cuda_vmm"
+    token: Annotated[str, Meta(min_length=1, max_length=64)]
     pieces: Annotated[list[VmmPiece], Meta(min_length=1, max_length=MAX_VMM_PIECES)]
     size: Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
     offset: U63 = 0
@@ -83,8 +85,6 @@ class CudaVmm(msgspec.Struct, tag_field="kind", tag="cuda_vmm", kw_only=True):
         if self.offset + self.size > end:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"region [{self.offset}, +{self.size}) exceeds the "
                                 f"{end} bytes of its pieces")
-        if len({p.token for p in self.pieces}) != len(self.pieces):
-            raise ProtocolError(ErrorCode.BAD_FIELD, "memory.pieces name one token twice")
 
 
 Memory = Union[CpuFd, CudaIpc, CudaVmm]  # noqa: UP007 - msgspec's tagged union (the tag is ``kind``)
