@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -20,6 +19,7 @@ from kvoffd.cache.pool import MIN_SLOT_BYTES, Pool
 from kvoffd.events.wire import parse_identity
 from kvoffd.metrics import Metrics
 from kvoffd.server.fdbudget import FdBudget
+from kvoffd.server.fdserver import Handover
 from kvoffd.server.limits import MAX_ENGINES_PER_CONN, MAX_SEGMENTS
 from kvoffd.server.sessions import Conn, Engine, Sessions
 from kvoffd.transfer.base import AttachError, TransferBackend
@@ -90,6 +90,22 @@ class Registrar:
         return old
 
     async def _register(self, conn: Conn, msg: P.Register) -> P.Message:
+        """The descriptors a token names are claimed first and are this REGISTER's whatever follows: the
+        backend takes them (and closes them), or they are closed here on a refusal, so a refused REGISTER
+        leaves nothing waiting in the fd socket either (a token is good for one REGISTER)."""
+        handover = self._claim(msg.memory)
+        try:
+            return await self._register_with(conn, msg, handover)
+        finally:
+            if handover is not None:
+                handover.close()  # a no-op once the backend took the descriptors
+
+    def _claim(self, memory: P.Memory) -> Handover | None:
+        token = getattr(memory, "token", None)  # the kinds whose memory comes as descriptors
+        handover = self.sessions.fd_handover
+        return handover.claim(token) if token is not None and handover is not None else None
+
+    async def _register_with(self, conn: Conn, msg: P.Register, handover: Handover | None) -> P.Message:
         if msg.rank >= msg.world_size:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"rank {msg.rank} is not below world_size {msg.world_size}")
         if msg.world_size % msg.replicas:
@@ -103,7 +119,7 @@ class Registrar:
                                 f"this daemon maps {sorted(self.by_kind)}")
         old = self._check_register(conn, msg, segments)
         slot_bytes, layout_fp = sum(s.length for s in segments), tuple(s.length for s in segments)
-        memory = self._backend_memory(msg.memory)
+        memory = self._backend_memory(msg.memory, handover)
         loop = asyncio.get_running_loop()
         try:
             mapped = await loop.run_in_executor(None, backend.attach, msg.engine_id, memory, num_blocks,
@@ -133,34 +149,35 @@ class Registrar:
                  backend.name, msg.layout.desc)
         return P.Registered(seq=msg.seq, engine_id=msg.engine_id, slot_bytes=slot_bytes, backend=backend.name)
 
-    def _backend_memory(self, memory: P.Memory) -> dict[str, Any]:
-        """What the backend's ``attach`` maps (its shape already checked by the decoder). ``cpu_fd``:
-        the descriptor handed to the fd socket under the token, in a dict built here (never from the
-        client's fields, which could name an ``fd`` of its own choosing); the backend closes it
-        whatever happens."""
+    def _backend_memory(self, memory: P.Memory, handover: Handover | None) -> dict[str, Any]:
+        """What the backend's ``attach`` maps (its shape already checked by the decoder). ``cpu_fd`` and
+        ``cuda_vmm``: the descriptors of the batch the token named, in a dict built here (never from the
+        client's fields, which could name an ``fd`` of its own choosing); from here the backend owns
+        them and closes them whatever happens (``handover`` is emptied)."""
         if isinstance(memory, P.CudaIpc):
             return {"kind": memory.KIND, **msgspec.structs.asdict(memory)}
-        if isinstance(memory, P.CudaVmm):
-            return self._vmm_memory(memory)
-        pending = self.sessions.fd_handover.claim(memory.token) if self.sessions.fd_handover is not None else None
-        if pending is None:
+        if handover is None:
             raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, "unknown or expired memory token: hand the "
-                                "descriptor to the fd socket again (a token is good for one REGISTER)")
-        return {"kind": memory.KIND, "fd": pending.fd, "size": memory.size}
+                                "descriptors to the fd socket again (a token is good for one REGISTER)")
+        if isinstance(memory, P.CudaVmm):
+            return self._vmm_memory(memory, handover)
+        if len(handover.fds) != 1:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"cpu_fd memory is one descriptor; the token names "
+                                f"{len(handover.fds)}")
+        fd, handover.fds = handover.fds[0], []
+        return {"kind": memory.KIND, "fd": fd, "size": memory.size}
 
-    def _vmm_memory(self, memory: P.CudaVmm) -> dict[str, Any]:
-        """``cuda_vmm``: every piece's descriptor claimed under its token, or none (a token missing: the
-        ones claimed are closed, so a refused REGISTER holds nothing). The backend closes them."""
-        handover = self.sessions.fd_handover
-        fds: list[int] = []
-        for i, piece in enumerate(memory.pieces):
-            pending = handover.claim(piece.token) if handover is not None else None
-            if pending is None:
-                for fd in fds:
-                    os.close(fd)
-                raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, f"memory.pieces[{i}]: unknown or expired "
-                                    "memory token: hand the descriptors to the fd socket again")
-            fds.append(pending.fd)
+    def _vmm_memory(self, memory: P.CudaVmm, handover: Handover) -> dict[str, Any]:
+        """``cuda_vmm``: piece i is descriptor i of the batch; the batch must have one per piece, each
+        declared with the piece's size (else the REGISTER is refused and the descriptors closed)."""
+        if len(handover.fds) != len(memory.pieces):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"memory.pieces lists {len(memory.pieces)} pieces; the "
+                                f"token names {len(handover.fds)} descriptors")
+        for i, (p, size) in enumerate(zip(memory.pieces, handover.sizes, strict=True)):
+            if p.size != size:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"memory.pieces[{i}] is {p.size} bytes; its descriptor "
+                                    f"was handed over as {size}")
+        fds, handover.fds = handover.fds, []
         pieces = [{"fd": fd, "offset": p.offset, "size": p.size} for fd, p in zip(fds, memory.pieces, strict=True)]
         return {"kind": memory.KIND, "pieces": pieces, "size": memory.size, "offset": memory.offset,
                 "device_uuid": memory.device_uuid, "events": list(memory.events)}

@@ -157,15 +157,21 @@ class VmmRange:
 
 
 def map_pieces(vmm: Vmm, ordinal: int, pieces: list[dict[str, Any]]) -> VmmRange:
-    """Import, reserve, map, set access; on any failure undo what was done and raise CudaError.
+    """Import, reserve, map, set access; on any failure undo what was done and raise.
 
-    Every descriptor in ``pieces`` is closed before this returns, whatever happens.
+    Built for thousands of pieces (an expandable-segments KV cache is one 20 MiB piece per segment): one
+    import and one map per piece, but one VA reservation and one ``cuMemSetAccess`` over the whole range.
+    Each descriptor is closed as soon as it is imported (the imported handle keeps the memory alive), so
+    the daemon never holds a second copy of the batch; every descriptor in ``pieces`` is closed before
+    this returns, whatever happens.
     """
     handles: list[tuple[int, int, int]] = []
     rng: VmmRange | None = None
+    fds = [p["fd"] for p in pieces]
     try:
-        for p in pieces:
-            handles.append((p["offset"], p["size"], vmm.import_fd(p["fd"])))
+        for i, p in enumerate(pieces):
+            handles.append((p["offset"], p["size"], vmm.import_fd(fds[i])))
+            _close(fds, i)
         total = sum(size for _, size, _ in handles)
         gran = vmm.granularity(ordinal)
         if any(off % gran or size % gran for off, size, _ in handles):
@@ -177,7 +183,7 @@ def map_pieces(vmm: Vmm, ordinal: int, pieces: list[dict[str, Any]]) -> VmmRange
             rng.pieces.append((off, size, h))
         vmm.set_access(rng.va, total, ordinal)
         return rng
-    except cudart.CudaError:
+    except BaseException:
         mapped = {h for _, _, h in rng.pieces} if rng is not None else set()
         if rng is not None:
             unmap(vmm, rng)  # unmaps and releases the mapped pieces, frees the VA
@@ -186,11 +192,18 @@ def map_pieces(vmm: Vmm, ordinal: int, pieces: list[dict[str, Any]]) -> VmmRange
                 _quiet(vmm.release, h)
         raise
     finally:
-        for p in pieces:
-            try:
-                os.close(p["fd"])
-            except OSError:
-                pass
+        for i in range(len(fds)):
+            _close(fds, i)
+
+
+def _close(fds: list[int], i: int) -> None:
+    """Close ``fds[i]`` once (marked -1: the number may be reused by another thread at once)."""
+    fd, fds[i] = fds[i], -1
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def unmap(vmm: Vmm, rng: VmmRange) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
 CUDA_SUCCESS = 0
-MAX_PIECES = 8  # = kvoffd_client.protocol.MAX_VMM_PIECES (checked in tests)
+MAX_PIECES = 16384  # = kvoffd_client.protocol.MAX_VMM_PIECES (checked in tests)
 
 
 class _Location(ctypes.Structure):
@@ -131,6 +131,31 @@ class VmmExport:
                 pass
 
 
+#: descriptors an engine process keeps free for everything else while it holds its exported pieces
+NOFILE_SPARE = 256
+_NOFILE_STEP = 64  # pieces exported between two looks at the limit
+
+
+def _room_for_more(held: int) -> None:
+    """Raise this process's soft RLIMIT_NOFILE (never past the hard one) before the next
+    ``_NOFILE_STEP`` exported pieces would leave fewer than NOFILE_SPARE descriptors: a KV cache of
+    thousands of pieces holds one descriptor each, and a worker's soft limit is often 1024. Refuses in
+    one sentence when the hard limit is the bound."""
+    if held % _NOFILE_STEP:
+        return
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = len(os.listdir("/proc/self/fd")) + _NOFILE_STEP + NOFILE_SPARE
+    if need <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and need > hard:
+        raise VmmNotExportable(f"exporting the KV cache's pieces needs more than {hard} file descriptors, this "
+                               "process's hard RLIMIT_NOFILE: raise it (one descriptor per 20 MiB piece)")
+    target = max(need, 2 * soft) if hard == resource.RLIM_INFINITY else min(hard, max(need, 2 * soft))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def export_region(ptr: int, nbytes: int, *, device_uuid: str, events: list[bytes]) -> VmmExport:
     """Describe the VMM region ``[ptr, +nbytes)``: its pieces from the first one's base, in order.
 
@@ -147,7 +172,8 @@ def export_region(ptr: int, nbytes: int, *, device_uuid: str, events: list[bytes
                 raise RuntimeError(f"VMM region not tiled by its mappings at {addr:#x} (piece at {base:#x})")
             if len(pieces) == MAX_PIECES:
                 raise VmmNotExportable(f"the KV cache spans more than {MAX_PIECES} physical allocations; "
-                                       f"kvoffd maps at most {MAX_PIECES} per engine today (docs/cuda.md)")
+                                       f"kvoffd maps at most {MAX_PIECES} per engine (docs/cuda.md)")
+            _room_for_more(len(exp.fds))
             fd = _export_piece(addr)
             exp.fds.append(fd)
             pieces.append({"fd": fd, "offset": addr - first, "size": size})
