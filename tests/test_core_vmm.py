@@ -1,7 +1,8 @@
 """VMM memory (kind ``cuda_vmm``) and sleep mode, the parts that run without a GPU.
 
 The wire checks of the new kind; a CPU daemon's refusal of it (it serves no CUDA); the daemon's claim of
-the pieces' descriptors, which must leave nothing behind when one token is unknown; and sleep/wake on the
+the pieces' descriptors from the one batch the token names, which must match the pieces (the fd
+socket's batches themselves: tests/test_core_fd_batch.py); and sleep/wake on the
 CPU path: UNREGISTER is answered only once the daemon has unmapped the engine's memory, the blocks
 survive, a re-registration of new memory loads them byte-exact, and cycles leak no descriptor or mapping.
 The CUDA half is tests/gpu/test_vmm.py.
@@ -31,28 +32,35 @@ def _register(memory: dict) -> bytes:
                           "layout": {"num_blocks": 4, "segments": [[0, 4096, 4096]]}})
 
 
-def _vmm(pieces: list[tuple[str, int, int]], size: int = MiB2, offset: int = 0) -> dict:
-    return {"kind": "cuda_vmm", "size": size, "offset": offset, "device_uuid": "GPU-0",
-            "pieces": [{"token": t, "offset": o, "size": s} for t, o, s in pieces]}
+def _vmm(pieces: list[tuple[int, int]], size: int = MiB2, offset: int = 0, token: str = "t") -> dict:
+    return {"kind": "cuda_vmm", "token": token, "size": size, "offset": offset, "device_uuid": "GPU-0",
+            "pieces": [{"offset": o, "size": s} for o, s in pieces]}
 
 
 def test_a_tiled_vmm_range_decodes():
-    m = P.decode(_register(_vmm([("a", 0, MiB2), ("b", MiB2, MiB2)], size=3 << 20, offset=1 << 20)),
-                 requests_only=True)
-    assert isinstance(m.memory, P.CudaVmm) and [p.token for p in m.memory.pieces] == ["a", "b"]
+    m = P.decode(_register(_vmm([(0, MiB2), (MiB2, MiB2)], size=3 << 20, offset=1 << 20)), requests_only=True)
+    assert isinstance(m.memory, P.CudaVmm) and m.memory.token == "t"
+    assert [(p.offset, p.size) for p in m.memory.pieces] == [(0, MiB2), (MiB2, MiB2)]
     assert m.memory.KIND == "cuda_vmm" and "cuda_vmm" in P.MEMORY_KINDS
-    assert client_vmm.MAX_PIECES == P.MAX_VMM_PIECES  # the client refuses what the wire would
+    assert client_vmm.MAX_PIECES == P.MAX_VMM_PIECES == P.MAX_BATCH_FDS  # the client refuses what the wire would
+    assert P.MAX_VMM_PIECES * (20 << 20) >= 320 << 30  # a 320 GiB KV cache of torch's 20 MiB segments
+
+
+def test_thousands_of_pieces_decode():
+    pieces = [(i * MiB2, MiB2) for i in range(P.MAX_VMM_PIECES)]
+    m = P.decode(_register(_vmm(pieces, size=P.MAX_VMM_PIECES * MiB2)), requests_only=True)
+    assert len(m.memory.pieces) == P.MAX_VMM_PIECES
 
 
 @pytest.mark.parametrize("memory, says", [
-    (_vmm([("a", 0, MiB2), ("b", 2 * MiB2, MiB2)]), "must tile the range"),  # a gap
-    (_vmm([("a", MiB2, MiB2)]), "must tile the range"),  # not from 0
-    (_vmm([("a", 0, MiB2)], size=MiB2, offset=1), "exceeds"),  # the region runs past the pieces
-    (_vmm([("a", 0, MiB2), ("a", MiB2, MiB2)]), "one token twice"),
-    (_vmm([(str(i), i * MiB2, MiB2) for i in range(P.MAX_VMM_PIECES + 1)]), "length <= 8"),
+    (_vmm([(0, MiB2), (2 * MiB2, MiB2)]), "must tile the range"),  # a gap
+    (_vmm([(MiB2, MiB2)]), "must tile the range"),  # not from 0
+    (_vmm([(0, MiB2)], size=MiB2, offset=1), "exceeds"),  # the region runs past the pieces
+    (_vmm([(i * MiB2, MiB2) for i in range(P.MAX_VMM_PIECES + 1)]), f"length <= {P.MAX_VMM_PIECES}"),
     (_vmm([]), "length >= 1"),
-    ({**_vmm([("a", 0, MiB2)]), "pieces": [{"token": "a", "offset": 0, "size": 0}]}, ">= 1"),
-    ({**_vmm([("a", 0, MiB2)]), "pieces": [{"fd": 3, "offset": 0, "size": MiB2}]}, "token"),  # no fd numbers
+    ({**_vmm([(0, MiB2)]), "pieces": [{"offset": 0, "size": 0}]}, ">= 1"),
+    ({k: v for k, v in _vmm([(0, MiB2)]).items() if k != "token"}, "token"),  # no descriptors named
+    (_vmm([(0, MiB2)], token=""), "length >= 1"),
 ])
 def test_bad_vmm_memory_is_a_clear_refusal(memory, says):
     with pytest.raises(P.ProtocolError) as e:
@@ -63,42 +71,47 @@ def test_bad_vmm_memory_is_a_clear_refusal(memory, says):
 def test_a_cpu_daemon_refuses_vmm_memory_and_serves_on(daemon):
     c = daemon.client()
     with pytest.raises(KvoffdError) as e:
-        c.request(P.decode(_register(_vmm([("a", 0, MiB2)])), requests_only=True), 5)
+        c.request(P.decode(_register(_vmm([(0, MiB2)])), requests_only=True), 5)
     assert e.value.code == "memory_unreachable" and "not served here" in str(e.value)
     assert c.ping(5) >= 0
 
 
-def test_an_unknown_piece_token_closes_the_claimed_descriptors(tmp_path):
-    """The daemon's Registrar claims every piece's descriptor from a real fd socket; one unknown token
-    refuses the REGISTER and closes the descriptors already claimed (nothing held, nothing leaked)."""
+@pytest.mark.parametrize("pieces, says", [
+    ([(0, MiB2), (MiB2, MiB2)], "lists 2 pieces; the token names 3 descriptors"),
+    ([(0, MiB2), (MiB2, 2 * MiB2), (3 * MiB2, MiB2)], "memory.pieces[1] is 4194304 bytes"),
+])
+def test_a_batch_that_does_not_match_the_pieces_is_refused(tmp_path, pieces, says):
+    """The daemon's Registrar takes piece i's descriptor from position i of the batch the token names
+    (a real fd socket): a count or a size that differs refuses the REGISTER and takes nothing, so the
+    claim's descriptors are closed by the refusal (``Registrar._register`` closes what it claimed)."""
     from kvoffd.server.fdserver import FdServer
     from kvoffd.server.register import Registrar
 
-    async def scenario() -> tuple[list[int], P.ProtocolError]:
+    async def scenario() -> tuple[P.ProtocolError, int, int]:
         srv = FdServer(str(tmp_path / "fd.sock"))
         srv.start(asyncio.get_running_loop())
         try:
-            mine = [os.memfd_create("vmm-piece") for _ in range(2)]
-            tokens = [await asyncio.to_thread(fdpass.send_fd, srv.path, fd, MiB2) for fd in mine]
+            mine = [os.memfd_create("vmm-piece") for _ in range(3)]
+            token = await asyncio.to_thread(fdpass.send_fds, srv.path, mine, [MiB2] * 3)
             for fd in mine:
                 os.close(fd)
-            before = set(os.listdir("/proc/self/fd"))
             reg = Registrar(sessions=types.SimpleNamespace(fd_handover=srv), index=None, pool=None, metrics=None,
                             fds=None, by_kind={})
-            memory = P.CudaVmm(pieces=[P.VmmPiece(token=tokens[0], offset=0, size=MiB2),
-                                       P.VmmPiece(token=tokens[1], offset=MiB2, size=MiB2),
-                                       P.VmmPiece(token="f" * 32, offset=2 * MiB2, size=MiB2)],
+            memory = P.CudaVmm(token=token, pieces=[P.VmmPiece(offset=o, size=s) for o, s in pieces],
                                size=MiB2, device_uuid="GPU-0")
+            handover = reg._claim(memory)
+            before = len(os.listdir("/proc/self/fd"))
             with pytest.raises(P.ProtocolError) as e:
-                reg._backend_memory(memory)
-            after = set(os.listdir("/proc/self/fd"))
-            return sorted(int(f) for f in before - after), e.value
+                reg._backend_memory(memory, handover)
+            kept = len(handover.fds)
+            handover.close()
+            return e.value, kept, before - len(os.listdir("/proc/self/fd"))
         finally:
             srv.close()
 
-    closed, err = asyncio.run(scenario())
-    assert err.code is P.ErrorCode.MEMORY_UNREACHABLE and "pieces[2]" in err.message
-    assert len(closed) == 2, "the two claimed descriptors must be closed by the refusal"
+    err, kept, closed = asyncio.run(scenario())
+    assert err.code is P.ErrorCode.BAD_FIELD and says in err.message, err.message
+    assert kept == 3 and closed == 3, "a refused claim leaves the descriptors to the refusal, which closes them"
 
 
 def _fd_count(pid: int) -> int:

@@ -29,10 +29,10 @@ import zmq
 from kvtest import ROOT, chain_keys, start_daemon, wait_until
 from reliability_util import RawPeer, anyone_maps, fd_count, maps_mention, record, wire_memory
 
-from kvoffd.server.fdserver import MAX_PENDING_PER_PID
+from kvoffd.server.fdserver import MAX_PENDING_FDS_PER_PID
 from kvoffd_client import protocol as P
 from kvoffd_client.client import KvoffdClient
-from kvoffd_client.fdpass import FdRefused, send_fd
+from kvoffd_client.fdpass import FdRefused, send_fd, send_fds
 from kvoffd_client.memory.cpu_fd import create_sealed_memfd
 
 NOBODY = 65534
@@ -167,30 +167,31 @@ def test_fd_must_be_a_sealed_memfd_of_the_declared_size(daemon, shm, tmp_path):
 
 
 def test_fd_socket_bounds_what_a_client_can_leave_there(make_daemon, shm):
-    """Descriptors waiting for REGISTER are bounded per process; extra descriptors in a message are
-    closed; a mapped engine costs the daemon no descriptor (attach keeps none)."""
+    """Descriptors waiting for REGISTER are bounded per process, counted in descriptors (a batch that
+    would pass the bound is refused at its count, before a descriptor travels); descriptors sent with
+    the count are closed; a mapped engine costs the daemon no descriptor (attach keeps none)."""
     d = make_daemon("16MiB", name="iso-bounds")
     c = d.client()
     fd_socket = c.hello.fd_socket
     eng = shm(4, 4096, tag="iso-bounds")
     base = fd_count(d.proc.pid)
-    tokens = [send_fd(fd_socket, eng.fd, eng.size) for _ in range(MAX_PENDING_PER_PID)]
-    assert len(set(tokens)) == MAX_PENDING_PER_PID
-    with pytest.raises(FdRefused) as e:
-        send_fd(fd_socket, eng.fd, eng.size)
-    assert e.value.code == "too_many"
-    # two descriptors in one message: both refused and closed
+    tokens = [send_fd(fd_socket, eng.fd, eng.size) for _ in range(8)]
+    assert len(set(tokens)) == 8
+    with pytest.raises(FdRefused) as e:  # 8 wait already: a whole batch more does not fit this process
+        send_fds(fd_socket, [eng.fd] * MAX_PENDING_FDS_PER_PID, [eng.size] * MAX_PENDING_FDS_PER_PID)
+    assert e.value.code == "too_many" and f"at most {MAX_PENDING_FDS_PER_PID} per process" in e.value.message
+    # two descriptors in the message that says how many follow: both refused and closed
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.connect(fd_socket)
-        socket.send_fds(s, [b"\x81\xa4size\xcd\x10\x00"], [eng.fd, eng.fd])
+        socket.send_fds(s, [b"\x82\xa1v\x01\xa5count\x02"], [eng.fd, eng.fd])
         assert b"bad_frame" in s.recv(512)
-    assert wait_until(lambda: fd_count(d.proc.pid) == base + MAX_PENDING_PER_PID, 5), fd_count(d.proc.pid)
+    assert wait_until(lambda: fd_count(d.proc.pid) == base + 8, 5), fd_count(d.proc.pid)
     # registering consumes the waiting descriptors: mapped, then closed
     for i, t in enumerate(tokens):
         c.request(P.Register(engine_id=f"iso-b{i}", namespace="iso-b", memory={"kind": "cpu_fd", "token": t,
                                                                                "size": eng.size},
                              layout=eng.layout))
-    assert len(c.stats()["engines"]) == MAX_PENDING_PER_PID
+    assert len(c.stats()["engines"]) == 8
     assert wait_until(lambda: fd_count(d.proc.pid) == base, 5), "a mapped engine keeps a descriptor open"
 
 
