@@ -1,9 +1,11 @@
 """VMM KV memory (``cuda_vmm``) end to end: a real daemon (python -m kvoffd --backend cuda) and stand-in
 engines (tests/gpu/vmm_standin.py) in other processes. Skipped without a GPU (conftest.py).
 
-(a) several ``cuMemCreate`` allocations mapped back to back register, store and load byte-exact, and
-memory created without the POSIX-descriptor handle type is refused with one clear reason; (b) the same
-with torch's ``expandable_segments:True`` (skipped, with the reason, where torch does not export fds);
+(a) several ``cuMemCreate`` allocations mapped back to back register, store and load byte-exact (4, and
+256: one token for two fd-socket messages of descriptors), and memory created without the
+POSIX-descriptor handle type is refused with one clear reason; (b) the same with torch's
+``expandable_segments:True``, 128 MiB and 512 MiB (skipped, with the reason, where torch does not
+export fds);
 (c) 100 sleep/wake cycles leak no descriptor, mapping or daemon memory, give the GPU memory back on
 every sleep, and the blocks stored before the first sleep hit and load byte-exact after each wake.
 """
@@ -60,6 +62,19 @@ def test_cumemcreate_pieces_store_and_load_byte_exact(daemon):  # noqa: F811
         e.close()
 
 
+def test_hundreds_of_cumemcreate_pieces_store_and_load_byte_exact(daemon):  # noqa: F811
+    """16 layers x 512 blocks x 64 KiB = 512 MiB in 256 pieces of 2 MiB (the allocation granularity on
+    H100/H200, docs/cuda.md): more than one fd-socket message of 128 descriptors, all under one token,
+    32 times the old limit of 8 pieces."""
+    e = _engine(daemon.address, alloc="vmm", pieces=256, layers=16)
+    try:
+        built = e("build")
+        assert built == {"kind": "cuda_vmm", "pieces": 256}, built
+        _round_trip(e, "vmm-many", "gpu-vmm-many")
+    finally:
+        e.close()
+
+
 def test_vmm_without_the_posix_fd_handle_type_is_refused_clearly(daemon):  # noqa: F811
     e = _engine(daemon.address, alloc="vmm_nofd", pieces=2, layers=4)
     try:
@@ -70,9 +85,10 @@ def test_vmm_without_the_posix_fd_handle_type_is_refused_clearly(daemon):  # noq
         e.close()
 
 
-def test_expandable_segments_store_and_load_byte_exact(daemon):  # noqa: F811
-    # 4 layers x 512 blocks x 64 KiB = 128 MiB: 7 of torch's 20 MiB segments (at most 8 pieces today)
-    e = _engine(daemon.address, alloc="expandable", layers=4)
+def _expandable_round_trip(daemon, layers: int, eid: str) -> dict:  # noqa: F811
+    """Build a torch ``expandable_segments:True`` KV cache of ``layers`` x 512 blocks x 64 KiB, register,
+    store and load it byte-exact; returns what ``build`` said (skips where torch exports no fds)."""
+    e = _engine(daemon.address, alloc="expandable", layers=layers)
     try:
         try:
             built = e("build")
@@ -82,9 +98,22 @@ def test_expandable_segments_store_and_load_byte_exact(daemon):  # noqa: F811
                             + str(err).strip().splitlines()[-1][:300])
             raise
         assert built["kind"] == "cuda_vmm", f"expandable segments did not give VMM memory: {built}"
-        _round_trip(e, "vmm-b", "gpu-vmm-b")
+        _round_trip(e, eid, f"gpu-{eid}")
+        return built
     finally:
         e.close()
+
+
+def test_expandable_segments_store_and_load_byte_exact(daemon):  # noqa: F811
+    # 4 layers x 512 blocks x 64 KiB = 128 MiB: 7 of torch's 20 MiB segments
+    _expandable_round_trip(daemon, 4, "vmm-b")
+
+
+def test_a_512_mib_expandable_segments_cache_store_and_load_byte_exact(daemon):  # noqa: F811
+    # 16 layers x 512 blocks x 64 KiB = 512 MiB: about 26 of torch's 20 MiB segments, past the old limit
+    # of 8 pieces (160 MiB) that made such a cache unregistrable
+    built = _expandable_round_trip(daemon, 16, "vmm-big")
+    assert built["pieces"] > 8, built
 
 
 def _daemon_resources(pid: int) -> tuple[int, int, int]:
