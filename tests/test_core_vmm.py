@@ -181,3 +181,33 @@ def test_the_vmm_structs_match_cuda_h():
     assert ctypes.sizeof(daemon_vmm.AccessDesc) == 12 and daemon_vmm.AccessDesc.flags.offset == 8
     assert ctypes.sizeof(daemon_vmm.MemLocation) == 8
     assert daemon_vmm.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR == client_vmm.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR == 1
+
+
+_NOFILE_PROBE = """
+import resource, sys
+from kvoffd_client.memory import cuda_vmm
+soft, hard = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+try:
+    cuda_vmm._room_for_more(0)
+except cuda_vmm.VmmNotExportable as e:
+    print("refused", e)
+else:
+    print("soft", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+@pytest.mark.parametrize("soft, hard, says", [(300, 4096, "soft 600"), (300, 300, "refused")])  # 300 < 64 + 256
+def test_the_export_makes_room_for_its_descriptors(soft, hard, says):
+    """An engine exports one descriptor per piece: before its soft RLIMIT_NOFILE would run out the export
+    raises it (never past the hard limit), and where the hard limit is the bound it refuses in one line."""
+    import subprocess
+    import sys
+
+    from kvtest import ROOT
+
+    out = subprocess.run([sys.executable, "-c", _NOFILE_PROBE, str(soft), str(hard)], capture_output=True,
+                         text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT}/client"}, timeout=60)
+    assert says in out.stdout, out.stdout + out.stderr
+    if says == "refused":
+        assert "hard RLIMIT_NOFILE" in out.stdout

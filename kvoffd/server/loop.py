@@ -107,7 +107,7 @@ class Server:
         self._ctx = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.bound_address = ""
-        self.fd_handover: FdServer | None = None  # where CPU engines hand over their memory (cpu_fd)
+        self.fd_handover: FdServer | None = None  # where engines hand over memory descriptors (cpu_fd, cuda_vmm)
         self.metrics_address = cfg.metrics_address  # the cli sets the bound one (port 0 picks a port)
         self._guard: ListenerGuard | None = None
         self._listener: socket.socket | None = None  # the ZeroMQ listener's socket, owned here

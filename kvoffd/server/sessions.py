@@ -145,7 +145,7 @@ class Sessions:
         self.reply = reply
         self.capabilities = tuple(capabilities)
         self.auth_token: bytes | None = None  # tcp:// only: HELLO must carry it
-        self.fd_handover: FdServer | None = None  # where CPU engines hand over their memory (cpu_fd)
+        self.fd_handover: FdServer | None = None  # where engines hand over memory descriptors (cpu_fd, cuda_vmm)
         self.conns: dict[bytes, Conn] = {}
         self.engines: dict[str, Engine] = {}
         self.leases: dict[int, Lease] = {}

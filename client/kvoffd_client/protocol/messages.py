@@ -68,7 +68,7 @@ class HelloOk(Message, tag="hello_ok"):
     capabilities: list[str] = []
     limits: dict[str, int] = {}
     heartbeat_s: float = 2.0
-    fd_socket: str = ""  # the UNIX socket that takes ``cpu_fd`` memory (empty: none)
+    fd_socket: str = ""  # the UNIX socket that takes memory descriptors, ``cpu_fd`` and ``cuda_vmm`` (empty: none)
 
 
 class Register(Message, tag="register", kw_only=True):
