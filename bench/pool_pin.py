@@ -1,14 +1,31 @@
-"""How fast can a pool file's allocated pages be page-locked for CUDA? (issue 14: pinning a pool file.)
+"""How fast can a pool file's pages be allocated and page-locked for CUDA? (issue 14: pinning a pool file.)
 
-The file is allocated first (``posix_fallocate``, as the daemon does), then each way below touches its
-1 GiB regions with ``--threads`` workers while one thread registers them in address order
-(``cuMemHostRegister``, PORTABLE), as ``kvoffd/transfer/pinning.py`` does:
-  * ``populate``: ``madvise(MADV_POPULATE_WRITE)`` per region (what the daemon does for a pool file);
-  * ``read``: one load per page (read faults on pages that exist: no zeroing, no SIGBUS, the VMA lock only);
+Each run makes a fresh pool of ``--size`` in ``--dir`` (tmpfs), allocates it, touches its 1 GiB
+regions with ``--threads`` workers and registers them in address order on one thread
+(``cuMemHostRegister``, PORTABLE), as ``kvoffd/transfer/pinning.py`` does. The ways compared:
+
+allocation (``--alloc``):
+  * ``one``: ``posix_fallocate`` of one file on one thread (tmpfs holds the inode lock for the call,
+    so a second thread on the same file waits);
+  * ``files:N``: the data split over N files, each allocated by its own thread (N inode locks);
+  * ``overlap``: one file, allocated in 1 GiB steps by one thread while the touch and the registration
+    follow the allocated prefix (what a daemon that serves at once has to do).
+
+touch (``--touch``, a comma list):
+  * ``populate``: ``madvise(MADV_POPULATE_WRITE)`` per region (holds the process's mmap lock);
+  * ``read``: one load per 4 KiB page (read faults on pages that exist: no zeroing, no SIGBUS);
+  * ``read64k``: one load per 64 KiB (the kernel maps the neighbouring pages of a read fault on a file,
+    "fault-around", 64 KiB by default, so a sixteenth of the faults);
+  * ``populate_read``: ``madvise(MADV_POPULATE_READ)`` per region;
   * ``none``: no touch, ``cuMemHostRegister`` faults the pages in itself.
-Prints GiB/s from the first touch to the last registration, for each way, on a fresh file each.
 
-    python bench/pool_pin.py --dir /dev/shm --size 12GiB --threads 8
+Prints, per run: allocation GiB/s, touch GiB/s (thread-parallel wall time), registration GiB/s of
+touched memory, and end to end (first allocation to last registration). ``--no-register`` leaves CUDA
+out (a host without a GPU). The ceiling in the same run: private anonymous memory, touched by writes
+and registered the same way (``--touch`` ``private``).
+
+    python bench/pool_pin.py --dir /dev/shm --size 16GiB --threads 8 --alloc one,files:8,overlap \
+        --touch read,read64k,populate
 """
 
 from __future__ import annotations
@@ -19,6 +36,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,27 +46,129 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvoffd.transfer import cuda_driver  # noqa: E402
 
 GiB = 1 << 30
+MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
+MADV_HUGEPAGE = 14
 
 
-def one(d: str, size: int, threads: int, how: str) -> tuple[float, float]:
-    """(seconds to allocate, GiB/s from touch start to the last region registered)."""
-    path = os.path.join(d, f"kvoffd-pin-bench-{os.getpid()}")
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-    drv = cuda_driver.driver()
-    drv.use_device(0)
+@dataclass
+class Result:
+    alloc: str
+    touch: str
+    alloc_gibs: float
+    touch_gibs: float
+    register_gibs: float
+    end_to_end_gibs: float
+
+    def line(self) -> str:
+        return (f"{self.alloc:<9} {self.touch:<14} allocate {self.alloc_gibs:6.1f}  touch {self.touch_gibs:6.1f}  "
+                f"register {self.register_gibs:6.1f}  end-to-end {self.end_to_end_gibs:6.1f} GiB/s")
+
+
+class Run:
+    """One pool: its files, its mapping (one VA range over all files), and the timings."""
+
+    def __init__(self, d: str, size: int, alloc: str, threads: int):
+        self.size, self.alloc, self.threads = size, alloc, threads
+        self.private = alloc == "private"
+        nfiles = int(alloc.split(":")[1]) if alloc.startswith("files:") else 1
+        self.part = size // nfiles
+        self.paths: list[str] = []
+        self.fds: list[int] = []
+        if self.private:
+            self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:
+            for i in range(nfiles):
+                p = os.path.join(d, f"kvoffd-pin-bench-{os.getpid()}-{i}")
+                self.paths.append(p)
+                self.fds.append(os.open(p, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600))
+                os.ftruncate(self.fds[-1], self.part)
+            # one reserved range, each file mapped over its part with MAP_FIXED (what a multi-file pool does)
+            self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=0)  # PROT_NONE: a reservation
+        self.pages = np.frombuffer(self.map, dtype=np.uint8)
+        self.base = self.pages.ctypes.data
+        if not self.private:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_long]
+            for i, fd in enumerate(self.fds):
+                r = libc.mmap(self.base + i * self.part, self.part, mmap.PROT_READ | mmap.PROT_WRITE,
+                              mmap.MAP_SHARED | 0x10, fd, 0)  # MAP_FIXED
+                if r != self.base + i * self.part:
+                    raise OSError(ctypes.get_errno(), "mmap MAP_FIXED failed")
+        self.regions = [(o, min(GiB, size - o)) for o in range(0, size, GiB)]
+        self.allocated = 0  # bytes of the range allocated (overlap: grows)
+        self.cond = threading.Condition()
+
+    def allocate(self) -> float:
+        """Allocate (everything but ``overlap``, which allocate_steps does); seconds."""
+        t0 = time.perf_counter()
+        if self.private:
+            self.allocated = self.size
+            return 0.0
+        ts = [threading.Thread(target=os.posix_fallocate, args=(fd, 0, self.part)) for fd in self.fds]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        self.allocated = self.size
+        return time.perf_counter() - t0
+
+    def allocate_steps(self) -> None:
+        fd = self.fds[0]
+        for off, n in self.regions:
+            os.posix_fallocate(fd, off, n)
+            with self.cond:
+                self.allocated = off + n
+                self.cond.notify_all()
+
+    def touch(self, how: str, off: int, n: int) -> None:
+        with self.cond:
+            while self.allocated < off + n:
+                self.cond.wait()
+        if how == "private":
+            self.map.madvise(MADV_HUGEPAGE, off, n)
+            self.pages[off:off + n:4096] = 0
+        elif how == "populate":
+            self.map.madvise(MADV_POPULATE_WRITE, off, n)
+        elif how == "populate_read":
+            self.map.madvise(MADV_POPULATE_READ, off, n)
+        elif how == "read":
+            int(self.pages[off:off + n:4096].sum())
+        elif how == "read64k":
+            int(self.pages[off:off + n:65536].sum())
+
+    def close(self) -> None:
+        del self.pages
+        self.map.close()
+        for fd in self.fds:
+            os.close(fd)
+        for p in self.paths:
+            os.unlink(p)
+
+
+def one(d: str, size: int, threads: int, alloc: str, how: str, register: bool) -> Result:
+    run = Run(d, size, alloc, threads)
+    drv = None
+    if register:
+        drv = cuda_driver.driver()
+        drv.use_device(0)
     registered: list[int] = []
     try:
-        t0 = time.perf_counter()
-        os.posix_fallocate(fd, 0, size)
-        alloc_s = time.perf_counter() - t0
-        m = mmap.mmap(fd, size, mmap.MAP_SHARED)
-        view = {"pages": np.frombuffer(m, dtype=np.uint8)}
-        base = view["pages"].ctypes.data
-        regions = [(o, min(GiB, size - o)) for o in range(0, size, GiB)]
-        touched = [threading.Event() for _ in regions]
-        nxt = iter(range(len(regions)))
+        t_start = time.perf_counter()
+        allocator = None
+        if alloc == "overlap":
+            allocator = threading.Thread(target=run.allocate_steps)
+            allocator.start()
+            alloc_s = 0.0
+        else:
+            alloc_s = run.allocate()
+        touched = [threading.Event() for _ in run.regions]
+        nxt = iter(range(len(run.regions)))
         lock = threading.Lock()
+        touch_end = [0.0]
 
         def work() -> None:
             while True:
@@ -56,33 +176,43 @@ def one(d: str, size: int, threads: int, how: str) -> tuple[float, float]:
                     i = next(nxt, None)
                 if i is None:
                     return
-                off, n = regions[i]
-                if how == "populate":
-                    m.madvise(MADV_POPULATE_WRITE, off, n)
-                elif how == "read":
-                    int(view["pages"][off:off + n:4096].sum())
+                off, n = run.regions[i]
+                run.touch(how, off, n)
                 touched[i].set()
+                touch_end[0] = max(touch_end[0], time.perf_counter())
 
         t1 = time.perf_counter()
         ts = [threading.Thread(target=work) for _ in range(threads if how != "none" else 0)]
         for t in ts:
             t.start()
-        for i, (off, n) in enumerate(regions):
+        reg_s = 0.0
+        for i, (off, n) in enumerate(run.regions):
             if how != "none":
                 touched[i].wait()
-            drv.host_register(base + off, n)
-            registered.append(base + off)
-        dt = time.perf_counter() - t1
+            elif alloc == "overlap":
+                with run.cond:
+                    while run.allocated < off + n:
+                        run.cond.wait()
+            if drv is not None:
+                r0 = time.perf_counter()
+                drv.host_register(run.base + off, n)
+                reg_s += time.perf_counter() - r0
+                registered.append(run.base + off)
+        t_end = time.perf_counter()
         for t in ts:
             t.join()
-        for a in registered:
-            drv.host_unregister(a)
-        view.clear()
-        m.close()
-        return alloc_s, size / GiB / dt
+        if allocator is not None:
+            allocator.join()
+            alloc_s = t_end - t_start  # not separable: shown as the end-to-end rate
+        touch_s = (touch_end[0] - t1) if ts else 0.0
+        gib = size / GiB
+        return Result(alloc, how, gib / alloc_s if alloc_s else 0.0, gib / touch_s if touch_s else 0.0,
+                      gib / reg_s if reg_s else 0.0, gib / (t_end - t_start))
     finally:
-        os.close(fd)
-        os.unlink(path)
+        if drv is not None:
+            for a in registered:
+                drv.host_unregister(a)
+        run.close()
 
 
 def main() -> None:
@@ -90,11 +220,19 @@ def main() -> None:
     ap.add_argument("--dir", default="/dev/shm")
     ap.add_argument("--size", default="8GiB")
     ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--alloc", default="one,files:8,overlap")
+    ap.add_argument("--touch", default="read,read64k,populate")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--no-register", action="store_true")
     a = ap.parse_args()
     size = int(a.size.removesuffix("GiB")) * GiB
-    for how in ("populate", "read", "none", "populate", "read", "none"):
-        alloc_s, rate = one(a.dir, size, a.threads, how)
-        print(f"{how:<9} allocate {size / GiB / alloc_s:5.1f} GiB/s   touch+register {rate:5.1f} GiB/s", flush=True)
+    print(f"kernel {os.uname().release}; shmem THP: "
+          f"{Path('/sys/kernel/mm/transparent_hugepage/shmem_enabled').read_text().strip()}", flush=True)
+    for _ in range(a.repeat):
+        print(one(a.dir, size, a.threads, "private", "private", not a.no_register).line(), flush=True)
+        for alloc in a.alloc.split(","):
+            for how in a.touch.split(","):
+                print(one(a.dir, size, a.threads, alloc, how, not a.no_register).line(), flush=True)
 
 
 if __name__ == "__main__":
