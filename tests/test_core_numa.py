@@ -20,8 +20,10 @@ from kvtest import chain_keys
 from kvoffd.cache.index import Index
 from kvoffd.cache.pool import Pool
 from kvoffd.mempolicy import Policy, mbind
+from kvoffd.ops.ctl_status import status_rows
 from kvoffd.ops.doctor_numa import check_numa
 from kvoffd.ops.doctor_result import PASS, WARN, Context
+from kvoffd.server.placement import Placement, place_engine
 from kvoffd.shards import bind_shards, plan_shards, single_shard
 from kvoffd.topology import (
     UNKNOWN,
@@ -32,6 +34,7 @@ from kvoffd.topology import (
     read_pci_node,
     read_topology,
 )
+from kvoffd.transfer.base import MappedMemory
 
 KB = 1024
 CHUNK = 64 * KB
@@ -244,3 +247,40 @@ def test_doctor_shows_the_gpu_node_shard_map(tmp_path):
     assert one.status == PASS and "one pool shard" in one.detail
     off = check_numa(_ctx(root, numa_map="off"))
     assert off.status == PASS and "--numa-map off" in off.detail
+
+
+def test_a_gpu_engine_is_placed_by_its_devices_bus_id_or_the_map(tmp_path):
+    """What the CUDA backend hands over at REGISTER (the device's ordinal and PCI bus id) places the
+    engine: sysfs's numa_node of that bus id, or --numa-map for that ordinal; a pool of one shard
+    places nobody."""
+    root = _two_nodes(tmp_path, {"0000:19:00.0": 0, "0000:9a:00.0": 1})
+    topo = read_topology(str(root))
+    pool = Pool(4 * CHUNK, chunk_bytes=CHUNK, shards=plan_shards(topo, 4))
+    one = Pool(4 * CHUNK, chunk_bytes=CHUNK)
+    try:
+        gpu = MappedMemory(engine_id="g", kind="cuda_ipc", size=1, num_blocks=1, segments=[], slot_bytes=1,
+                           gpu_ordinal=1, pci_bus_id="00000000:9A:00.0")
+        assert place_engine(pool, topo, gpu, os.getpid()) == Placement(1, 1, "gpu")
+        mapped = read_topology(str(root), parse_numa_map("gpu1=0"))
+        assert place_engine(pool, mapped, gpu, os.getpid()) == Placement(0, 0, "gpu")
+        assert place_engine(one, topo, gpu, os.getpid()) == Placement()
+        cpu = MappedMemory(engine_id="c", kind="cpu_fd", size=1, num_blocks=1, segments=[], slot_bytes=1)
+        here = topo.node_of_cpus(frozenset(os.sched_getaffinity(0)))  # this process: both CPUs, no node
+        assert place_engine(pool, topo, cpu, os.getpid()) == (Placement() if here == UNKNOWN else
+                                                              Placement(here, here, "cpu-affinity"))
+    finally:
+        pool.close()
+        one.close()
+
+
+def test_kvoffctl_status_shows_each_shard():
+    st = {"pool": {"used_bytes": 3 << 20, "capacity_bytes": 8 << 20, "shards": [
+        {"shard": 0, "node": 0, "capacity_bytes": 4 << 20, "used_bytes": 1 << 20, "spilled_slots": 0, "bound": True},
+        {"shard": 1, "node": 1, "capacity_bytes": 4 << 20, "used_bytes": 2 << 20, "spilled_slots": 7, "bound": False}]},
+        "counters": {"cross_numa_load_blocks": 5}}
+    rows = dict(status_rows(st, "ipc:///x", 0.001))
+    assert rows["pool shard 0"].startswith("node 0: 1.0 MiB used of 4.0 MiB (25")
+    assert "5 blocks loaded across nodes" in rows["pool shard 0"]
+    assert "7 slots spilled" in rows["pool shard 1"] and "not placed (mbind refused)" in rows["pool shard 1"]
+    one = dict(status_rows({"pool": {"shards": [{"shard": 0, "node": -1}]}}, "ipc:///x", 0.001))
+    assert not any(k.startswith("pool shard") for k in one)
