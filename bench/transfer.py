@@ -2,6 +2,7 @@
 
     python bench/transfer.py                  # backend in this process, engine in a child process
     python bench/transfer.py --daemon         # also through a real daemon (python -m kvoffd)
+    python bench/transfer.py --gpus 8         # also all 8 GPUs at once through one daemon (transfer_gpus.py)
 
 The stand-in engine (tests/gpu/standin.py) allocates a Llama-8B-shaped cache (32 layers, 8 KV heads,
 head dim 128, bf16, 16-token blocks: 2 MiB per block) the way vLLM does, in a per-layer (LBHNC) or a
@@ -467,12 +468,32 @@ def main() -> None:
     ap.add_argument("--skip-matmul", action="store_true")
     ap.add_argument("--pool-map", default="shared", choices=["shared", "private"])
     ap.add_argument("--two-gpus", action="store_true", help="also GPU 0 and GPU 1 at once (needs 2 GPUs)")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="also store/load on this many GPUs at once through one daemon, against N x the per-GPU "
+                         "ceiling and the host memory bandwidth, all measured in this run (bench/transfer_gpus.py; "
+                         "1: today's figures only). Refused when fewer GPUs are visible")
+    ap.add_argument("--gpus-only", action="store_true", help="with --gpus N: only the N-GPU figures")
+    ap.add_argument("--host-bytes", type=parse_size, default=GiB,
+                    help="bytes per NUMA node copied by the host memory bandwidth figure (default 1GiB)")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--daemon", action="store_true", help="also measure through a real daemon (python -m kvoffd)")
     ap.add_argument("--daemon-only", action="store_true")
     ap.add_argument("--out", help="folder for the daemon log")
     args = ap.parse_args()
+    if args.gpus is not None:
+        from transfer_gpus import check_gpus
+
+        if args.gpus < 1:
+            ap.error("--gpus takes a number of GPUs, at least 1")
+        why = check_gpus(args.gpus)
+        if why:
+            print(why, file=sys.stderr)
+            raise SystemExit(2)
+    multi = (args.gpus or 1) > 1
     print("kvoffd transfer benchmark", flush=True)
+    if multi and args.gpus_only:
+        args.pin_configs, args.daemon, args.daemon_only = "none", False, True
+        args.layouts = []
     if args.pin_configs != "none" and not args.daemon_only:
         cfgs = ([{"threads": 4}, {"threads": 8}, {"threads": 4}]
                 if args.pin_configs == "default" else json.loads(args.pin_configs))
@@ -485,8 +506,12 @@ def main() -> None:
         pass  # uvloop is optional for the bench: asyncio's own loop measures the same copies
     if not args.daemon_only:
         asyncio.run(main_backend(args))
-    if args.daemon or args.daemon_only:
+    if (args.daemon or args.daemon_only) and args.layouts:
         bench_daemon(args)
+    if multi:
+        from transfer_gpus import bench_gpus
+
+        bench_gpus(args, row, results)
     print("\n| figure | value | note |\n|---|---|---|")
     for name, value, note in rows:
         print(f"| {name} | {value} | {note} |")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from kvoffd.cache.policy import DEFAULT_POLICY, LRU, POLICIES
 from kvoffd.pool_format import pool_geometry
+from kvoffd.topology import NumaMapError, parse_numa_map
 from kvoffd_client.paths import default_auth_token_file, runtime_dir
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
@@ -155,6 +156,8 @@ class Config:
     kv_events_topic: str = ""  # the topic frame of every event message (vLLM's KVEventsConfig.topic)
     disk_path: str = ""  # the disk tier's directory (kvoffd/cache/tiers/disk.py); "" = no disk tier
     disk_size: int = 0  # bytes of disk tier per block size
+    numa_map: str = "auto"  # auto | off | gpu0=0,gpu1=1,... (kvoffd/topology.py): the pool's NUMA shards
+    sysfs_root: str = "/sys"  # where the topology is read (a test's fake host; a container's host /sys)
 
     @property
     def metrics_host_port(self) -> tuple[str, int] | None:
@@ -191,6 +194,11 @@ _FLAGS = [
                        "kept there and found again after a restart. Default: none (no disk tier)"),
     ("disk_size", str, "Bytes of the disk tier, with units (e.g. 2TiB; per block size). Required with "
                        "--disk-path"),
+    ("numa_map", str, "NUMA placement of the pool: auto (one shard per node, sized by its GPUs, from sysfs), "
+                      "off (one shard, no placement), or gpuN=NODE pairs overriding sysfs (gpu0=0,gpu1=0,gpu2=1). "
+                      "Default: auto"),
+    ("sysfs_root", str, "Where the NUMA topology is read from (a container that mounts the host's /sys "
+                        "elsewhere). Default: /sys"),
 ]
 
 
@@ -263,6 +271,8 @@ _PARSERS: dict[str, tuple[str, Callable[[object], object]]] = {
     "allow_remote": ("allow_remote", _truthy),
     "verify": ("verify", _truthy),
     "cold": ("cold", _truthy),
+    "numa_map": ("numa_map", str),
+    "sysfs_root": ("sysfs_root", str),
 }
 
 
@@ -304,6 +314,10 @@ def _check(cfg: Config, raw: dict[str, object]) -> None:
     cfg.address = check_address(cfg.address, cfg.allow_remote)
     cfg.metrics_host_port  # noqa: B018 - validates
     _check_kv_events(cfg)
+    try:
+        parse_numa_map(cfg.numa_map)
+    except NumaMapError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_kv_events(cfg: Config) -> None:

@@ -50,6 +50,18 @@ class _LiveState(Collector):
         yield GaugeMetricFamily("kvoffd_oldest_in_flight_seconds",
                                 "Age of the oldest running job (a stuck transfer shows here)",
                                 value=s["oldest_in_flight_s"])
+        shard_bytes = GaugeMetricFamily("kvoffd_pool_shard_bytes", "Pool bytes per NUMA shard: capacity (usable "
+                                        "now) and used", labels=["shard", "node", "state"])
+        spills = CounterMetricFamily("kvoffd_pool_shard_spilled_slots", "Slots a STORE placed on another shard "
+                                     "than its engine's, that one being full (by the engine's shard)",
+                                     labels=["shard", "node"])
+        for sh in s.get("shards", ()):
+            labels = [str(sh["shard"]), str(sh["node"])]
+            shard_bytes.add_metric([*labels, "capacity"], sh["capacity_bytes"])
+            shard_bytes.add_metric([*labels, "used"], sh["used_bytes"])
+            spills.add_metric(labels, sh["spilled_slots"])
+        yield shard_bytes
+        yield spills
 
 
 _TIER_COUNTERS = (  # TierStats field, metric name, help
@@ -157,6 +169,8 @@ class Metrics:
         self.loaded_blocks = Counter("kvoffd_loaded_blocks", "Blocks copied back into an engine: the hits "
                                      "served", registry=r)
         self.evicted_blocks = Counter("kvoffd_evicted_blocks", "Blocks evicted (LRU) to make room", registry=r)
+        self.cross_numa_loads = Counter("kvoffd_cross_numa_loads", "Blocks a LOAD read from a pool shard on another "
+                                        "NUMA node than the engine's (a sharded pool only)", registry=r)
         self.admission_refused = Counter("kvoffd_admission_refused_blocks", "New blocks of a STORE the "
                                          "admission policy refused (--eviction-policy): not stored, not copied",
                                          registry=r)

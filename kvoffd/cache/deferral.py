@@ -64,14 +64,14 @@ class DeferredFree:
         self.deferred_bytes -= len(back) * slot_bytes
         self.pool.free(slot_bytes, back)
 
-    def _evict_undeferred(self, slot_bytes: int, n: int) -> list[int]:
+    def _evict_undeferred(self, slot_bytes: int, n: int, shard: int = -1) -> list[int]:
         """Evict ``n`` more for slots needed now: no observer may defer these."""
         self.defer_ok = False
         try:
-            self.evict(slot_bytes, n)
+            self.evict_for(slot_bytes, n, shard)
         finally:
             self.defer_ok = True
-        return self.pool.alloc(slot_bytes, n)
+        return self.pool.alloc(slot_bytes, n, shard)
 
     def _keep_ahead(self, slot_bytes: int, n: int) -> None:
         """Evict now, within the budget, what the next store of ``n`` slots would need (see above),

@@ -18,6 +18,8 @@ from kvoffd.cache.policy import EvictionPolicy
 
 log = logging.getLogger(__name__)
 
+SHARD_EVICT_AHEAD = 4  # a sharded pool's STORE evicts at most this many victims per slot it needs
+
 
 class Eviction:
     def _untrack(self, e: Entry) -> None:
@@ -56,6 +58,28 @@ class Eviction:
         self._free(slot_bytes, freed, evicted=True)
         self.evictions += len(freed)
         return len(freed)
+
+    def evict_for(self, slot_bytes: int, n: int, shard: int) -> int:
+        """``evict`` for a STORE placed on ``shard`` of a NUMA-sharded pool: victims in the policy's
+        order as ever, and more of them while the asked-for shard still lacks ``n`` free slots, at most
+        ``SHARD_EVICT_AHEAD`` x ``n`` in all. The other shards' slots freed meanwhile are not wasted:
+        their own engines' next stores take them without evicting, so the eviction rate stays the
+        policy's while each engine's blocks stay on its node (without this, a full pool placed about
+        half of every store on the other node). ``shard`` -1 (one shard): exactly ``evict``."""
+        done = self.evict(slot_bytes, n)
+        if shard < 0:
+            return done
+        budget = SHARD_EVICT_AHEAD * n - done
+        while budget > 0:
+            missing = n - self.pool.spare_slots(slot_bytes, n, shard)
+            if missing <= 0:
+                break
+            got = self.evict(slot_bytes, min(missing, budget))
+            if not got:
+                break
+            done += got
+            budget -= got
+        return done
 
     def _evict_victims(self, pol: EvictionPolicy, slot_bytes: int, n: int) -> int:
         """``evict`` with a policy: a held victim stays (untracked) and is handed back by ``release``."""

@@ -213,7 +213,7 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
         return LoadPlan(entries, found, missing)
 
     # --- stores -------------------------------------------------------------------------------------------
-    def prepare_store(self, table: Table, keys: list[bytes], admit: bool = True) -> StorePlan:
+    def prepare_store(self, table: Table, keys: list[bytes], admit: bool = True, shard: int = -1) -> StorePlan:
         """Slots for the keys not yet present that the policy admits, evicting LRU blocks (or the
         policy's victims) as needed; no entries yet.
 
@@ -221,6 +221,8 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
         bookkeeping while the bytes move. Keys beyond what the pool can hold are dropped from the
         end: the leading blocks of a prefix are the ones a later lookup can use. ``admit=False``
         skips the admission policy (a promotion from a lower tier: the block was just asked for).
+        ``shard``: the pool shard the slots should come from (the storing engine's NUMA node; -1:
+        none): a full one spills to the others before anything is evicted (Pool.alloc).
         """
         entries = table.entries
         want = [i for i, k in enumerate(keys) if k not in entries]
@@ -238,16 +240,16 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
         if not want:
             return StorePlan(table, keys, [], [], present, [], refused)
         evictions = self.evictions
-        slots = self.pool.alloc(size, len(want))
+        slots = self.pool.alloc(size, len(want), shard)
         if len(slots) < len(want):
             self._reclaim(size)  # below its fair share: a chunk of another slot size comes this way
-            slots += self.pool.alloc(size, len(want) - len(slots))
+            slots += self.pool.alloc(size, len(want) - len(slots), shard)
         short = len(want) - len(slots)
         if short and self.defer_budget:  # the slots are needed now: no observer may defer them
-            slots += self._evict_undeferred(size, short)
+            slots += self._evict_undeferred(size, short, shard)
         elif short:
-            self.evict(size, short)
-            slots += self.pool.alloc(size, short)
+            self.evict_for(size, short, shard)
+            slots += self.pool.alloc(size, short, shard)
         if self.defer_budget:
             self._keep_ahead(size, len(want))
         dropped = want[len(slots):]

@@ -14,6 +14,8 @@ from kvoffd.cache.persist import Persistence
 from kvoffd.cache.pool import Pool
 from kvoffd.cache.pool_file import PoolFile, PoolFileError, open_pool_file
 from kvoffd.pool_format import Layout, default_pool_path, pool_geometry
+from kvoffd.shards import bind_shards, plan_shards
+from kvoffd.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -54,25 +56,35 @@ class Volatile:
 Keeper = Persistence | Volatile
 
 
-def open_pool(size: int, path: str, address: str, cold: bool) -> tuple[Pool, PoolFile | None]:
+def open_pool(size: int, path: str, address: str, cold: bool,
+              topology: Topology | None = None) -> tuple[Pool, PoolFile | None]:
     """The daemon's pool: in its file (``path``; "" for the default beside the socket or in
     /dev/shm; "none" for private memory). A file that cannot be used gives one warning and private
-    memory: the daemon works, its cache just does not survive it."""
-    chunk, _ = pool_geometry(size)
+    memory: the daemon works, its cache just does not survive it. ``topology``: the host's NUMA
+    nodes, which split the pool into shards placed on them (kvoffd/shards.py; None: one shard),
+    their policy set here, before the pool file's data is allocated or any page is touched."""
+    chunk, num_chunks = pool_geometry(size)
+    shards = plan_shards(topology, num_chunks)
     if path == "none":
-        return Pool(size, chunk), None
+        return _placed(Pool(size, chunk, shards=shards)), None
     path = path or default_pool_path(address)
     layout = Layout.of(size, chunk)
     try:
         pf, why = open_pool_file(path, layout, cold)
     except PoolFileError as e:
         log.warning("%s; the pool is kept in private memory and will not survive a restart", e)
-        return Pool(size, chunk), None
+        return _placed(Pool(size, chunk, shards=shards)), None
     if why == "--cold":
         log.info("pool file %s: starting cold (--cold)", path)
     elif why:
         log.warning("pool file %s not adopted: %s; starting cold", path, why)
-    return Pool(size, chunk, mapping=pf.map, offset=layout.data_offset), pf
+    return _placed(Pool(size, chunk, mapping=pf.map, offset=layout.data_offset, shards=shards)), pf
+
+
+def _placed(pool: Pool) -> Pool:
+    """The pool with each shard's range set to prefer its node (one shard: nothing set)."""
+    pool.shards = bind_shards(pool.shards, pool.base_address, pool.chunk_bytes)
+    return pool
 
 
 def keeper(pf: PoolFile | None, pool: Pool, index: Index) -> Keeper:

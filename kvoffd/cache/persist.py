@@ -43,6 +43,7 @@ from kvoffd.cache.pool import Pool
 from kvoffd.cache.pool_file import PoolFile
 from kvoffd.cache.slots_table import NamespaceFacts, NamespaceTable, RankFacts, SlotRecords
 from kvoffd.pool_format import NS_AREA_BYTES
+from kvoffd.shards import bind_thread_near
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,10 @@ class Persistence(IndexObserver):
                 except RuntimeError:
                     pass
 
-            self._allocator = threading.Thread(target=self.pf.allocate, args=(progress, self._stop_allocating),
+            def near(offset: int) -> None:
+                bind_thread_near(self.pool.shards, self.pool.chunk_bytes, offset)
+
+            self._allocator = threading.Thread(target=self.pf.allocate, args=(progress, self._stop_allocating, near),
                                                name="kvoffd-allocate", daemon=True)
             self._allocator.start()
         # KVOFFD_TEST_NO_VERIFY_PASS: no background pass, so a test sees the first LOAD check a block

@@ -21,6 +21,13 @@ kvoffd/cache/pool_file.py: a warm restart adopts its slots with ``adopt_slots``)
 private mapping (huge pages where the kernel gives them, ``--pool-path none``). Either costs nothing
 until touched, so the daemon is ready at once whatever the pool size.
 
+NUMA shards (kvoffd/shards.py): the chunks are split into contiguous ranges, one per NUMA node
+(``shards``; one shard covering every chunk when none are given: the pool as it always was). Each
+shard keeps its own free chunks and each slab its own chunks with room per shard; ``alloc`` takes from
+the asked-for shard first and, when that one is full, from the others nearest first (``spilled``,
+counted), so a store never fails for want of room on its node while another node has some. Eviction
+stays global (the index decides what goes); the slots it frees serve whichever shard they are on.
+
 The size asked for is the size served: a pool is a whole number of chunks, or (below one chunk) one
 chunk of exactly its size, and any other size is refused with one line (``pool_geometry``, kvoffd/pool_format.py) rather
 than silently rounded down (100 MiB used to give 64 MiB). A backend that needs
@@ -40,6 +47,7 @@ import numpy as np
 
 from kvoffd.cache.private_memory import reserve_private
 from kvoffd.pool_format import DEFAULT_CHUNK, MIN_SLOT_BYTES, pool_geometry
+from kvoffd.shards import Shard, single_shard
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +64,7 @@ class _Chunk:
     that slot size and hands out nothing meanwhile."""
 
     index: int
+    shard: int = 0
     slot_bytes: int = 0  # 0: free
     carved: int = 0
     live: int = 0
@@ -66,8 +75,8 @@ class _Chunk:
 @dataclass
 class _Slab:
     slot_bytes: int
+    room: list[dict[int, None]]  # per shard: owned chunks that can hand out a slot (ordered sets)
     chunks: set[int] = field(default_factory=set)  # chunk indices owned
-    room: dict[int, None] = field(default_factory=dict)  # owned chunks that can hand out a slot (ordered set)
     by_age: dict[int, None] = field(default_factory=dict)  # owned chunks, least recently allocated from first
     used: int = 0  # slots handed out
     demand_at: float = 0.0  # monotonic time of the last allocation asked for
@@ -82,17 +91,32 @@ class SlabStats:
 
 class Pool:
     def __init__(self, nbytes: int, chunk_bytes: int = DEFAULT_CHUNK, mapping: mmap.mmap | None = None,
-                 offset: int = 0):
+                 offset: int = 0, shards: list[Shard] | None = None):
         """``mapping``: a shared file mapping holding the pool at ``offset`` (the persistent pool);
-        None: private anonymous memory reserved here. ValueError for a size ``pool_geometry`` refuses."""
+        None: private anonymous memory reserved here. ``shards``: contiguous chunk ranges covering the
+        pool in order (kvoffd/shards.py ``plan_shards``; None: one). ValueError for a size
+        ``pool_geometry`` refuses or shards that do not tile the chunks."""
         self.chunk_bytes, self.num_chunks = pool_geometry(nbytes, chunk_bytes)
         self.nbytes = nbytes
         self.persistent = mapping is not None  # touched by populating, never writing (kvoffd/transfer/pinning.py)
         self._map = mapping if mapping is not None else reserve_private(self.nbytes)
         self.buffer = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=offset)
         self.base_address = self.buffer.ctypes.data
-        self._chunks = [_Chunk(i) for i in range(self.num_chunks)]
-        self._free_chunks: list[int] = list(range(self.num_chunks))  # a min-heap: low chunks first
+        self.shards = shards or single_shard(self.num_chunks)
+        ends = [0] + [s.end_chunk for s in self.shards]
+        if any(s.index != i or s.first_chunk != ends[i] or s.num_chunks < 1 for i, s in enumerate(self.shards)) \
+                or ends[-1] != self.num_chunks:
+            raise ValueError(f"shards {[(s.first_chunk, s.num_chunks) for s in self.shards]} do not tile "
+                             f"{self.num_chunks} chunks")
+        self._chunks = [_Chunk(i, s.index) for s in self.shards for i in range(s.first_chunk, s.end_chunk)]
+        self._free: list[list[int]] = [list(range(s.first_chunk, s.end_chunk)) for s in self.shards]  # min-heaps
+        # where alloc looks, by asked-for shard (-1: no preference, low chunks first as ever)
+        self._order: dict[int, tuple[int, ...]] = {-1: tuple(range(len(self.shards)))}
+        for s in self.shards:
+            self._order[s.index] = (s.index, *s.near, *(t.index for t in self.shards
+                                                       if t.index != s.index and t.index not in s.near))
+        self.spilled = [0] * len(self.shards)  # slots handed out on another shard than asked, by asker
+        self.chunk_node = np.array([self.shards[c.shard].node for c in self._chunks], dtype=np.int16)  # chunk -> node
         self._usable_chunks = self.num_chunks
         self._pinned_chunks = self._allocated_chunks = self.num_chunks  # usable = the smaller of the two
         self._slabs: dict[int, _Slab] = {}
@@ -122,7 +146,18 @@ class Pool:
     @property
     def free_chunk_bytes(self) -> int:
         """The largest allocation of any slot size that can still be made without eviction."""
-        return sum(1 for c in self._free_chunks if c < self._usable_chunks) * self.chunk_bytes
+        return self._free_usable() * self.chunk_bytes
+
+    def _free_usable(self, shard: int = -1) -> int:
+        """Free chunks that are usable now (of one shard, or all)."""
+        heaps = self._free if shard < 0 else [self._free[shard]]
+        if self._usable_chunks == self.num_chunks:
+            return sum(map(len, heaps))
+        return sum(1 for heap in heaps for c in heap if c < self._usable_chunks)
+
+    def shard_of(self, offset: int) -> int:
+        """The shard a slot (byte offset) lies in."""
+        return self._chunks[offset // self.chunk_bytes].shard
 
     def slots_capacity(self, slot_bytes: int) -> int:
         """How many slots of this size the pool could hold if it held nothing else."""
@@ -135,57 +170,69 @@ class Pool:
         from the others as it stores: Index._reclaim). An eviction policy's capacity."""
         slab = self._slabs.get(slot_bytes)
         mine = len(slab.chunks) if slab is not None else 0
-        heap = self._free_chunks
-        free = len(heap) if self._usable_chunks == self.num_chunks else sum(1 for c in heap if c < self._usable_chunks)
+        free = self._free_usable()
         now = time.monotonic()
         active = sum(1 for s in self._slabs.values() if s is slab or now - s.demand_at <= ACTIVE_S)
         fair = self._usable_chunks // (active + (slab is None))
         return (self.chunk_bytes // slot_bytes) * max(mine + free, fair)
 
     # --- allocation ---------------------------------------------------------------------------------
-    def alloc(self, slot_bytes: int, n: int) -> list[int]:
+    def _slab(self, slot_bytes: int) -> _Slab:
+        slab = self._slabs.get(slot_bytes)
+        if slab is None:
+            slab = self._slabs[slot_bytes] = _Slab(slot_bytes, [{} for _ in self.shards])
+        return slab
+
+    def alloc(self, slot_bytes: int, n: int, shard: int = -1) -> list[int]:
         """Up to ``n`` free slot offsets of ``slot_bytes``; fewer when the pool is full (caller evicts).
+        ``shard``: the shard to place them on (the storing engine's node; -1: none preferred); a full
+        shard spills to the others, nearest first, counted in ``spilled``.
 
         Costs O(n): slots given back are reused first, then fresh ones are cut from the bump pointer
         (consecutive offsets, so neighbours coalesce into one copy run), then a free chunk is taken.
         """
         if slot_bytes > self.chunk_bytes or slot_bytes <= 0:
             return []
-        slab = self._slabs.get(slot_bytes)
-        if slab is None:
-            slab = self._slabs[slot_bytes] = _Slab(slot_bytes)
+        slab = self._slab(slot_bytes)
         slab.demand_at = time.monotonic()
         out: list[int] = []
         per = self.chunk_bytes // slot_bytes
-        while len(out) < n:
-            if slab.room:
-                ch = self._chunks[next(reversed(slab.room))]
-            else:
-                ch = self._take_free_chunk(slab)
-                if ch is None:
-                    break
-            self._carve(ch, per, n - len(out), out)
-            del slab.by_age[ch.index]
-            slab.by_age[ch.index] = None
-            if not ch.free and ch.carved == per:
-                del slab.room[ch.index]
+        for s in self._order.get(shard, self._order[-1]):
+            room = slab.room[s]
+            before = len(out)
+            while len(out) < n:
+                if room:
+                    ch = self._chunks[next(reversed(room))]
+                else:
+                    ch = self._take_free_chunk(slab, s)
+                    if ch is None:
+                        break
+                self._carve(ch, per, n - len(out), out)
+                del slab.by_age[ch.index]
+                slab.by_age[ch.index] = None
+                if not ch.free and ch.carved == per:
+                    del room[ch.index]
+            if s != shard and shard >= 0:
+                self.spilled[shard] += len(out) - before
+            if len(out) >= n:
+                break
         slab.used += len(out)
         return out
 
-    def spare_slots(self, slot_bytes: int, upto: int) -> int:
-        """How many slots of this size ``alloc`` could hand out now without evicting, counted up to
-        ``upto`` (bounded work: stops there). Changes nothing."""
+    def spare_slots(self, slot_bytes: int, upto: int, shard: int = -1) -> int:
+        """How many slots of this size ``alloc`` could hand out now without evicting (on one shard,
+        or anywhere), counted up to ``upto`` (bounded work: stops there). Changes nothing."""
         slab = self._slabs.get(slot_bytes)
         per = self.chunk_bytes // slot_bytes if 0 < slot_bytes <= self.chunk_bytes else 0
         n = 0
-        for c in slab.room if slab is not None else ():
-            ch = self._chunks[c]
-            n += len(ch.free) + per - ch.carved
-            if n >= upto:
-                return upto
-        heap = self._free_chunks
-        free = len(heap) if self._usable_chunks == self.num_chunks else sum(1 for c in heap if c < self._usable_chunks)
-        return min(upto, n + free * per)
+        rooms = () if slab is None else slab.room if shard < 0 else [slab.room[shard]]
+        for room in rooms:
+            for c in room:
+                ch = self._chunks[c]
+                n += len(ch.free) + per - ch.carved
+                if n >= upto:
+                    return upto
+        return min(upto, n + self._free_usable(shard) * per)
 
     def _carve(self, ch: _Chunk, per: int, k: int, out: list[int]) -> None:
         size = ch.slot_bytes
@@ -200,8 +247,8 @@ class Pool:
             ch.carved += fresh
         ch.live += take + fresh
 
-    def _take_free_chunk(self, slab: _Slab) -> _Chunk | None:
-        heap = self._free_chunks
+    def _take_free_chunk(self, slab: _Slab, shard: int) -> _Chunk | None:
+        heap = self._free[shard]
         if not heap or heap[0] >= self._usable_chunks:
             return None
         ch = self._chunks[heapq.heappop(heap)]
@@ -211,7 +258,7 @@ class Pool:
     def _adopt(self, ch: _Chunk, slab: _Slab) -> None:
         ch.slot_bytes, ch.carved, ch.live, ch.free, ch.drain_for = slab.slot_bytes, 0, 0, [], 0
         slab.chunks.add(ch.index)
-        slab.room[ch.index] = None
+        slab.room[ch.shard][ch.index] = None
         slab.by_age[ch.index] = None
 
     def free(self, slot_bytes: int, offsets: list[int]) -> None:
@@ -228,12 +275,12 @@ class Pool:
             ch.live -= 1
             if ch.live == 0:
                 self._release(ch, slab)
-            elif not ch.drain_for and ch.index not in slab.room:
-                slab.room[ch.index] = None
+            elif not ch.drain_for and ch.index not in slab.room[ch.shard]:
+                slab.room[ch.shard][ch.index] = None
 
     def _release(self, ch: _Chunk, slab: _Slab) -> None:
         slab.chunks.discard(ch.index)
-        slab.room.pop(ch.index, None)
+        slab.room[ch.shard].pop(ch.index, None)
         slab.by_age.pop(ch.index, None)
         target = self._slabs.get(ch.drain_for) if ch.drain_for else None
         if target is not None and target is not slab:
@@ -241,7 +288,7 @@ class Pool:
             self.reclaimed_chunks += 1
             return
         ch.slot_bytes, ch.carved, ch.free, ch.drain_for = 0, 0, [], 0
-        heapq.heappush(self._free_chunks, ch.index)
+        heapq.heappush(self._free[ch.shard], ch.index)
 
     # --- sharing between slot sizes -------------------------------------------------------------------
     def reclaim_victim(self, slot_bytes: int) -> int:
@@ -313,7 +360,7 @@ class Pool:
         """Hand out nothing more from this chunk; once empty it goes to ``for_slot_bytes``."""
         ch = self._chunks[chunk]
         ch.drain_for = for_slot_bytes
-        self._slabs[ch.slot_bytes].room.pop(chunk, None)
+        self._slabs[ch.slot_bytes].room[ch.shard].pop(chunk, None)
 
     def end_drain(self, chunk: int) -> None:
         """Give up emptying this chunk (its remaining blocks stay pinned): it serves its slab again."""
@@ -322,7 +369,7 @@ class Pool:
             return
         ch.drain_for = 0
         if ch.free or ch.carved < self.chunk_bytes // ch.slot_bytes:
-            self._slabs[ch.slot_bytes].room[chunk] = None
+            self._slabs[ch.slot_bytes].room[ch.shard][chunk] = None
 
     def draining(self, chunk: int) -> bool:
         return self._chunks[chunk].drain_for != 0
@@ -341,9 +388,7 @@ class Pool:
         wanted = np.unique(chunk)
         if any(self._chunks[c].slot_bytes for c in wanted.tolist()):
             raise ValueError("slots adopted into a chunk already in use")
-        slab = self._slabs.get(slot_bytes)
-        if slab is None:
-            slab = self._slabs[slot_bytes] = _Slab(slot_bytes)
+        slab = self._slab(slot_bytes)
         per = cb // slot_bytes
         bounds = np.searchsorted(chunk, wanted, side="right")
         start = 0
@@ -355,12 +400,13 @@ class Pool:
             ch.live = len(held)
             ch.free = [c * cb + i * slot_bytes for i in range(ch.carved - 1, -1, -1) if i not in held]
             if not ch.free and ch.carved == per:
-                del slab.room[c]
+                del slab.room[ch.shard][c]
             start = end
         slab.used += len(offsets)
         taken = set(wanted.tolist())
-        self._free_chunks = [c for c in self._free_chunks if c not in taken]
-        heapq.heapify(self._free_chunks)
+        for heap in self._free:
+            heap[:] = [c for c in heap if c not in taken]
+            heapq.heapify(heap)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self.buffer[offset: offset + nbytes]
@@ -370,6 +416,19 @@ class Pool:
                                                                              key=lambda s: s.slot_bytes)
                 if s.chunks or s.used]
 
+    def shard_stats(self) -> list[dict]:
+        """Per shard: its node, chunks, bytes usable and used, and the slots it had to spill elsewhere
+        (STATS, /metrics). Costs one pass over the chunks: read at STATS and scrape time only."""
+        used = [0] * len(self.shards)
+        for ch in self._chunks:
+            if ch.live:
+                used[ch.shard] += ch.live * ch.slot_bytes
+        cb, usable = self.chunk_bytes, self._usable_chunks
+        return [{"shard": s.index, "node": s.node, "first_chunk": s.first_chunk, "chunks": s.num_chunks,
+                 "bound": s.bound, "capacity_bytes": max(0, min(s.end_chunk, usable) - s.first_chunk) * cb,
+                 "used_bytes": used[s.index], "free_chunk_bytes": self._free_usable(s.index) * cb,
+                 "spilled_slots": self.spilled[s.index]} for s in self.shards]
+
     def stats(self) -> dict:
         return {
             "capacity_bytes": self.capacity_bytes,
@@ -378,6 +437,7 @@ class Pool:
             "pinned_bytes": self.pinned_bytes,
             "free_chunk_bytes": self.free_chunk_bytes,
             "reclaimed_chunks": self.reclaimed_chunks,
+            "shards": self.shard_stats(),
             "slabs": [{"slot_bytes": s.slot_bytes, "chunks": s.chunks, "used_slots": s.used_slots}
                       for s in self.slab_stats()],
         }

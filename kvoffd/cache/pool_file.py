@@ -51,13 +51,17 @@ class PoolFile:
         self.allocated = allocated  # bytes of the data region allocated so far (``allocate``)
         self.error = ""
 
-    def allocate(self, on_progress: Callable[[int], None], stop: threading.Event) -> None:
+    def allocate(self, on_progress: Callable[[int], None], stop: threading.Event,
+                 before_step: Callable[[int], None] | None = None) -> None:
         """Allocate the rest of the data region in steps (a thread's work), reporting the bytes of
         data allocated after each. ENOSPC (the filesystem filled meanwhile) stops it: the pool then
-        stays at what was allocated, with one error line."""
+        stays at what was allocated, with one error line. ``before_step(data offset)``: a hook run
+        before each step (a sharded pool moves the thread to the CPUs of the step's NUMA node)."""
         lay = self.layout
         while self.allocated < lay.pool_bytes and not stop.is_set():
             n = min(ALLOCATE_STEP, lay.pool_bytes - self.allocated)
+            if before_step is not None:
+                before_step(self.allocated)
             try:
                 os.posix_fallocate(self.fd, lay.data_offset + self.allocated, n)
             except OSError as e:

@@ -32,9 +32,23 @@ def status_rows(st: dict[str, Any], address: str, rtt: float) -> list[tuple[str,
         ("hit rate", hit_rate(c)),
         ("in flight", f"{st.get('in_flight_jobs', 0)} jobs, oldest {fmt_dur(st.get('oldest_in_flight_s', 0))}"),
     ]
+    shards = pool.get("shards") or []
+    if len(shards) > 1:  # a NUMA-sharded pool: where the blocks are
+        at = next(i for i, r in enumerate(rows) if r[0] == "pool") + 1
+        rows[at:at] = [(f"pool shard {s.get('shard', '?')}", shard_line(s, c)) for s in shards if isinstance(s, dict)]
     rows += [(f"tier {t.get('name', '?')}", tier_line(t)) for t in st.get("tiers", []) or []
              if isinstance(t, dict)]
     return rows
+
+
+def shard_line(s: dict[str, Any], counters: dict[str, Any]) -> str:
+    """One NUMA shard of the pool: its node, what it holds, what spilled to the others."""
+    line = (f"node {s.get('node', '?')}: {fmt_size(s.get('used_bytes'))} used of {fmt_size(s.get('capacity_bytes'))} "
+            f"({fmt_pct(s.get('used_bytes'), s.get('capacity_bytes'))}); {s.get('spilled_slots', 0)} slots spilled "
+            "to other shards")
+    if s.get("shard") == 0:
+        line += f"; {counters.get('cross_numa_load_blocks', 0)} blocks loaded across nodes (all shards)"
+    return line + ("" if s.get("bound", True) else "; not placed (mbind refused)")
 
 
 def hit_rate(counters: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ from kvoffd.config import ConfigError, default_address, default_pool_size, parse
 from kvoffd.ops.doctor_daemon import check_daemon, check_socket_dir
 from kvoffd.ops.doctor_gpu_checks import check_bandwidth, check_gpus, check_ipc
 from kvoffd.ops.doctor_host import check_hugepages, check_memlock, check_memory, check_shm
+from kvoffd.ops.doctor_numa import check_numa
 from kvoffd.ops.doctor_result import FAIL, PASS, SKIP, WARN, Context, Result
 
 
@@ -41,7 +42,7 @@ def check_pool(ctx: Context) -> Result:
 
 CHECKS: list[Callable[[Context], Result]] = [
     check_memlock, check_shm, check_hugepages, check_memory, check_pool, check_socket_dir, check_daemon,
-    check_gpus, check_ipc, check_bandwidth,
+    check_gpus, check_numa, check_ipc, check_bandwidth,
 ]
 
 
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "daemon's default)")
     p.add_argument("--pool-path", default=None,
                    help="pool file to check (default: $KVOFFD_POOL_PATH, else the daemon's default)")
+    p.add_argument("--numa-map", default=None,
+                   help="the daemon's NUMA map to show (default: $KVOFFD_NUMA_MAP, else auto)")
+    p.add_argument("--sysfs-root", default=None,
+                   help="where to read the NUMA topology (default: $KVOFFD_SYSFS_ROOT, else /sys)")
     p.add_argument("--bandwidth-size", default="256MiB",
                    help="bytes per copy in the bandwidth check; 0 skips it (default 256MiB)")
     p.add_argument("--no-ipc", action="store_true", help="skip the CUDA IPC check")
@@ -105,7 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = Context(pool_size=pool, pool_size_source=src,
                   address=args.address or os.environ.get("KVOFFD_ADDRESS") or default_address(),
                   bandwidth_bytes=bw, ipc=not args.no_ipc, gpu_timeout_s=args.gpu_timeout,
-                  pool_path=args.pool_path or os.environ.get("KVOFFD_POOL_PATH", ""))
+                  pool_path=args.pool_path or os.environ.get("KVOFFD_POOL_PATH", ""),
+                  numa_map=args.numa_map or os.environ.get("KVOFFD_NUMA_MAP", "auto"),
+                  sysfs_root=args.sysfs_root or os.environ.get("KVOFFD_SYSFS_ROOT", "/sys"))
     results = run_checks(ctx)
     if args.json:
         print(json.dumps({"results": [asdict(r) for r in results], "gpu_probe": ctx._gpu}, indent=2))

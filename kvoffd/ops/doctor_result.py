@@ -31,6 +31,8 @@ class Context:
     ipc: bool
     gpu_timeout_s: float
     pool_path: str = ""  # "" : the daemon's default (kvoffd/cache/pool_file.py)
+    numa_map: str = "auto"  # the daemon's --numa-map (kvoffd/topology.py)
+    sysfs_root: str = "/sys"  # where the topology is read (the daemon's --sysfs-root)
     _gpu: dict[str, Any] | None = None
 
     def gpu(self) -> dict[str, Any]:

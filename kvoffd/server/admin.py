@@ -83,7 +83,8 @@ class Admin:
         return {"pool": {"capacity": p.capacity_bytes, "used": p.used_bytes, "pinned": p.pinned_bytes,
                          "free_chunks": p.free_chunk_bytes, "total": p.nbytes},
                 "engines": len(self.sessions.engines), "leases": len(self.sessions.leases),
-                "resident_blocks": self.index.resident, "in_flight": counts, "oldest_in_flight_s": oldest}
+                "resident_blocks": self.index.resident, "in_flight": counts, "oldest_in_flight_s": oldest,
+                "shards": p.shard_stats()}
 
     def tier_stats(self) -> list[dict[str, Any]]:
         """Per tier (the pool first): ``kvoffctl status`` and the metrics collector read this."""
@@ -114,7 +115,7 @@ class Admin:
                 "lookup_miss_blocks": m.lookup.miss_blocks, "stored_blocks": c(m.stored_blocks),
                 "store_noop_blocks": c(m.store_noop_blocks), "loaded_blocks": c(m.loaded_blocks),
                 "store_bytes": c(m.transfer_bytes, "store"), "load_bytes": c(m.transfer_bytes, "load"),
-                "evicted_blocks": c(m.evicted_blocks),
+                "evicted_blocks": c(m.evicted_blocks), "cross_numa_load_blocks": c(m.cross_numa_loads),
                 "admission_refused_blocks": c(m.admission_refused),
                 "dropped_stores": sum(c(m.dropped_stores, r.value) for r in DropReason),
                 "errors": sum(c(m.errors, code.value) for code in ErrorCode),

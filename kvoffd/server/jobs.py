@@ -159,7 +159,7 @@ class Jobs(LoadVerify):
                                 f"rank {eng.table.rank} stores (replicas); it does not store", seq=msg.seq,
                                 job_id=msg.job_id)
         described = self._described(eng, msg, len(keys))  # KV events: the blocks' tokens and parents
-        plan = self.index.prepare_store(eng.table, keys)
+        plan = self.index.prepare_store(eng.table, keys, shard=eng.placement.shard)  # on its NUMA node's shard
         m = self.metrics
         if plan.evicted:
             m.evicted_blocks.inc(plan.evicted)
@@ -280,6 +280,10 @@ class Jobs(LoadVerify):
             return P.Notice(seq=msg.seq, job_id=msg.job_id, ok=not failed, failed=failed,
                             code=NoticeCode.NOT_RESIDENT.value if failed else "")
         slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+        if eng.placement.shard >= 0:  # a sharded pool: blocks read from another node than the engine's
+            far = int(np.count_nonzero(self.pool.chunk_node[slots // self.pool.chunk_bytes] != eng.placement.node))
+            if far:
+                self.metrics.cross_numa_loads.inc(far)
         t0 = time.monotonic()
         ids = ids[lp.found_idx] if failed else ids
         fut: Awaitable[None] | None = None

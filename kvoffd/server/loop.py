@@ -49,6 +49,7 @@ from kvoffd.server.limits import (
 )
 from kvoffd.server.register import Registrar
 from kvoffd.server.sessions import Engine, Sessions
+from kvoffd.topology import parse_numa_map, read_topology
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import ErrorCode, ProtocolError
 
@@ -77,7 +78,8 @@ class Server:
         self.cfg = cfg
         self.daemon_id = uuid.uuid4().hex
         self.started = time.time()
-        self.pool, pool_file = open_pool(cfg.pool_size, cfg.pool_path, cfg.address, cfg.cold)
+        self.topology = read_topology(cfg.sysfs_root, parse_numa_map(cfg.numa_map))
+        self.pool, pool_file = open_pool(cfg.pool_size, cfg.pool_path, cfg.address, cfg.cold, self.topology)
         self.index = Index(self.pool, cfg.eviction_policy)
         self.persist = keeper(pool_file, self.pool, self.index)  # adopts the previous daemon's blocks
         self.tiers = make_tiers(self.index, cfg.disk_path, cfg.disk_size, cfg.verify)  # below the pool
@@ -90,7 +92,8 @@ class Server:
                                  by_kind=self.by_kind, engine_timeout_s=cfg.engine_timeout_s, reply=self._send,
                                  capabilities=("kv_events",) if self.kv_events is not None else ())
         self.registrar = Registrar(sessions=self.sessions, index=self.index, pool=self.pool, metrics=self.metrics,
-                                   fds=self.fds, by_kind=self.by_kind, kv_events=self.kv_events)
+                                   fds=self.fds, by_kind=self.by_kind, kv_events=self.kv_events,
+                                   topology=self.topology)
         self.jobs = Jobs(sessions=self.sessions, index=self.index, pool=self.pool, metrics=self.metrics,
                          verify=cfg.verify, persist=self.persist, reply=self._send, spawn=self._spawn,
                          kv_events=self.kv_events, tiers=self.tiers)

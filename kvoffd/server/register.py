@@ -21,7 +21,9 @@ from kvoffd.metrics import Metrics
 from kvoffd.server.fdbudget import FdBudget
 from kvoffd.server.fdserver import Handover
 from kvoffd.server.limits import MAX_ENGINES_PER_CONN, MAX_SEGMENTS
+from kvoffd.server.placement import place_engine
 from kvoffd.server.sessions import Conn, Engine, Sessions
+from kvoffd.topology import Topology
 from kvoffd.transfer.base import AttachError, TransferBackend
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import ErrorCode, ProtocolError
@@ -34,10 +36,13 @@ log = logging.getLogger(__name__)
 
 class Registrar:
     """Serves REGISTER for the sessions (an ``is_async`` row of the server's table). ``kv_events``
-    (--kv-events-address; None: off) is told each registered namespace's ``layout.kv_events``."""
+    (--kv-events-address; None: off) is told each registered namespace's ``layout.kv_events``.
+    ``topology``: the host's NUMA nodes, which place each engine's stores on a pool shard."""
 
     def __init__(self, *, sessions: Sessions, index: Index, pool: Pool, metrics: Metrics, fds: FdBudget,
-                 by_kind: dict[str, TransferBackend], kv_events: KvEventPublisher | None = None) -> None:
+                 by_kind: dict[str, TransferBackend], kv_events: KvEventPublisher | None = None,
+                 topology: Topology | None = None) -> None:
+        self.topology = topology
         self.sessions = sessions
         self.index = index
         self.pool = pool
@@ -141,12 +146,16 @@ class Registrar:
             raise
         if self.kv_events is not None:  # whether its keys are block hashes, before its first STORE
             self.kv_events.set_identity(msg.namespace, parse_identity(msg.layout.kv_events))
+        placement = place_engine(self.pool, self.topology, mapped, conn.pid)
         self.sessions.attach(Engine(engine_id=msg.engine_id, conn=conn, namespace=msg.namespace, rank=msg.rank,
-                                    world_size=msg.world_size, mapped=mapped, backend=backend, table=table), old)
-        log.info("engine %s registered: pid %d, namespace %s rank %d/%d%s, %d blocks of %d bytes (%s, %s)",
+                                    world_size=msg.world_size, mapped=mapped, backend=backend, table=table,
+                                    placement=placement), old)
+        log.info("engine %s registered: pid %d, namespace %s rank %d/%d%s, %d blocks of %d bytes (%s, %s)%s",
                  msg.engine_id, conn.pid, msg.namespace, msg.rank, msg.world_size,
                  f" (reads rank {table.rank}'s copy)" if table.rank != msg.rank else "", num_blocks, slot_bytes,
-                 backend.name, msg.layout.desc)
+                 backend.name, msg.layout.desc,
+                 f"; NUMA node {placement.node} ({placement.source}), pool shard {placement.shard}"
+                 if placement.shard >= 0 else "")
         return P.Registered(seq=msg.seq, engine_id=msg.engine_id, slot_bytes=slot_bytes, backend=backend.name)
 
     def _backend_memory(self, memory: P.Memory, handover: Handover | None) -> dict[str, Any]:

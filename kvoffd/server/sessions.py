@@ -39,6 +39,7 @@ from kvoffd.server.limits import (
     VERSION_WARN_EVERY_S,
 )
 from kvoffd.server.pidwatch import PidWatcher
+from kvoffd.server.placement import Placement
 from kvoffd.transfer.base import MappedMemory, TransferBackend
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import ErrorCode, ProtocolError
@@ -105,6 +106,7 @@ class Engine:
     mapped: MappedMemory
     backend: TransferBackend
     table: Table
+    placement: Placement = field(default_factory=Placement)  # its NUMA node and pool shard
     registered_at: float = field(default_factory=time.time)
     closing: bool = False  # unregistered; detach once its jobs are done
     unmapped: asyncio.Event = field(default_factory=asyncio.Event)  # set once detach is over
@@ -113,7 +115,8 @@ class Engine:
         return {"engine_id": self.engine_id, "namespace": self.namespace, "rank": self.rank,
                 "world_size": self.world_size, "pid": self.conn.pid, "client": self.conn.client,
                 "backend": self.backend.name, "slot_bytes": self.mapped.slot_bytes,
-                "num_blocks": self.mapped.num_blocks, "registered_s": round(time.time() - self.registered_at, 3),
+                "num_blocks": self.mapped.num_blocks, "numa_node": self.placement.node,
+                "shard": self.placement.shard, "registered_s": round(time.time() - self.registered_at, 3),
                 "last_seen_s": round(time.monotonic() - self.conn.last_seen, 3),
                 "in_flight": self.mapped.in_flight}
 

@@ -59,6 +59,8 @@ class MappedMemory:
     slot_bytes: int
     in_flight: int = 0  # jobs using this mapping; detach waits for zero
     num_events: int = 0  # the engine's interprocess event ring: STORE/LOAD ``event`` must lie below it
+    gpu_ordinal: int = -1  # the engine's GPU (CUDA ordinal in the daemon) where it has one: its NUMA node
+    pci_bus_id: str = ""  # that GPU's PCI bus id (how sysfs names its NUMA node)
 
     def check_bounds(self) -> None:
         check_bounds(self.size, self.num_blocks, self.segments)

@@ -113,7 +113,8 @@ _SIGNATURES: dict[str, list[Any]] = {
 }
 _OPTIONAL = {"cuDeviceGetUuid_v2": [ctypes.POINTER(CUuuid), ctypes.c_int],
              "cuDeviceGetUuid": [ctypes.POINTER(CUuuid), ctypes.c_int],
-             "cuGetProcAddress": [ctypes.c_char_p, ctypes.POINTER(_p), ctypes.c_int, ctypes.c_uint64]}
+             "cuGetProcAddress": [ctypes.c_char_p, ctypes.POINTER(_p), ctypes.c_int, ctypes.c_uint64],
+             "cuDeviceGetPCIBusId": [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]}
 
 # cuMemcpyBatchAsync, 13.0 ABI: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream)
 _BATCH13 = ctypes.CFUNCTYPE(CUresult, _p, _p, _p, ctypes.c_size_t, ctypes.POINTER(MemcpyAttributes), _p,
@@ -209,6 +210,17 @@ class Driver:
         name = "cuDeviceGetUuid_v2" if "cuDeviceGetUuid_v2" in self._fn else "cuDeviceGetUuid"
         self.check(name, ctypes.byref(u), dev.value)
         return format_uuid(bytes(u.bytes))
+
+    def pci_bus_id(self, ordinal: int) -> str:
+        """The GPU's PCI bus id (``0000:19:00.0``: how sysfs names its NUMA node); "" where the driver
+        does not say."""
+        if "cuDeviceGetPCIBusId" not in self._fn:
+            return ""
+        dev = ctypes.c_int()
+        self.check("cuDeviceGet", ctypes.byref(dev), ordinal)
+        buf = ctypes.create_string_buffer(32)
+        self.check("cuDeviceGetPCIBusId", buf, len(buf), dev.value)
+        return buf.value.decode()
 
     def devices(self) -> list[DeviceInfo]:
         return [DeviceInfo(i, self.device_uuid(i)) for i in range(self.device_count())]

@@ -32,6 +32,7 @@ class Device:
     uuid: str
     prio_low: int
     prio_high: int
+    bus_id: str = ""  # PCI bus id (the engine's NUMA node: kvoffd/server/placement.py)
     free_events: list[int] = field(default_factory=list)  # completion events, reused
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -70,7 +71,11 @@ class IpcMaps:
             if dev is None:
                 drv.use_device(ordinal)
                 low, high = drv.stream_priority_range()
-                dev = self.devices[ordinal] = Device(ordinal, uuid, low, high)
+                try:
+                    bus_id = drv.pci_bus_id(ordinal)
+                except cudart.CudaError:
+                    bus_id = ""
+                dev = self.devices[ordinal] = Device(ordinal, uuid, low, high, bus_id)
             return dev
 
     def open(self, engine_id: str, memory: dict[str, Any], num_blocks: int, segments: list[Segment]
@@ -167,7 +172,8 @@ class IpcMaps:
                  dev.ordinal, dev.uuid, kind, len(opened_events), len(segments))
         return CudaMapping(engine_id=engine_id, kind=kind, size=size, num_blocks=num_blocks,
                            segments=segments, slot_bytes=sum(s.length for s in segments),
-                           num_events=len(opened_events), device=dev, key=key, region=region,
+                           num_events=len(opened_events), gpu_ordinal=dev.ordinal, pci_bus_id=dev.bus_id,
+                           device=dev, key=key, region=region,
                            load_stream=streams[0], store_stream=streams[1], events=opened_events,
                            attrs_store=cudart.copy_attributes(dev.ordinal, store=True),
                            attrs_load=cudart.copy_attributes(dev.ordinal, store=False), vmm=vmm)

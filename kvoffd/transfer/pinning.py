@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvoffd.cache.pool import Pool
+from kvoffd.shards import bind_thread_near, byte_ranges
 from kvoffd.transfer import cuda_driver as cudart
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,9 @@ class Pinner:
         self.populate_step = populate_step
         self.touch = touch  # "write" (one store per page) or "populate" (MADV_POPULATE_WRITE)
         self.stats = PinStats(total_bytes=pool.nbytes)
-        self._regions = [(o, min(self.region_bytes, pool.nbytes - o))
-                         for o in range(0, pool.nbytes, self.region_bytes)]
+        self._regions = [(o, min(self.region_bytes, end - o))  # within one NUMA shard each
+                         for start, end in byte_ranges(pool.shards, pool.chunk_bytes, pool.nbytes)
+                         for o in range(start, end, self.region_bytes)]
         self._next = 0
         self._touched = [False] * len(self._regions)
         self._lock = threading.Lock()
@@ -177,6 +179,7 @@ class Pinner:
                 i = self._next
                 self._next += 1
             off, length = self._regions[i]
+            bind_thread_near(self.pool.shards, self.pool.chunk_bytes, off)  # a sharded pool: from its node's CPUs
             t0 = time.monotonic()
             self._touch(self.pool.base_address + off, length)
             with self._cond:
