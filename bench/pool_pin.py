@@ -9,7 +9,9 @@ allocation (``--alloc``):
     so a second thread on the same file waits);
   * ``files:N``: the data split over N files, each allocated by its own thread (N inode locks);
   * ``overlap``: one file, allocated in 1 GiB steps by one thread while the touch and the registration
-    follow the allocated prefix (what a daemon that serves at once has to do).
+    follow the allocated prefix (what a daemon that serves at once has to do);
+  * ``adopted:N``: N files allocated and every page written, then mapped afresh (a warm restart):
+    the timing starts at the new mapping.
 
 touch (``--touch``, a comma list):
   * ``populate``: ``madvise(MADV_POPULATE_WRITE)`` per region (holds the process's mmap lock);
@@ -31,6 +33,7 @@ and registered the same way (``--touch`` ``private``).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import mmap
 import os
 import sys
@@ -44,6 +47,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvoffd.transfer import cuda_driver  # noqa: E402
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 
 GiB = 1 << 30
 MADV_POPULATE_READ = 22
@@ -71,7 +78,7 @@ class Run:
     def __init__(self, d: str, size: int, alloc: str, threads: int):
         self.size, self.alloc, self.threads = size, alloc, threads
         self.private = alloc == "private"
-        nfiles = int(alloc.split(":")[1]) if alloc.startswith("files:") else 1
+        nfiles = int(alloc.split(":")[1]) if ":" in alloc else 1
         self.part = size // nfiles
         self.paths: list[str] = []
         self.fds: list[int] = []
@@ -83,24 +90,30 @@ class Run:
                 self.paths.append(p)
                 self.fds.append(os.open(p, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600))
                 os.ftruncate(self.fds[-1], self.part)
-            # one reserved range, each file mapped over its part with MAP_FIXED (what a multi-file pool does)
-            self.map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=0)  # PROT_NONE: a reservation
-        self.pages = np.frombuffer(self.map, dtype=np.uint8)
-        self.base = self.pages.ctypes.data
-        if not self.private:
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.mmap.restype = ctypes.c_void_p
-            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_long]
-            for i, fd in enumerate(self.fds):
-                r = libc.mmap(self.base + i * self.part, self.part, mmap.PROT_READ | mmap.PROT_WRITE,
-                              mmap.MAP_SHARED | 0x10, fd, 0)  # MAP_FIXED
-                if r != self.base + i * self.part:
-                    raise OSError(ctypes.get_errno(), "mmap MAP_FIXED failed")
+        self._map_files()
         self.regions = [(o, min(GiB, size - o)) for o in range(0, size, GiB)]
         self.allocated = 0  # bytes of the range allocated (overlap: grows)
         self.cond = threading.Condition()
+
+    def _map_files(self) -> None:
+        """One reserved range, each file mapped over its part with MAP_FIXED (what the daemon does)."""
+        if not self.private:
+            self.map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000)  # NORESERVE
+        self.pages = np.frombuffer(self.map, dtype=np.uint8)
+        self.base = self.pages.ctypes.data
+        for i, fd in enumerate(self.fds):
+            r = _libc.mmap(self.base + i * self.part, self.part, mmap.PROT_READ | mmap.PROT_WRITE,
+                           mmap.MAP_SHARED | 0x10, fd, 0)  # MAP_FIXED
+            if r != self.base + i * self.part:
+                raise OSError(ctypes.get_errno(), "mmap MAP_FIXED failed")
+
+    def readopt(self) -> None:
+        """As a restarted daemon finds an adopted pool: every page written before, a fresh mapping."""
+        for off, n in self.regions:
+            self.pages[off:off + n:4096] = 1
+        del self.pages
+        self.map.close()
+        self._map_files()
 
     def allocate(self) -> float:
         """Allocate (everything but ``overlap``, which allocate_steps does); seconds."""
@@ -165,6 +178,9 @@ def one(d: str, size: int, threads: int, alloc: str, how: str, register: bool) -
             alloc_s = 0.0
         else:
             alloc_s = run.allocate()
+            if alloc.startswith("adopted"):
+                run.readopt()
+                t_start = time.perf_counter()
         touched = [threading.Event() for _ in run.regions]
         nxt = iter(range(len(run.regions)))
         lock = threading.Lock()

@@ -6,10 +6,18 @@ daemon only through the client library (the import contract of pyproject.toml), 
 tell an operator, with no daemon running, whether a ``--pool-size`` is one the pool serves and what
 an existing pool file holds. So the sizes and the file's layout and header live here, once.
 
-The file (one ``Layout``): a 4 KiB header, two namespace-table areas (kvoffd/cache/slots_table.py),
-the chunk table, the slot records, then the pool's data, 2 MiB-aligned (a huge page). The header says
-what made the file (format version, pool and chunk sizes, page size, records per chunk); an adopter
-that finds anything else starts cold.
+The pool (one ``Layout``) is a metadata file and data segment files beside it. The metadata file
+(``--pool-path``): a 4 KiB header, two namespace-table areas (kvoffd/cache/slots_table.py), the chunk
+table, the slot records. The data: ``segment_bytes`` segments (1 GiB, more for pools over 1 TiB), each
+its own file ``<path>.0000``, ``<path>.0001``... mapped side by side into one address range. The header
+says what made the pool (format version, pool and chunk sizes, page size, records per chunk); an
+adopter that finds anything else, or a segment missing or of another size, starts cold.
+
+Why segments and not one file: tmpfs allocates a file's pages under that file's inode lock, so one
+file is allocated by one thread at a time (``posix_fallocate`` 7-9 GiB/s on the H200 host), and page
+faults on a file while it is being allocated contend with the allocation (2.9 GiB/s end to end).
+Separate files allocate in parallel (8 threads: 32-33 GiB/s, ``bench/pool_pin.py``), and each segment
+is touched and pinned after its own allocation, so a fresh pool file pins as fast as private memory.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import ctypes
 import hashlib
 import mmap
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -32,16 +41,17 @@ DEFAULT_CHUNK = 64 << 20
 MIN_SLOT_BYTES = 256
 
 # the pool file
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the data in segment files (1: after the metadata, in one file)
 MAGIC = b"KVOFFDPL"
 HEADER_BYTES = 4096
 NS_AREA_BYTES = 256 << 10  # one copy of the namespace table (there are two: one is always whole)
 RECORD_BYTES = 64
 RECORDS_PER_CHUNK = 4096  # slots of >= chunk/4096 (16 KiB in 64 MiB chunks) are all persisted
-ALIGN = 2 << 20
+SEGMENT_BYTES = 1 << 30  # a data segment file (larger for pools of more than MAX_SEGMENTS GiB)
+MAX_SEGMENTS = 1024
 # statfs f_type of the filesystems whose pages are memory: tmpfs/shmem, hugetlbfs, ramfs
 MEMORY_FS = {0x01021994: "tmpfs", 0x958458F6: "hugetlbfs", 0x858458F6: "ramfs"}
-_HEADER = struct.Struct("<8sIIQQIQdddQ")  # magic, version, page, pool, chunk, records/chunk, data_off,
+_HEADER = struct.Struct("<8sIIQQIQdddQ")  # magic, version, page, pool, chunk, records/chunk, meta bytes,
 #                                           created, updated (last written), adopted_from, writer pid
 
 
@@ -127,13 +137,68 @@ class Layout:
         return self.num_chunks * self.records_per_chunk
 
     @property
-    def data_offset(self) -> int:
+    def meta_bytes(self) -> int:
+        """The metadata file's length (header, namespaces, chunk table, records), whole pages."""
         end = self.records_offset + self.num_records * RECORD_BYTES
-        return -(-end // ALIGN) * ALIGN
+        return -(-end // 4096) * 4096
 
     @property
-    def file_bytes(self) -> int:
-        return -(-(self.data_offset + self.pool_bytes) // ALIGN) * ALIGN
+    def segment_bytes(self) -> int:
+        """Bytes of each data segment file (the last may be shorter): 1 GiB, or enough whole chunks that
+        the pool needs at most MAX_SEGMENTS files."""
+        want = max(min(SEGMENT_BYTES, self.pool_bytes), -(-self.pool_bytes // MAX_SEGMENTS))
+        return -(-want // self.chunk_bytes) * self.chunk_bytes
+
+    @property
+    def num_segments(self) -> int:
+        return -(-self.pool_bytes // self.segment_bytes)
+
+    def segment(self, i: int) -> tuple[int, int]:
+        """(offset in the pool, length) of data segment ``i``."""
+        off = i * self.segment_bytes
+        return off, min(self.segment_bytes, self.pool_bytes - off)
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything the pool's files hold once allocated."""
+        return self.meta_bytes + self.pool_bytes
+
+
+def segment_path(path: str, i: int) -> str:
+    """Data segment ``i`` of the pool whose metadata file is ``path``."""
+    return f"{path}.{i:04d}"
+
+
+def segments_mismatch(path: str, layout: Layout) -> str:
+    """Why the data segments beside ``path`` cannot be adopted by a pool of ``layout`` ("" if they can):
+    each must be a 0600 regular file of this user, of its segment's length."""
+    for i in range(layout.num_segments):
+        seg = segment_path(path, i)
+        try:
+            st = os.lstat(seg)
+        except OSError as e:
+            return f"its data segment {os.path.basename(seg)} cannot be examined ({e.strerror})"
+        length = layout.segment(i)[1]
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            return f"its data segment {os.path.basename(seg)} is not a 0600 file of this user"
+        if st.st_size != length:
+            return f"its data segment {os.path.basename(seg)} is {st.st_size} bytes long, not {length}"
+    return ""
+
+
+def allocated_bytes(path: str, layout: Layout) -> int:
+    """Bytes of the pool's files (metadata and segments) that their filesystem has allocated already,
+    counting only files of the right length (what a daemon of ``layout`` would keep)."""
+    total = 0
+    for p, length in [(path, layout.meta_bytes)] + [(segment_path(path, i), layout.segment(i)[1])
+                                                      for i in range(layout.num_segments)]:
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_size == length:
+            total += min(st.st_blocks * 512, length)
+    return total
 
 
 @dataclass(frozen=True)
@@ -143,7 +208,7 @@ class Header:
     pool_bytes: int
     chunk_bytes: int
     records_per_chunk: int
-    data_offset: int
+    meta_bytes: int
     created: float
     updated: float
     adopted_from: float  # when the pool's first daemon created it (survives adoptions)
@@ -151,7 +216,7 @@ class Header:
 
     def pack(self) -> bytes:
         body = _HEADER.pack(MAGIC, self.version, self.page_size, self.pool_bytes, self.chunk_bytes,
-                            self.records_per_chunk, self.data_offset, self.created, self.updated,
+                            self.records_per_chunk, self.meta_bytes, self.created, self.updated,
                             self.adopted_from, self.pid)
         return body + struct.pack("<I", zlib.crc32(body))
 
@@ -165,16 +230,17 @@ class Header:
         return cls(*fields) if magic == MAGIC else None
 
     def mismatch(self, layout: Layout, file_bytes: int) -> str:
-        """Why a pool of ``layout`` cannot adopt this file ("" if it can)."""
+        """Why a pool of ``layout`` cannot adopt this metadata file ("" if it can; the segments are
+        checked by their opener)."""
         want = (FORMAT_VERSION, mmap.PAGESIZE, layout.pool_bytes, layout.chunk_bytes, layout.records_per_chunk,
-                layout.data_offset)
+                layout.meta_bytes)
         have = (self.version, self.page_size, self.pool_bytes, self.chunk_bytes, self.records_per_chunk,
-                self.data_offset)
-        names = ("format version", "page size", "pool size", "chunk size", "records per chunk", "data offset")
+                self.meta_bytes)
+        names = ("format version", "page size", "pool size", "chunk size", "records per chunk", "metadata size")
         for name, h, w in zip(names, have, want, strict=True):
             if h != w:
                 shown = (exact_size(h), exact_size(w)) if name in ("pool size", "chunk size") else (h, w)
                 return f"its {name} is {shown[0]}, this daemon's {shown[1]}"
-        if file_bytes != layout.file_bytes:
-            return f"it is {file_bytes} bytes long, not {layout.file_bytes}"
+        if file_bytes != layout.meta_bytes:
+            return f"it is {file_bytes} bytes long, not {layout.meta_bytes}"
         return ""

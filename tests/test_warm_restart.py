@@ -23,7 +23,7 @@ import pytest
 from kvtest import chain_keys, wait_until
 from reliability_util import ShmEngine
 
-from kvoffd.pool_format import Layout, default_pool_path, fs_type, pool_geometry
+from kvoffd.pool_format import Layout, default_pool_path, fs_type, pool_geometry, segment_path
 from kvoffd_client.client import KvoffdClient
 
 NB, SLOT = 128, 256 << 10  # 32 MiB of blocks in a 64 MiB pool
@@ -190,8 +190,8 @@ def _flip(pool_path: str, pool: str, slot: int) -> None:
 
     size = parse_size(pool)
     lay = Layout.of(size, pool_geometry(size)[0])
-    with open(pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
-        at = lay.data_offset + slot + 1000
+    seg, at = divmod(slot + 1000, lay.segment_bytes)
+    with open(segment_path(pool_path, seg), "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
         m[at:at + 4] = bytes(255 - x for x in m[at:at + 4])
 
 

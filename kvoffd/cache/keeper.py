@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from kvoffd.cache.index import Entry, Index
 from kvoffd.cache.persist import Persistence
-from kvoffd.cache.pool import Pool
+from kvoffd.cache.pool import Pool, Provisioned
 from kvoffd.cache.pool_file import PoolFile, PoolFileError, open_pool_file
 from kvoffd.pool_format import Layout, default_pool_path, pool_geometry
 from kvoffd.shards import bind_shards, plan_shards
@@ -78,7 +78,9 @@ def open_pool(size: int, path: str, address: str, cold: bool,
         log.info("pool file %s: starting cold (--cold)", path)
     elif why:
         log.warning("pool file %s not adopted: %s; starting cold", path, why)
-    return _placed(Pool(size, chunk, mapping=pf.map, offset=layout.data_offset, shards=shards)), pf
+    pool = Pool(size, chunk, mapping=pf.data, shards=shards)
+    pool.provisioned = Provisioned(pf.allocated, size)
+    return _placed(pool), pf
 
 
 def _placed(pool: Pool) -> Pool:

@@ -40,7 +40,7 @@ import numpy as np
 from kvoffd.cache.adopt import adopt_records
 from kvoffd.cache.index import Entry, Index, IndexObserver, Table
 from kvoffd.cache.pool import Pool
-from kvoffd.cache.pool_file import PoolFile
+from kvoffd.cache.pool_file import ALLOCATE_THREADS, PoolFile
 from kvoffd.cache.slots_table import NamespaceFacts, NamespaceTable, RankFacts, SlotRecords
 from kvoffd.pool_format import NS_AREA_BYTES
 from kvoffd.shards import bind_thread_near
@@ -130,17 +130,25 @@ class Persistence(IndexObserver):
         self._thread = threading.Thread(target=self._seal_work, name="kvoffd-seal", daemon=True)
         self._thread.start()
         if self.pf.allocated < self.pool.nbytes:
+            provisioned = self.pool.provisioned
+
             def progress(n: int) -> None:
+                provisioned.advance(n)  # the pinning threads may touch it now
                 try:
-                    loop.call_soon_threadsafe(self.pool.set_allocated_bytes, n)
+                    loop.call_soon_threadsafe(self.pool.set_allocated_bytes, n)  # stores may use it now
                 except RuntimeError:
                     pass
 
             def near(offset: int) -> None:
                 bind_thread_near(self.pool.shards, self.pool.chunk_bytes, offset)
 
-            self._allocator = threading.Thread(target=self.pf.allocate, args=(progress, self._stop_allocating, near),
-                                               name="kvoffd-allocate", daemon=True)
+            def allocate() -> None:
+                try:
+                    self.pf.allocate(progress, self._stop_allocating, near, threads=ALLOCATE_THREADS)
+                finally:
+                    provisioned.end()
+
+            self._allocator = threading.Thread(target=allocate, name="kvoffd-allocate", daemon=True)
             self._allocator.start()
         # KVOFFD_TEST_NO_VERIFY_PASS: no background pass, so a test sees the first LOAD check a block
         pending = [] if os.environ.get("KVOFFD_TEST_NO_VERIFY_PASS") else list(self.unverified)

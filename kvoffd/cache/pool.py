@@ -40,6 +40,7 @@ from __future__ import annotations
 import heapq
 import logging
 import mmap
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -89,6 +90,40 @@ class SlabStats:
     used_slots: int
 
 
+class Provisioned:
+    """How much of the pool's memory exists yet, told to threads: a pool file's data segments are
+    allocated in the background (kvoffd/cache/pool_file.py), and the pinning threads
+    (kvoffd/transfer/pinning.py) touch a range only once it is allocated, because touching a page
+    the filesystem has not allocated allocates it on the spot, contends with the allocating thread and
+    raises SIGBUS when the filesystem is full. Private memory is provisioned whole from the start."""
+
+    def __init__(self, nbytes: int, total: int):
+        self._cond = threading.Condition()
+        self.nbytes = nbytes
+        self.total = total
+        self.ended_short = False  # the allocation stopped before ``total`` (ENOSPC, daemon stopping)
+
+    def advance(self, nbytes: int) -> None:
+        with self._cond:
+            self.nbytes = max(self.nbytes, nbytes)
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        """No more is coming (allocation done, failed or stopped): waiters beyond it give up."""
+        with self._cond:
+            self.ended_short = self.nbytes < self.total
+            self._cond.notify_all()
+
+    def wait_for(self, end: int, cancel: threading.Event) -> bool:
+        """Block until the first ``end`` bytes exist (True), or they never will / ``cancel`` is set."""
+        with self._cond:
+            while self.nbytes < end:
+                if self.ended_short or cancel.is_set():
+                    return False
+                self._cond.wait(0.1)
+            return True
+
+
 class Pool:
     def __init__(self, nbytes: int, chunk_bytes: int = DEFAULT_CHUNK, mapping: mmap.mmap | None = None,
                  offset: int = 0, shards: list[Shard] | None = None):
@@ -98,7 +133,7 @@ class Pool:
         ``pool_geometry`` refuses or shards that do not tile the chunks."""
         self.chunk_bytes, self.num_chunks = pool_geometry(nbytes, chunk_bytes)
         self.nbytes = nbytes
-        self.persistent = mapping is not None  # touched by populating, never writing (kvoffd/transfer/pinning.py)
+        self.persistent = mapping is not None  # touched by reading, never writing (kvoffd/transfer/pinning.py)
         self._map = mapping if mapping is not None else reserve_private(self.nbytes)
         self.buffer = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=offset)
         self.base_address = self.buffer.ctypes.data
@@ -122,6 +157,7 @@ class Pool:
         self._slabs: dict[int, _Slab] = {}
         self.pinned_bytes = 0
         self.reclaimed_chunks = 0  # chunks handed from one slot size to another by a drain
+        self.provisioned = Provisioned(nbytes, nbytes)  # a pool file's keeper lowers it while allocating
 
     # --- capacity ---------------------------------------------------------------------------------
     def set_usable_bytes(self, nbytes: int) -> None:

@@ -1,27 +1,33 @@
-"""The pool's file: a pool that outlives the daemon (a restart, an upgrade, a crash).
+"""The pool's files: a pool that outlives the daemon (a restart, an upgrade, a crash).
 
-Why a file on a memory-backed filesystem (tmpfs or hugetlbfs) mapped MAP_SHARED, and not a memfd in
-systemd's descriptor store: a file works the same under systemd, in a container (a memory-backed
-volume that outlives the container) and by hand, an operator can see it (``ls -l``, ``kvoffd doctor``)
-and remove it, and nothing has to hand a descriptor over between two processes. Its pages belong to
-the filesystem, so they survive the process that wrote them; a host reboot empties them.
+Why files on a memory-backed filesystem (tmpfs or hugetlbfs) mapped MAP_SHARED, and not a memfd in
+systemd's descriptor store: files work the same under systemd, in a container (a memory-backed
+volume that outlives the container) and by hand, an operator can see them (``ls -l``, ``kvoffd doctor``)
+and remove them, and nothing has to hand a descriptor over between two processes. Their pages belong
+to the filesystem, so they survive the process that wrote them; a host reboot empties them.
 
-SIGBUS: a write to a tmpfs page the filesystem has no room for kills the writer. The file is
-therefore allocated (``posix_fallocate``) after checking the filesystem's free space: the header and
-metadata at once, the data in 1 GiB steps by a background thread (``PoolFile.allocate``; tmpfs zeroes
-each page, ~1.3 GB/s on the VM, so 8 GiB took 6 s in one call), and the pool hands out only chunks
-already allocated (``Pool.set_allocated_bytes``), so no store can fault on a full filesystem and the
-daemon serves at once whatever the pool size. If the room is not there the daemon keeps its pool in
-private memory and says so in one line: it works, it just does not survive a restart.
+The pool is a metadata file (``--pool-path``: header, namespaces, chunk table, slot records) and data
+segment files beside it, each mapped MAP_FIXED into one reserved address range so that the pool is
+one array to the rest of the daemon (kvoffd/pool_format.py says why segments: tmpfs allocates one
+file on one thread at a time).
 
-The file's layout and header (``Layout``, ``Header``) are in kvoffd/pool_format.py, which
-``kvoffd doctor`` reads too; this module opens, locks, allocates and maps the file.
+SIGBUS: a write to a tmpfs page the filesystem has no room for kills the writer. The data is therefore
+allocated (``posix_fallocate``) after checking the filesystem's free space, segment by segment by
+background threads (``PoolFile.allocate``), and the pool hands out only chunks of the allocated prefix
+(``Pool.set_allocated_bytes``), so no store can fault on a full filesystem and the daemon serves at
+once whatever the pool size. If the room is not there the daemon keeps its pool in private memory
+and says so in one line: it works, it just does not survive a restart.
+
+The layout and header (``Layout``, ``Header``) are in kvoffd/pool_format.py, which ``kvoffd doctor``
+reads too; this module opens, locks, allocates and maps the files.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
+import glob
 import logging
 import mmap
 import os
@@ -29,72 +35,141 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvoffd.cache.private_memory import reserve_private
 from kvoffd.config import format_size
-from kvoffd.pool_format import FORMAT_VERSION, HEADER_BYTES, Header, Layout, fs_type
+from kvoffd.pool_format import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    Header,
+    Layout,
+    fs_type,
+    segment_path,
+    segments_mismatch,
+)
 
 log = logging.getLogger(__name__)
 
-ALLOCATE_STEP = 1 << 30  # the data region is allocated in steps of this (a chunk multiple)
+MAP_FIXED = 0x10
+# threads allocating segments: 8 reach 32-33 GiB/s on the H200 host (one: 7-9), more than the pinning
+# threads touch, and the allocation ends early on in the pinning
+ALLOCATE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 
 
 class PoolFileError(RuntimeError):
-    """The pool cannot live in this file (the daemon then uses private memory and says why)."""
+    """The pool cannot live in these files (the daemon then uses private memory and says why)."""
 
 
 class PoolFile:
-    """The open, locked, mapped file. ``previous`` is the header found (None: made new or reset)."""
+    """The open, locked, mapped pool. ``map``: the metadata file's mapping; ``data``: the pool's data
+    (the segments side by side). ``previous``: the header found (None: made new or reset)."""
 
-    def __init__(self, path: str, fd: int, mapping: mmap.mmap, layout: Layout, previous: Header | None,
-                 allocated: int):
-        self.path, self.fd, self.map, self.layout, self.previous = path, fd, mapping, layout, previous
+    def __init__(self, path: str, fd: int, mapping: mmap.mmap, data: mmap.mmap, layout: Layout,
+                 previous: Header | None, allocated: list[bool], inodes: list[int]):
+        self.path, self.fd, self.map, self.data, self.layout = path, fd, mapping, data, layout
+        self.previous = previous
         self.created = previous.adopted_from if previous else time.time()
-        self.allocated = allocated  # bytes of the data region allocated so far (``allocate``)
+        self.segment_allocated = allocated  # per segment: whole (posix_fallocate done, now or before)
+        self.preexisting = list(allocated)  # per segment: allocated before this daemon (an adopted pool)
+        self._inodes = inodes  # per segment, as mapped: a path replaced meanwhile is not allocated
         self.error = ""
 
+    @property
+    def allocated(self) -> int:
+        """Bytes of the data allocated from its start on, with no gap (what the pool may hand out)."""
+        n = 0
+        for i, whole in enumerate(self.segment_allocated):
+            if not whole:
+                break
+            n += self.layout.segment(i)[1]
+        return n
+
     def allocate(self, on_progress: Callable[[int], None], stop: threading.Event,
-                 before_step: Callable[[int], None] | None = None) -> None:
-        """Allocate the rest of the data region in steps (a thread's work), reporting the bytes of
-        data allocated after each. ENOSPC (the filesystem filled meanwhile) stops it: the pool then
-        stays at what was allocated, with one error line. ``before_step(data offset)``: a hook run
-        before each step (a sharded pool moves the thread to the CPUs of the step's NUMA node)."""
-        lay = self.layout
-        while self.allocated < lay.pool_bytes and not stop.is_set():
-            n = min(ALLOCATE_STEP, lay.pool_bytes - self.allocated)
-            if before_step is not None:
-                before_step(self.allocated)
-            try:
-                os.posix_fallocate(self.fd, lay.data_offset + self.allocated, n)
-            except OSError as e:
-                self.error = f"allocating the pool file stopped at {format_size(self.allocated)}: {e.strerror}"
-                log.error("%s; the pool stays at that size", self.error)
-                return
-            self.allocated += n
-            on_progress(self.allocated)
+                 before_step: Callable[[int], None] | None = None, threads: int = 1) -> None:
+        """Allocate the segments not yet allocated, ``threads`` at a time in address order (each
+        segment by one thread: no two threads share an inode lock), reporting the allocated prefix's
+        bytes each time it grows, in order. ENOSPC (the filesystem filled meanwhile) stops it: the pool
+        stays at the prefix allocated, with one error line. ``before_step(offset)``: run before each
+        segment (a sharded pool moves the thread to the CPUs of the segment's NUMA node)."""
+        todo = iter([i for i, whole in enumerate(self.segment_allocated) if not whole])
+        lock = threading.Lock()
+        reported = [self.allocated]
+
+        def work() -> None:
+            while not stop.is_set():
+                with lock:
+                    if self.error:
+                        return
+                    i = next(todo, None)
+                if i is None:
+                    return
+                off, length = self.layout.segment(i)
+                if before_step is not None:
+                    before_step(off)
+                why = self._allocate_segment(i, length)
+                with lock:
+                    if why:
+                        if not self.error:
+                            self.error = f"allocating the pool file stopped at {format_size(self.allocated)}: {why}"
+                            log.error("%s; the pool stays at that size", self.error)
+                        return
+                    self.segment_allocated[i] = True
+                    now = self.allocated
+                    if now > reported[0]:
+                        reported[0] = now
+                        on_progress(now)
+
+        workers = [threading.Thread(target=work, name=f"kvoffd-allocate-{k}", daemon=True)
+                   for k in range(max(1, min(threads, self.segment_allocated.count(False))))]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+
+    def _allocate_segment(self, i: int, length: int) -> str:
+        """Allocate segment ``i`` whole; the reason when it could not be ("" when done)."""
+        try:
+            fd = os.open(segment_path(self.path, i), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            return f"{segment_path(self.path, i)}: {e.strerror}"
+        try:
+            if os.fstat(fd).st_ino != self._inodes[i]:
+                return f"{segment_path(self.path, i)} was replaced while the daemon ran"
+            os.posix_fallocate(fd, 0, length)
+        except OSError as e:
+            return e.strerror or str(e)
+        finally:
+            os.close(fd)
+        return ""
 
     def write_header(self) -> None:
         """Stamp the header (at start, every few seconds, at stop): ``updated`` says from when the
         blocks of an adopted pool are."""
         lay = self.layout
         h = Header(FORMAT_VERSION, mmap.PAGESIZE, lay.pool_bytes, lay.chunk_bytes, lay.records_per_chunk,
-                   lay.data_offset, self.created, time.time(), self.created, os.getpid())
+                   lay.meta_bytes, self.created, time.time(), self.created, os.getpid())
         raw = h.pack()
         self.map[:len(raw)] = raw
 
     def close(self) -> None:
-        """Closes the descriptor (and with it the lock); the mapping belongs to the pool."""
+        """Closes the descriptor (and with it the lock); the mappings belong to the pool and its keeper."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
 
 def open_pool_file(path: str, layout: Layout, cold: bool) -> tuple[PoolFile, str]:
-    """Open (or make) the pool file, locked for this daemon alone. Returns it and, when a previous
-    pool was found and not adopted, the one line saying why. PoolFileError when it cannot be used."""
+    """Open (or make) the pool's files, locked for this daemon alone. Returns the pool file and, when a
+    previous pool was found and not adopted, the one line saying why. PoolFileError when it cannot be
+    used."""
     kind = _check_dir(path)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as e:
         raise PoolFileError(f"cannot open {path}: {e.strerror}") from None
+    seg_fds: list[int] = []
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -104,25 +179,25 @@ def open_pool_file(path: str, layout: Layout, cold: bool) -> tuple[PoolFile, str
         if st.st_uid != os.getuid() or st.st_mode & 0o077:
             raise PoolFileError(f"{path} is not a 0600 file of this user (uid {st.st_uid}, mode "
                                 f"{st.st_mode & 0o777:o}); remove it or choose another --pool-path")
-        previous, why = _read_previous(fd, st.st_size, layout)
+        previous, why = _read_previous(fd, st.st_size, path, layout)
         if cold and previous is not None:
             previous, why = None, "--cold"
         if previous is None:
             os.ftruncate(fd, 0)  # an empty pool of this layout: every old page (and record) dropped
-            os.ftruncate(fd, layout.file_bytes)
-        allocated = layout.pool_bytes if st.st_blocks * 512 >= layout.file_bytes and previous else 0
-        if not allocated:
-            _allocate(fd, path, layout, kind, fresh=previous is None)  # the metadata; the data: PoolFile.allocate
-        try:
-            mapping = mmap.mmap(fd, layout.file_bytes, flags=mmap.MAP_SHARED)
-        except OSError as e:
-            if previous is None:
-                os.ftruncate(fd, 0)  # made for nothing: give the memory back
-            raise PoolFileError(f"cannot map the {format_size(layout.file_bytes)} pool file {path}: {e.strerror}") from None
+            os.ftruncate(fd, layout.meta_bytes)
+        seg_fds = _open_segments(path, layout, fresh=previous is None)
+        allocated = [previous is not None and os.fstat(f).st_blocks * 512 >= layout.segment(i)[1]
+                     for i, f in enumerate(seg_fds)]
+        _allocate_meta(fd, seg_fds, path, layout, kind, fresh=previous is None)
+        inodes = [os.fstat(f).st_ino for f in seg_fds]
+        mapping, data = _map(fd, seg_fds, path, layout, fresh=previous is None)
     except BaseException:
         os.close(fd)
         raise
-    return PoolFile(path, fd, mapping, layout, previous, allocated), why
+    finally:
+        for f in seg_fds:
+            os.close(f)
+    return PoolFile(path, fd, mapping, data, layout, previous, allocated, inodes), why
 
 
 def _check_dir(path: str) -> str:
@@ -138,31 +213,91 @@ def _check_dir(path: str) -> str:
     return kind
 
 
-def _read_previous(fd: int, size: int, layout: Layout) -> tuple[Header | None, str]:
+def _read_previous(fd: int, size: int, path: str, layout: Layout) -> tuple[Header | None, str]:
     if size == 0:
         return None, ""
     head = Header.unpack(os.pread(fd, HEADER_BYTES, 0))
     if head is None:
         return None, "its header is not a kvoffd pool header (damaged or another format)"
-    why = head.mismatch(layout, size)
+    why = head.mismatch(layout, size) or segments_mismatch(path, layout)
     return (None, why) if why else (head, "")
 
 
-def _allocate(fd: int, path: str, layout: Layout, kind: str, fresh: bool) -> None:
-    """Check there is room for the whole file and allocate its metadata. A file just made is given
-    back (truncated) when there is no room; a previous pool is left for a daemon that has room."""
+def _open_segments(path: str, layout: Layout, fresh: bool) -> list[int]:
+    """Each data segment's descriptor, made (or emptied) to its length when ``fresh``; segments of a
+    previous, larger pool are removed. Every one must be a 0600 regular file of this user."""
+    fds: list[int] = []
+    try:
+        for i in range(layout.num_segments):
+            seg = segment_path(path, i)
+            try:
+                f = os.open(seg, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            except OSError as e:
+                raise PoolFileError(f"cannot open the pool's data segment {seg}: {e.strerror}") from None
+            fds.append(f)
+            st = os.fstat(f)
+            if st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise PoolFileError(f"{seg} is not a 0600 file of this user; remove it or choose another --pool-path")
+            if fresh:
+                os.ftruncate(f, 0)
+                os.ftruncate(f, layout.segment(i)[1])
+        if fresh:
+            for stale in glob.glob(glob.escape(path) + ".[0-9][0-9][0-9][0-9]"):
+                if int(stale[-4:]) >= layout.num_segments:
+                    os.unlink(stale)
+    except BaseException:
+        for f in fds:
+            os.close(f)
+        raise
+    return fds
+
+
+def _allocate_meta(fd: int, seg_fds: list[int], path: str, layout: Layout, kind: str, fresh: bool) -> None:
+    """Check there is room for every file and allocate the metadata. A pool just made is given back
+    (truncated) when there is no room; a previous pool is left for a daemon that has room."""
     st = os.fstatvfs(fd)
     free = st.f_bavail * st.f_frsize
-    need = layout.file_bytes - os.fstat(fd).st_blocks * 512
-    if need > free:
-        if fresh:
-            os.ftruncate(fd, 0)
-        raise PoolFileError(f"{os.path.dirname(path)} ({kind}) has {format_size(free)} free, the pool file needs "
-                            f"{format_size(need)} more; enlarge it (e.g. a bigger /dev/shm) or lower --pool-size")
+    have = os.fstat(fd).st_blocks * 512 + sum(os.fstat(f).st_blocks * 512 for f in seg_fds)
+    need = layout.total_bytes - have
     try:
-        os.posix_fallocate(fd, 0, layout.data_offset)
-    except OSError as e:
+        if need > free:
+            raise PoolFileError(f"{os.path.dirname(path)} ({kind}) has {format_size(free)} free, the pool needs "
+                                f"{format_size(need)} more; enlarge it (e.g. a bigger /dev/shm) or lower --pool-size")
+        try:
+            os.posix_fallocate(fd, 0, layout.meta_bytes)
+        except OSError as e:
+            why = "the filesystem is full" if e.errno == errno.ENOSPC else e.strerror
+            raise PoolFileError(f"cannot allocate the {format_size(layout.total_bytes)} pool {path}: {why}") from None
+    except PoolFileError:
         if fresh:
-            os.ftruncate(fd, 0)
-        why = "the filesystem is full" if e.errno == errno.ENOSPC else e.strerror
-        raise PoolFileError(f"cannot allocate the {format_size(layout.file_bytes)} pool file {path}: {why}") from None
+            _give_back(fd, seg_fds)
+        raise
+
+
+def _map(fd: int, seg_fds: list[int], path: str, layout: Layout, fresh: bool) -> tuple[mmap.mmap, mmap.mmap]:
+    """The metadata's mapping, and the data's: one reserved range with each segment mapped over its part."""
+    try:
+        meta = mmap.mmap(fd, layout.meta_bytes, flags=mmap.MAP_SHARED)
+        data = reserve_private(layout.pool_bytes, noreserve=True)
+    except (OSError, MemoryError) as e:
+        if fresh:
+            _give_back(fd, seg_fds)
+        raise PoolFileError(f"cannot map the {format_size(layout.total_bytes)} pool {path}: {e}") from None
+    base = ctypes.addressof(ctypes.c_char.from_buffer(data))
+    for i, f in enumerate(seg_fds):
+        off, length = layout.segment(i)
+        got = _libc.mmap(base + off, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED, f, 0)
+        if got != base + off:
+            err = ctypes.get_errno()
+            meta.close()
+            data.close()
+            if fresh:
+                _give_back(fd, seg_fds)
+            raise PoolFileError(f"cannot map data segment {segment_path(path, i)}: {os.strerror(err)}")
+    return meta, data
+
+
+def _give_back(fd: int, seg_fds: list[int]) -> None:
+    """A pool made for nothing: its memory goes back to the filesystem."""
+    for f in (fd, *seg_fds):
+        os.ftruncate(f, 0)

@@ -25,11 +25,15 @@ def _mem_line() -> str:
     return f"{total}, {format_size(info['MemAvailable'])} available" if "MemAvailable" in info else total
 
 
-def reserve_private(nbytes: int) -> mmap.mmap:
+MAP_NORESERVE = 0x4000  # Linux; the mmap module has no name for it before Python 3.13
+
+
+def reserve_private(nbytes: int, noreserve: bool = False) -> mmap.mmap:
     """The pool's address space. The kernel's refusal (overcommit, RLIMIT_AS, a cgroup) becomes one
-    line naming the pool and the memory, not a bare "Cannot allocate memory"."""
+    line naming the pool and the memory, not a bare "Cannot allocate memory". ``noreserve``: a range
+    the pool file's segments are mapped over at once, so it must not be charged as private memory."""
     try:
-        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (MAP_NORESERVE if noreserve else 0))
     except OSError as e:
         if e.errno != errno.ENOMEM:
             raise

@@ -17,10 +17,12 @@ from kvoffd.pool_format import (
     HEADER_BYTES,
     Header,
     Layout,
+    allocated_bytes,
     default_pool_path,
     exact_size,
     fs_type,
     pool_geometry,
+    segments_mismatch,
 )
 
 PASS, WARN = "pass", "warn"
@@ -47,7 +49,7 @@ def _holds(path: str, layout: Layout) -> str:
         return f"; it cannot be read ({e.strerror})"
     if head is None:
         return "; it holds no kvoffd pool header: the next start is cold"
-    why = head.mismatch(layout, size)
+    why = head.mismatch(layout, size) or segments_mismatch(path, layout)
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(head.updated))
     if why:
         return f"; it holds a pool written until {when} that the next start will not adopt ({why})"
@@ -83,11 +85,12 @@ def check_pool_file(ctx: Any) -> tuple[str, str, str]:
         if fst.st_uid != os.getuid() or fst.st_mode & 0o077:
             return (WARN, f"{path} is not a 0600 file of this user (mode {fst.st_mode & 0o777:o}, uid {fst.st_uid}): "
                     "the daemon would not use it", "remove it, or run kvoffd as its owner")
-        have = fst.st_blocks * 512 if fst.st_size == layout.file_bytes else 0
+        have = allocated_bytes(path, layout)
         extra = _holds(path, layout)
     free = st.f_bavail * st.f_frsize
-    need = max(0, layout.file_bytes - have)
-    detail = (f"{path} on {kind}: a {exact_size(layout.file_bytes)} file for a {exact_size(ctx.pool_size)} pool, "
+    need = max(0, layout.total_bytes - have)
+    detail = (f"{path} on {kind}: {format_size(layout.total_bytes)} in {layout.num_segments + 1} files (metadata and "
+              f"{exact_size(layout.segment_bytes)} data segments) for a {exact_size(ctx.pool_size)} pool, "
               f"{format_size(free)} free{extra}")
     if kind == "tmpfs":
         detail += f"; shmem huge pages: {_thp_shmem()}"

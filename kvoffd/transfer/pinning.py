@@ -11,9 +11,15 @@ the H200 host (docs/cuda.md):
     at the same time: populate holds the process's mmap lock, so the driver's own start-up (hundreds
     of mmap calls) took 1.0 s instead of 0.2 s and pinning a 12 GiB pool fell to 8 GiB/s; page faults
     take only the pool's VMA lock (Linux >= 6.4) and the same pool pinned at 16-22 GiB/s;
-  * shared anonymous memory (shmem) gets no huge pages where shmem THP is off (the default), and
-    faults ~8x slower than private memory.
-So: ``threads`` workers touch 1 GiB regions (MADV_HUGEPAGE first), one registrar thread registers
+  * shared memory (a pool file on tmpfs) gets no huge pages where shmem THP is off (the default), and
+    ``MADV_POPULATE_WRITE`` on it runs at 2-3 GiB/s whatever the threads; what is fast is reading:
+    one load per 4 KiB page of an allocated file maps (and zero-fills) it under the VMA lock only,
+    9-10 GiB/s on 8 threads, and a page that already holds data (an adopted pool) is mapped with its
+    neighbours by the kernel's fault-around (64 KiB), so one load per 64 KiB suffices (24 GiB/s);
+    ``cuMemHostRegister`` of the mapped pages then runs at 20-25 GiB/s (``bench/pool_pin.py``).
+So: ``threads`` workers touch 1 GiB regions (private memory: MADV_HUGEPAGE and one store per page;
+a pool file: one load per page, or per 64 KiB where ``mincore`` says every page is in memory, each
+region only once its file segment is allocated: ``Pool.provisioned``), one registrar thread registers
 them in address order (at most 64 GiB each: single huge registrations are known to fail), and the
 pool becomes allocatable up to the registered prefix through ``on_progress``.
 
@@ -33,6 +39,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvoffd.cache.pool import Pool
 from kvoffd.shards import bind_thread_near, byte_ranges
 from kvoffd.transfer import cuda_driver as cudart
@@ -41,6 +49,7 @@ log = logging.getLogger(__name__)
 
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+FAULT_AROUND = 64 << 10  # the kernel's fault_around_bytes default: a read fault maps this much of a file
 MAX_REGION = 64 << 30
 POPULATE_STEP = 8 << 20
 
@@ -72,6 +81,8 @@ def _libc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         libc.madvise.restype = ctypes.c_int
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.mincore.restype = ctypes.c_int
         return libc
     except (OSError, AttributeError):
         return None
@@ -99,7 +110,7 @@ class Pinner:
         self.populate = populate
         self.hugepages = hugepages
         self.populate_step = populate_step
-        self.touch = touch  # "write" (one store per page) or "populate" (MADV_POPULATE_WRITE)
+        self.touch = touch  # "write" (one store per page), "read" (one load per page) or "populate"
         self.stats = PinStats(total_bytes=pool.nbytes)
         self._regions = [(o, min(self.region_bytes, end - o))  # within one NUMA shard each
                          for start, end in byte_ranges(pool.shards, pool.chunk_bytes, pool.nbytes)
@@ -113,13 +124,16 @@ class Pinner:
         self._workers: list[threading.Thread] = []
         self._libc = _libc()
         self._failed = False
+        self._short = False  # a region will never be provisioned (the pool file's allocation stopped)
 
     # --- control ----------------------------------------------------------------------------------
     def start(self) -> None:
         self.stats.started = time.monotonic()
-        # Touching by writing zeros is only for memory never handed out, and never for a pool file: a
-        # store to a page its filesystem cannot back is a SIGBUS, where MADV_POPULATE_WRITE returns an error.
-        if self.pool.used_bytes or self.pool.persistent:
+        # Touching by writing zeros is only for memory never handed out, and never for a pool file (it
+        # would zero adopted blocks); a pool file is read, and only where allocated (no SIGBUS).
+        if self.pool.persistent:
+            self.touch = "read"
+        elif self.pool.used_bytes:
             self.touch = "populate"
         if not self._regions:
             self.stats.finished = self.stats.started
@@ -179,6 +193,11 @@ class Pinner:
                 i = self._next
                 self._next += 1
             off, length = self._regions[i]
+            if not self.pool.provisioned.wait_for(off + length, self._stop):
+                with self._cond:  # the pool file's allocation ended before this region: so does pinning
+                    self._short = True
+                    self._cond.notify_all()
+                return
             bind_thread_near(self.pool.shards, self.pool.chunk_bytes, off)  # a sharded pool: from its node's CPUs
             t0 = time.monotonic()
             self._touch(self.pool.base_address + off, length)
@@ -201,10 +220,16 @@ class Pinner:
         touching = any(t.name.startswith("kvoffd-touch") for t in self._workers)
         for i, (off, length) in enumerate(self._regions):
             with self._cond:
-                while touching and not self._touched[i] and not self._stop.is_set():
+                while touching and not self._touched[i] and not self._stop.is_set() and not self._short:
                     self._cond.wait(0.1)
                 if self._stop.is_set():
                     return
+                touched, short = self._touched[i], self._short
+            if not touched and not short:  # nobody touches (no libc): the region must exist all the same
+                short = not self.pool.provisioned.wait_for(off + length, self._stop)
+            if short:
+                self._give_up(f"the pool file was allocated only up to {self.pool.provisioned.nbytes} bytes")
+                return
             t0 = time.monotonic()
             try:
                 drv.host_register(base + off, length)
@@ -230,6 +255,18 @@ class Pinner:
         if self.hugepages:
             self._libc.madvise(addr, length, MADV_HUGEPAGE)  # a hint; shmem may ignore it
         step = self.populate_step
+        if self.touch == "read":
+            # A load per page maps an allocated page (zero-filling one never written) without the mmap
+            # lock; where every page holds data already (mincore: in memory), fault-around maps 64 KiB
+            # per fault, so one load per 64 KiB does. numpy releases the GIL for the strided sum.
+            stride = FAULT_AROUND if self._resident(addr, length) else mmap.PAGESIZE
+            buf = self.pool.buffer
+            off0 = addr - self.pool.base_address
+            for off in range(off0, off0 + length, step):
+                if self._stop.is_set():
+                    return
+                int(buf[off: min(off + step, off0 + length): stride].sum())
+            return
         if self.touch == "write":
             # Plain page faults take only the pool's own VMA lock (Linux >= 6.4), so they do not hold
             # up the mmap calls of the CUDA driver's initialisation running at the same time, which
@@ -249,6 +286,17 @@ class Pinner:
                 return
             if self._libc.madvise(a, min(step, addr + length - a), MADV_POPULATE_WRITE) != 0:
                 self.populate = False  # old kernel: registration faults the pages itself
+
+    def _resident(self, addr: int, length: int) -> bool:
+        """Whether every page of the range is in memory and up to date (``mincore``): pages of an
+        adopted pool that held data. A page allocated but never written is not (the kernel zero-fills
+        it at its first fault, and fault-around skips it)."""
+        if self._libc is None:
+            return False
+        vec = np.zeros(length // mmap.PAGESIZE, dtype=np.uint8)
+        if self._libc.mincore(addr, length, vec.ctypes.data) != 0:
+            return False
+        return bool((vec & 1).all())
 
     def _give_up(self, why: str) -> None:
         with self._lock:
