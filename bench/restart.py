@@ -168,6 +168,7 @@ def main() -> int:
         print(json.dumps(out, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+            shutil.copy(log, Path(args.json).with_suffix(".daemon.log"))  # its start phases and pinning lines
         return 0 if exact == sample and note.ok else 1
     finally:
         for pr in procs:

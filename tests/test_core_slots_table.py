@@ -4,10 +4,12 @@ whose namespace facts and slot geometry check out."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from kvtest import chain_keys
 
-from kvoffd.cache.adopt import adopt_records
+from kvoffd.cache.adopt import plan_adoption
 from kvoffd.cache.index import Index
 from kvoffd.cache.pool import Pool
 from kvoffd.cache.slots_table import NamespaceFacts, RankFacts, SlotRecords
@@ -54,6 +56,24 @@ def test_a_record_interrupted_at_any_step_is_not_sealed():
     assert f.offset.tolist() == [SLOT, 2 * SLOT] and f.stamp.tolist() == [500.0, 500.0]
 
 
+@dataclass
+class _Adopted:
+    entries: list
+    not_adopted: int
+    why: str
+
+
+def _adopt(found, ns, pool, index) -> _Adopted:
+    """Plan the adoption and put every block into the index (the daemon does it a slice per loop turn)."""
+    plan = plan_adoption(found, ns, pool, index)
+    entries = []
+    while plan.left:
+        got, gone = plan.take(index, pool, 2)  # small slices: the slicing itself is under test too
+        assert not len(gone)
+        entries += got
+    return _Adopted(entries, plan.not_adopted, plan.why)
+
+
 def test_adoption_keeps_only_records_that_check_out():
     rec = _records()
     good = chain_keys(4, b"good")
@@ -66,7 +86,7 @@ def test_adoption_keeps_only_records_that_check_out():
           2: NamespaceFacts("big", 1, {0: RankFacts(2 * SLOT, (2 * SLOT,))})}
     pool = Pool(4 * CHUNK, CHUNK)
     index = Index(pool, "lru")
-    out = adopt_records(rec.scan(), ns, pool, index)
+    out = _adopt(rec.scan(), ns, pool, index)
     assert sorted(e.slot for e in out.entries) == [0, SLOT, 2 * SLOT, 3 * SLOT]  # the first of two equal stamps
     assert out.not_adopted == 4 and out.why
     t = index.namespaces["m"].tables[0]
@@ -99,10 +119,51 @@ def test_a_replicated_namespace_is_adopted_with_its_replicas():
     rec.seal(idx, 1, 1, keys[0], np.full(1, 100.0), np.zeros(1, dtype=np.int64), SLOT)  # rank 1 reads rank 0's
     pool = Pool(4 * CHUNK, CHUNK)
     index = Index(pool, "lru")
-    out = adopt_records(rec.scan(), {1: facts}, pool, index)
+    out = _adopt(rec.scan(), {1: facts}, pool, index)
     assert len(out.entries) == 6 and out.not_adopted == 1
     ns = index.namespaces["mla"]
     assert ns.replicas == 2 and sorted(ns.tables) == [0, 2]
     hits = index.lookup("mla", b"".join(keys), with_entries=True)
     assert hits.n == 3 and sorted(hits.by_rank) == [0, 1, 2, 3] and hits.by_rank[1] is hits.by_rank[0]
     index.check_table("mla", 3, 4, (SLOT,), replicas=2)  # a re-registering rank of the same replicas fits
+
+
+def _staged(n: int = 10):
+    """A pool and index with ``n`` sealed blocks of one namespace, stamps 100, 101, ... (oldest first)."""
+    rec = _records()
+    keys = chain_keys(n, b"staged")
+    _seal(rec, [i * SLOT for i in range(n)], keys)
+    pool = Pool(4 * CHUNK, CHUNK)
+    index = Index(pool, "lru")
+    plan = plan_adoption(rec.scan(), {1: NamespaceFacts("m", 1, {0: RankFacts(SLOT, (SLOT,))})}, pool, index)
+    return pool, index, plan, keys
+
+
+def test_adopted_slices_come_newest_first_and_keep_the_lru_order():
+    """The daemon serves while adoption goes on: the newest blocks are found first, and once all are in,
+    eviction takes the oldest first, as it would have in the previous daemon."""
+    pool, index, plan, keys = _staged()
+    assert pool.used_bytes == 10 * SLOT and index.resident == 0  # every slot held before any entry exists
+    got, _ = plan.take(index, pool, 3)
+    assert [e.key for e in got] == keys[7:] and index.lookup("m", keys[9]).n == 1
+    assert index.lookup("m", keys[0]).n == 0  # not in yet: a miss, never a wrong byte
+    while plan.left:
+        plan.take(index, pool, 3)
+    assert list(index._lru[SLOT]) == [index.namespaces["m"].tables[0].entries[k] for k in keys]
+    index.check_table("m", 0, 1, (SLOT,))
+    t = index.table("m", 0, 1, SLOT, (SLOT,))
+    assert index.prepare_store(t, chain_keys(60, b"new")).evicted == 6  # 54 slots free, 6 blocks must go
+    assert [k in t.entries for k in keys] == [False] * 6 + [True] * 4  # the oldest adopted went first
+
+
+def test_blocks_of_a_cleared_or_forgotten_namespace_are_not_adopted_later():
+    pool, index, plan, keys = _staged()
+    plan.take(index, pool, 4)
+    gone = plan.forget(pool, keep=set())  # a CLEAR of the namespace while 6 blocks wait
+    assert len(gone) == 6 and plan.left == 0 and pool.used_bytes == 4 * SLOT
+    pool, index, plan, keys = _staged()
+    plan.take(index, pool, 4)
+    index.clear("m")
+    assert index.forget_if_idle("m")
+    got, gone = plan.take(index, pool, 100)  # its table is gone: nothing enters, the slots go back
+    assert not got and len(gone) == 6 and pool.used_bytes == 0 and index.resident == 0

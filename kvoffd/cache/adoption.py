@@ -1,7 +1,7 @@
 """Adoption: the blocks a warm restart found committed in the pool file become index entries again.
 
-``Adoption`` is a part of ``Index`` (its base class): called once, at start, before any engine
-registers (kvoffd/cache/persist.py), on the loop thread.
+``Adoption`` is a part of ``Index`` (its base class): called at start, a slice per loop turn
+(kvoffd/cache/adopt.py, kvoffd/cache/persist.py), on the loop thread.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from kvoffd.cache.runs import Run
 
 class Adoption:
     def adopt(self, tables: Sequence[Table], keys: Sequence[bytes], slots: Sequence[int], stamps: Sequence[float],
-              checksums: Sequence[int]) -> list[Entry]:
+              checksums: Sequence[int], cold_end: bool = False) -> list[Entry]:
         """Blocks a warm restart found committed (kvoffd/cache/persist.py), in last-use order, oldest
         first: visible at once, least recently used first in their LRU lists (or handed to the
-        policy as admitted). Their slots are already held in the pool (``Pool.adopt_slots``); the
-        observers are not told (the blocks are already what they mirror). One run per table and
-        stamp (a commit's blocks share one), so a prompt's lookups take the run shortcut again."""
+        policy as admitted); ``cold_end``: all of them before (colder than) the blocks already there,
+        as a slice of older blocks than the slices adopted before it. Their slots are already held in
+        the pool (``Pool.adopt_slots``); the observers are not told (the blocks are already what
+        they mirror). One run per table and stamp (a commit's blocks share one), so a prompt's
+        lookups take the run shortcut again."""
         out: list[Entry] = []
         runs: dict[Table, tuple[float, list[Entry]]] = {}
         for t, k, s, when, crc in zip(tables, keys, slots, stamps, checksums, strict=True):
@@ -40,8 +42,18 @@ class Adoption:
             cur[1].append(e)
         for cur in runs.values():
             self._close_run(cur)
+        if cold_end:
+            for e in reversed(out):
+                lru = self._lru[e.table.slot_bytes]
+                if e in lru:
+                    lru.move_to_end(e, last=False)
         self.resident += len(out)
         return out
+
+    def holds_table(self, t: Table) -> bool:
+        """Whether ``t`` is still the table its namespace and rank read (not CLEARed away or forgotten)."""
+        ns = self.namespaces.get(t.namespace)
+        return ns is not None and ns.tables.get(t.rank) is t
 
     @staticmethod
     def _close_run(cur: tuple[float, list[Entry]] | None) -> None:

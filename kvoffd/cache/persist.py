@@ -15,11 +15,14 @@ a pool that lives in a file (kvoffd/cache/pool_file.py), keeping its slot record
 * blocks read by a LOAD are **touched**: their last-use stamps are rewritten every ``FLUSH_S``
   (batched, on the loop), so the next daemon rebuilds the LRU order.
 
-``adopt`` (at start, before the daemon serves) rebuilds the pool's slabs and the index from the sealed
-records: the blocks are visible at once. Their bytes are verified lazily: the first LOAD of an
-adopted block checks its crc32 first (the ``--verify`` machinery of kvoffd/server/verify.py), and a
-background pass checks the rest; a mismatch drops that block only (a counted miss). The end of that
-pass is "full adoption" (``stats()['verified_s']``).
+``adopt`` (at start, before the daemon serves) checks the sealed records and takes their slots in
+the pool (kvoffd/cache/adopt.py); once serving, the blocks enter the index a slice per loop turn,
+newest first (``_adopt_slice``), so the first hit comes within a second whatever the pool holds; a
+CLEAR meanwhile drops its namespace's blocks still waiting (``cleared``). Their bytes are verified
+lazily: the first LOAD of an adopted block checks its crc32 first (the ``--verify`` machinery of
+kvoffd/server/verify.py), and a background pass checks the rest, each slice as it enters the index;
+a mismatch drops that block only (a counted miss). The end of that pass is "full adoption"
+(``stats()['verified_s']``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from kvoffd.cache.adopt import adopt_records
+from kvoffd.cache.adopt import AdoptionPlan, plan_adoption
 from kvoffd.cache.index import Entry, Index, IndexObserver, Table
 from kvoffd.cache.pool import Pool
 from kvoffd.cache.pool_file import ALLOCATE_THREADS, PoolFile
@@ -50,6 +53,7 @@ log = logging.getLogger(__name__)
 SEAL_ON_STOP_S = 5.0  # SIGTERM: sealing what is left may take this long (docker stop waits 10 s)
 FLUSH_S = 1.0  # touched stamps and the header's "updated" are written this often
 VERIFY_SLICE = 64  # adopted blocks checked per background task
+ADOPT_SLICE = 2048  # adopted blocks put into the index per loop turn (~8 ms on the 2-core VM)
 
 
 def _crc(buf: np.ndarray, e: Entry) -> int:
@@ -81,7 +85,11 @@ class Persistence(IndexObserver):
         self.adopted = 0
         self.adopted_bytes = 0
         self.adopted_from = 0.0  # when the previous daemon last stamped the pool
-        self.adopt_s = 0.0
+        self.adopt_s = 0.0  # checking the records and taking their slots, before serving
+        self.indexed_s = 0.0  # from start until the last adopted block is in the index
+        self._plan: AdoptionPlan | None = None  # adopted blocks not yet in the index
+        # KVOFFD_TEST_NO_VERIFY_PASS: no background pass, so a test sees the first LOAD check a block
+        self._no_verify_pass = bool(os.environ.get("KVOFFD_TEST_NO_VERIFY_PASS"))
         self.verified_s = 0.0  # from start to the end of the background pass
         self.verify_failures = 0
         self.sealed = 0
@@ -103,26 +111,48 @@ class Persistence(IndexObserver):
         self.namespaces.load()
         t0 = time.monotonic()
         try:
-            result = adopt_records(self.records.scan(), self.namespaces.by_id, self.pool, self.index)
+            plan = plan_adoption(self.records.scan(), self.namespaces.by_id, self.pool, self.index)
         except (ValueError, KeyError) as e:  # a bug or a damaged table: cold, not a crash loop
             log.error("pool file %s: cannot adopt its blocks (%s); starting cold", self.pf.path, e)
             self.records.words[:, 0] = 0
             self.records.chunks[:] = 0
             self.namespaces.keep_only(set())
             return
-        for t, i in result.table_ids.items():
+        for t, i in plan.table_ids.items():
             self._ids[t] = i
-        self.namespaces.keep_only(set(result.table_ids.values()))
-        self.records.invalidate(result.dropped_records)
-        self.unverified = set(result.entries)
-        self.adopted = len(result.entries)
-        self.adopted_bytes = sum(e.table.slot_bytes for e in result.entries)
+        self.namespaces.keep_only(set(plan.table_ids.values()))
+        self.records.invalidate(plan.dropped_records)
+        self._plan = plan if plan.total else None
+        self.adopted = plan.total
+        self.adopted_bytes = plan.total_bytes
         self.adopt_s = time.monotonic() - t0
-        log.info("pool file %s: adopted %d blocks (%.1f MiB) of %d namespaces in %.3f s, written until %s by pid "
-                 "%d; %d records not adopted%s", self.pf.path, self.adopted, self.adopted_bytes / (1 << 20),
-                 len(set(result.table_ids.values())), self.adopt_s, time.strftime(
-                     "%Y-%m-%d %H:%M:%S", time.localtime(prev.updated)), prev.pid, result.not_adopted,
-                 f" ({result.why})" if result.why else "")
+        log.info("pool file %s: adopting %d blocks (%.1f MiB) of %d namespaces (checked in %.3f s; in the index "
+                 "newest first, a slice per loop turn), written until %s by pid %d; %d records not adopted%s",
+                 self.pf.path, self.adopted, self.adopted_bytes / (1 << 20), len(set(plan.table_ids.values())),
+                 self.adopt_s, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(prev.updated)), prev.pid,
+                 plan.not_adopted, f" ({plan.why})" if plan.why else "")
+
+    def _adopt_slice(self) -> None:
+        """One slice of the adopted blocks into the index (newest first), their verification queued; then
+        the next slice at the next loop turn, so requests are served in between."""
+        plan = self._plan
+        if plan is None or self._stopping:
+            return
+        entries, gone = plan.take(self.index, self.pool, ADOPT_SLICE)
+        self.records.invalidate(gone)
+        self.unverified.update(entries)
+        if entries and not self._no_verify_pass:
+            for i in range(0, len(entries), VERIFY_SLICE):
+                part = entries[i:i + VERIFY_SLICE]
+                fut = self._verify.submit(self._recompute, part)
+                fut.add_done_callback(lambda f, part=part: self._post_future(self._verified, part, f))
+        if plan.left:
+            self._loop.call_soon(self._adopt_slice)
+            return
+        self._plan = None
+        self.indexed_s = time.monotonic() - self._t0
+        log.info("adopted blocks all in the index %.2f s after start", self.indexed_s)
+        self._maybe_verified()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """The sealer thread, the background verification of adopted blocks, the periodic flush."""
@@ -150,14 +180,10 @@ class Persistence(IndexObserver):
 
             self._allocator = threading.Thread(target=allocate, name="kvoffd-allocate", daemon=True)
             self._allocator.start()
-        # KVOFFD_TEST_NO_VERIFY_PASS: no background pass, so a test sees the first LOAD check a block
-        pending = [] if os.environ.get("KVOFFD_TEST_NO_VERIFY_PASS") else list(self.unverified)
-        if not self.unverified:
+        if self._plan is not None:
+            self._adopt_slice()  # the newest blocks before the first request is read
+        elif not self.unverified:
             self.verified_s = time.monotonic() - self._t0
-        for i in range(0, len(pending), VERIFY_SLICE):
-            part = pending[i:i + VERIFY_SLICE]
-            fut = self._verify.submit(self._recompute, part)
-            fut.add_done_callback(lambda f, part=part: self._post_future(self._verified, part, f))
         self._timer = loop.call_later(FLUSH_S, self._flush)
 
     # --- the observer ------------------------------------------------------------------------------------
@@ -173,6 +199,12 @@ class Persistence(IndexObserver):
         slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
         idx = self.records.index_of(slots, slot_bytes)
         self.records.invalidate(idx[idx >= 0])
+
+    def cleared(self, namespace: str) -> None:
+        """A CLEAR of ``namespace``: its adopted blocks not yet in the index go too (slots and records)."""
+        if self._plan is not None:
+            keep = {t for t in self._plan.tables.values() if t.namespace != namespace}
+            self.records.invalidate(self._plan.forget(self.pool, keep))
 
     def unlinked(self, entries: Sequence[Entry]) -> None:
         """CLEARed (or found corrupt) while pinned: the record goes now, so a crash before the pin
@@ -213,7 +245,7 @@ class Persistence(IndexObserver):
         self._maybe_verified()
 
     def _maybe_verified(self) -> None:
-        if not self.unverified and not self.verified_s and self.adopted:
+        if not self.unverified and not self.verified_s and self.adopted and self._plan is None:
             self.verified_s = time.monotonic() - self._t0
             log.info("adopted blocks verified %.2f s after start (%d failed their checksum)", self.verified_s,
                      self.verify_failures)
@@ -344,6 +376,7 @@ class Persistence(IndexObserver):
     def stats(self) -> dict:
         return {"path": self.pf.path, "adopted_blocks": self.adopted, "adopted_bytes": self.adopted_bytes,
                 "adopted_from": self.adopted_from, "adopt_s": round(self.adopt_s, 6),
+                "indexed_s": round(self.indexed_s, 6), "indexing_blocks": self._plan.left if self._plan else 0,
                 "verified_s": round(self.verified_s, 6), "unverified_blocks": len(self.unverified),
                 "verify_failures": self.verify_failures, "sealed_blocks": self.sealed,
                 "unsealed_blocks": sum(len(b) for b in self._queue)}

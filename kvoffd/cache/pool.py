@@ -429,12 +429,14 @@ class Pool:
         bounds = np.searchsorted(chunk, wanted, side="right")
         start = 0
         for c, end in zip(wanted.tolist(), bounds.tolist(), strict=True):
-            held = set((inner[start:end] // slot_bytes).tolist())
+            held = inner[start:end] // slot_bytes  # sorted, distinct
             ch = self._chunks[c]
             self._adopt(ch, slab)
-            ch.carved = max(held) + 1
+            ch.carved = int(held[-1]) + 1
             ch.live = len(held)
-            ch.free = [c * cb + i * slot_bytes for i in range(ch.carved - 1, -1, -1) if i not in held]
+            gap = np.ones(ch.carved, dtype=bool)
+            gap[held] = False
+            ch.free = (c * cb + np.flatnonzero(gap)[::-1] * slot_bytes).tolist()
             if not ch.free and ch.carved == per:
                 del slab.room[ch.shard][c]
             start = end

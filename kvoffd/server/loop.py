@@ -71,6 +71,18 @@ class Route:
     is_async: bool = False
 
 
+def process_age_s() -> float:
+    """Seconds since this process was started (exec included), from /proc; 0 where unreadable."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 class Server:
     """The daemon's server: it owns the socket and the loop, and hands each request to its handler."""
 
@@ -78,12 +90,19 @@ class Server:
         self.cfg = cfg
         self.daemon_id = uuid.uuid4().hex
         self.started = time.time()
+        t0 = time.monotonic()
         self.topology = read_topology(cfg.sysfs_root, parse_numa_map(cfg.numa_map))
         self.pool, pool_file = open_pool(cfg.pool_size, cfg.pool_path, cfg.address, cfg.cold, self.topology)
+        t_pool = time.monotonic()
         self.index = Index(self.pool, cfg.eviction_policy)
         self.persist = keeper(pool_file, self.pool, self.index)  # adopts the previous daemon's blocks
+        t_adopt = time.monotonic()
         self.tiers = make_tiers(self.index, cfg.disk_path, cfg.disk_size, cfg.verify)  # below the pool
+        t_tiers = time.monotonic()
         self.backends = make_backends(cfg, self.pool)
+        # where a start's time goes (the serving line says it: a warm restart's first hit is this)
+        self.start_phases = {"pool": t_pool - t0, "adoption": t_adopt - t_pool, "tiers": t_tiers - t_adopt,
+                             "backends": time.monotonic() - t_tiers}
         self.by_kind = by_kind(self.backends)
         self.fds = FdBudget()
         self.metrics = Metrics(__version__)
@@ -218,8 +237,9 @@ class Server:
         self._watchdog_s = sdnotify.watchdog_interval()
         house = asyncio.create_task(self._housekeeping())
         self.ready.set()
-        log.info("kvoffd %s serving on %s: pool %d MiB, backends %s", __version__, self.bound_address,
-                 self.pool.nbytes >> 20, ",".join(b.name for b in self.backends))
+        log.info("kvoffd %s serving on %s: pool %d MiB, backends %s; %.2f s after the process started (%s)",
+                 __version__, self.bound_address, self.pool.nbytes >> 20, ",".join(b.name for b in self.backends),
+                 process_age_s(), ", ".join(f"{k} {v:.2f} s" for k, v in self.start_phases.items()))
         if on_ready:
             on_ready()
         self._drain()  # messages that arrived before the reader was installed
