@@ -20,6 +20,16 @@ records: the blocks are visible at once. Their bytes are verified lazily: the fi
 adopted block checks its crc32 first (the ``--verify`` machinery of kvoffd/server/verify.py), and a
 background pass checks the rest; a mismatch drops that block only (a counted miss). The end of that
 pass is "full adoption" (``stats()['verified_s']``).
+
+The namespace facts also keep each namespace's KV-event identity (``note_identity``, told at every
+REGISTER, whether or not this daemon publishes events): so a daemon that adopts the blocks can
+announce them to routers at start (``take_adopted``, kvoffd/events/announce.py), before any engine
+registers again, rather than leaving the stream blind until one does (an engine may never come back:
+a node restarted with new engine processes, or one that now starts later than the daemon). Routers
+learn a restarted node's blocks as soon as its daemon is back, and the announcement does not depend on
+which engine registers first. The identity is the REGISTER's own word, so it cannot be wrong for blocks
+stored under it; when an engine later registers with another one (a changed
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), the file takes the new one and the next events use it.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -41,7 +51,8 @@ from kvoffd.cache.adopt import adopt_records
 from kvoffd.cache.index import Entry, Index, IndexObserver, Table
 from kvoffd.cache.pool import Pool
 from kvoffd.cache.pool_file import PoolFile
-from kvoffd.cache.slots_table import NamespaceFacts, NamespaceTable, RankFacts, SlotRecords
+from kvoffd.cache.slots_table import MAX_NAMESPACE_IDS, NamespaceFacts, NamespaceTable, RankFacts, SlotRecords
+from kvoffd.events.wire import EventIdentity
 from kvoffd.pool_format import NS_AREA_BYTES
 from kvoffd.shards import bind_thread_near
 
@@ -68,6 +79,8 @@ class Persistence(IndexObserver):
         self.namespaces = NamespaceTable(memoryview(pf.map)[lay.ns_offset:lay.ns_offset + 2 * NS_AREA_BYTES])
         self._ids: weakref.WeakKeyDictionary[Table, int] = weakref.WeakKeyDictionary()
         self.unverified: set[Entry] = set()
+        self._adopted: list[Entry] = []  # until ``take_adopted``
+        self._events: OrderedDict[str, EventIdentity | None] = OrderedDict()  # REGISTER's layout.kv_events
         self._queue: deque[list[Entry]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -115,6 +128,7 @@ class Persistence(IndexObserver):
         self.namespaces.keep_only(set(result.table_ids.values()))
         self.records.invalidate(result.dropped_records)
         self.unverified = set(result.entries)
+        self._adopted = result.entries
         self.adopted = len(result.entries)
         self.adopted_bytes = sum(e.table.slot_bytes for e in result.entries)
         self.adopt_s = time.monotonic() - t0
@@ -123,6 +137,22 @@ class Persistence(IndexObserver):
                  len(set(result.table_ids.values())), self.adopt_s, time.strftime(
                      "%Y-%m-%d %H:%M:%S", time.localtime(prev.updated)), prev.pid, result.not_adopted,
                  f" ({result.why})" if result.why else "")
+
+    def take_adopted(self) -> tuple[list[Entry], dict[str, EventIdentity]]:
+        """The adopted entries (once: the caller keeps them from here) and the KV-event identities the
+        file kept for their namespaces."""
+        entries, self._adopted = self._adopted, []
+        names = {e.table.namespace for e in entries}
+        return entries, {f.name: f.events for f in self.namespaces.by_id.values()
+                         if f.events is not None and f.name in names}
+
+    def note_identity(self, namespace: str, ident: EventIdentity | None) -> None:
+        """REGISTER's ``layout.kv_events`` for ``namespace`` (None: absent): kept with its facts."""
+        self.namespaces.set_events(namespace, ident)
+        self._events[namespace] = ident  # for facts made later (at the namespace's first seal)
+        self._events.move_to_end(namespace)
+        while len(self._events) > MAX_NAMESPACE_IDS:
+            self._events.popitem(last=False)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """The sealer thread, the background verification of adopted blocks, the periodic flush."""
@@ -280,7 +310,7 @@ class Persistence(IndexObserver):
             if ns is None or ns.tables.get(t.rank) is not t:
                 return None
             facts = NamespaceFacts(t.namespace, ns.world_size, {t.rank: RankFacts(t.slot_bytes, ns.layouts[t.rank])},
-                                   ns.replicas)
+                                   ns.replicas, self._events.get(t.namespace))
             got = self.namespaces.id_for(facts)
             if got is not None:
                 self._ids[t] = got
