@@ -1,0 +1,105 @@
+"""Announcing a warm restart's adopted blocks on the KV-event stream (issue 16's "match the index").
+
+A daemon that adopts the previous daemon's pool file (kvoffd/cache/persist.py) holds blocks its own
+stream never named: no STORE committed them here. A router that consumes the stream (and dropped the
+node's kvoffd blocks when ``seq`` went back to 0) would score them uncached for as long as they live.
+So each adopted rank-0 block is announced once, as a ``BlockStored`` like any other (medium CPU; no
+tokens, no parent: the pool file keeps neither, and vLLM's ``BlockStored`` allows ``token_ids=[]``,
+what the daemon already sends for a block stored without a description).
+
+When: as soon as its namespace's event identity is known. That is at start for a namespace whose
+identity the pool file kept (``Persistence.take_adopted``), else at the REGISTER that says it
+(``layout.kv_events``). Until then nothing can be published (the daemon cannot know the hash form), and
+an adopted block evicted meanwhile is simply never announced (nor removed: the stream never named it).
+
+Cost: one ``BlockStored`` per slice of at most ``SLICE_KEYS`` keys, one slice per loop turn, so a pool
+of a million adopted blocks never holds the loop for more than one slice's Python (~0.2 ms per
+thousand keys: a filter of dead entries and a list of keys; the hashes are made on the publisher
+thread). When the publisher thread's queue is half full the next slice waits ``BACKOFF_S``: an
+announcement never makes the publisher drop the live events behind it.
+
+Only the entries still present when their slice is taken are announced: an adopted block evicted (or
+cleared, or found corrupt) before its slice gets its ordinary ``BlockRemoved`` (the identity is known by
+then) and is never announced after its removal; one evicted after its slice has both, in that order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvoffd.cache.entries import Entry
+
+SLICE_KEYS = 4096  # keys per announcement event and per loop turn
+BACKOFF_S = 0.005  # the publisher thread's queue is half full: the next slice waits this long
+
+
+@dataclass
+class Announcement:
+    """One slice to publish: ``keys`` of ``namespace``'s rank 0, in adoption (last-use) order."""
+
+    namespace: str
+    keys: list[bytes]
+
+
+@dataclass
+class Adopted:
+    """The adopted rank-0 entries not yet announced, by namespace, and the namespaces whose turn it is."""
+
+    slice_keys: int = SLICE_KEYS
+    waiting: dict[str, deque[Entry]] = field(default_factory=dict)
+    ready: deque[str] = field(default_factory=deque)  # identity known: announced slice by slice
+    announced: int = 0
+    skipped: int = 0  # gone before their slice
+
+    def add(self, entries: Iterable[Entry]) -> None:
+        for e in entries:
+            t = e.table
+            if t.rank == 0:
+                self.waiting.setdefault(t.namespace, deque()).append(e)
+
+    def known(self, namespace: str) -> bool:
+        """``namespace``'s identity is known now: True if it has blocks to announce (newly queued)."""
+        if namespace in self.waiting and namespace not in self.ready:
+            self.ready.append(namespace)
+            return True
+        return False
+
+    def forget(self, namespace: str | None = None) -> None:
+        """A CLEAR of ``namespace`` (None: of all): its adopted blocks are gone, none is to be announced."""
+        if namespace is None:
+            self.waiting.clear()
+            self.ready.clear()
+            return
+        self.waiting.pop(namespace, None)
+        if namespace in self.ready:
+            self.ready.remove(namespace)
+
+    def withdrawn(self, namespace: str) -> None:
+        """An engine said its keys are not block hashes any more: its blocks wait for another identity."""
+        if namespace in self.ready:
+            self.ready.remove(namespace)
+
+    def next_slice(self) -> Announcement | None:
+        """The next slice of the first ready namespace: at most ``slice_keys`` entries looked at, the
+        live ones' keys (maybe none: the caller goes on at the next turn). None: nothing is ready."""
+        if not self.ready:
+            return None
+        ns = self.ready[0]
+        q = self.waiting.get(ns)
+        part = [q.popleft() for _ in range(min(self.slice_keys, len(q)))] if q else []
+        if not q:
+            self.ready.popleft()
+            self.waiting.pop(ns, None)
+        keys = [e.key for e in part if e.ready and not e.dead]
+        self.skipped += len(part) - len(keys)
+        self.announced += len(keys)
+        return Announcement(ns, keys)
+
+    @property
+    def pending(self) -> int:
+        """Adopted blocks not announced yet (dead ones included until their slice)."""
+        return sum(len(q) for q in self.waiting.values())
