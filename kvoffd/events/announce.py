@@ -21,6 +21,10 @@ announcement never makes the publisher drop the live events behind it.
 Only the entries still present when their slice is taken are announced: an adopted block evicted (or
 cleared, or found corrupt) before its slice gets its ordinary ``BlockRemoved`` (the identity is known by
 then) and is never announced after its removal; one evicted after its slice has both, in that order.
+
+A tier below the pool that reopens what it held (the disk tier's persistent index) is announced the
+same way, under its own medium (``Reopened``: it hands out its blocks found at start a slice at a time,
+each while still held, and once), after the namespace's pool blocks.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+from kvoffd.events.wire import MEDIUM_CPU
+from kvoffd_client.protocol import KEY_SIZE
 
 if TYPE_CHECKING:
     from kvoffd.cache.entries import Entry
@@ -37,12 +44,24 @@ SLICE_KEYS = 4096  # keys per announcement event and per loop turn
 BACKOFF_S = 0.005  # the publisher thread's queue is half full: the next slice waits this long
 
 
+class Reopened(Protocol):
+    """A tier that found blocks at start (kvoffd/cache/tiers/disk.py)."""
+
+    medium: str
+
+    def reopened_namespaces(self) -> set[str]: ...
+
+    def take_reopened(self, namespace: str, n: int) -> tuple[bytes, bool]: ...
+
+
 @dataclass
 class Announcement:
-    """One slice to publish: ``keys`` of ``namespace``'s rank 0, in adoption (last-use) order."""
+    """One slice to publish: ``keys`` of ``namespace``'s rank 0 (pool ones in adoption, i.e. last-use,
+    order), held in ``medium``."""
 
     namespace: str
     keys: list[bytes]
+    medium: str = MEDIUM_CPU
 
 
 @dataclass
@@ -51,8 +70,10 @@ class Adopted:
 
     slice_keys: int = SLICE_KEYS
     waiting: dict[str, deque[Entry]] = field(default_factory=dict)
+    below: dict[str, list[Reopened]] = field(default_factory=dict)  # namespace -> tiers with its blocks
     ready: deque[str] = field(default_factory=deque)  # identity known: announced slice by slice
     announced: int = 0
+    announced_below: int = 0
     skipped: int = 0  # gone before their slice
 
     def add(self, entries: Iterable[Entry]) -> None:
@@ -61,9 +82,13 @@ class Adopted:
             if t.rank == 0:
                 self.waiting.setdefault(t.namespace, deque()).append(e)
 
+    def add_below(self, tier: Reopened) -> None:
+        for ns in tier.reopened_namespaces():
+            self.below.setdefault(ns, []).append(tier)
+
     def known(self, namespace: str) -> bool:
         """``namespace``'s identity is known now: True if it has blocks to announce (newly queued)."""
-        if namespace in self.waiting and namespace not in self.ready:
+        if (namespace in self.waiting or namespace in self.below) and namespace not in self.ready:
             self.ready.append(namespace)
             return True
         return False
@@ -72,9 +97,11 @@ class Adopted:
         """A CLEAR of ``namespace`` (None: of all): its adopted blocks are gone, none is to be announced."""
         if namespace is None:
             self.waiting.clear()
+            self.below.clear()
             self.ready.clear()
             return
         self.waiting.pop(namespace, None)
+        self.below.pop(namespace, None)
         if namespace in self.ready:
             self.ready.remove(namespace)
 
@@ -84,20 +111,35 @@ class Adopted:
             self.ready.remove(namespace)
 
     def next_slice(self) -> Announcement | None:
-        """The next slice of the first ready namespace: at most ``slice_keys`` entries looked at, the
-        live ones' keys (maybe none: the caller goes on at the next turn). None: nothing is ready."""
+        """The next slice of the first ready namespace (its pool blocks, then each tier's): at most
+        ``slice_keys`` blocks looked at, the live ones' keys (maybe none: the caller goes on at the next
+        turn). None: nothing is ready."""
         if not self.ready:
             return None
         ns = self.ready[0]
         q = self.waiting.get(ns)
-        part = [q.popleft() for _ in range(min(self.slice_keys, len(q)))] if q else []
+        if q:
+            part = [q.popleft() for _ in range(min(self.slice_keys, len(q)))]
+            keys = [e.key for e in part if e.ready and not e.dead]
+            self.skipped += len(part) - len(keys)
+            self.announced += len(keys)
+            out = Announcement(ns, keys)
+        else:
+            tiers = self.below.get(ns)
+            out = Announcement(ns, [])
+            if tiers:
+                tier = tiers[0]
+                raw, more = tier.take_reopened(ns, self.slice_keys)
+                if not more:
+                    tiers.pop(0)
+                out = Announcement(ns, [raw[i:i + KEY_SIZE] for i in range(0, len(raw), KEY_SIZE)], tier.medium)
+                self.announced_below += len(out.keys)
         if not q:
-            self.ready.popleft()
             self.waiting.pop(ns, None)
-        keys = [e.key for e in part if e.ready and not e.dead]
-        self.skipped += len(part) - len(keys)
-        self.announced += len(keys)
-        return Announcement(ns, keys)
+        if ns not in self.waiting and not self.below.get(ns):
+            self.below.pop(ns, None)
+            self.ready.popleft()
+        return out
 
     @property
     def pending(self) -> int:

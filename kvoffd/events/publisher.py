@@ -51,7 +51,7 @@ import msgspec
 import zmq
 
 from kvoffd.cache.index import IndexObserver
-from kvoffd.events.announce import BACKOFF_S, Adopted
+from kvoffd.events.announce import BACKOFF_S, Adopted, Reopened
 from kvoffd.events.wire import (
     LOCALITY,
     MEDIUM_CPU,
@@ -196,7 +196,7 @@ class KvEventPublisher(IndexObserver):
         return {"endpoint": self.bound.publish, "replay_endpoint": self.bound.replay, "topic": self.bound.topic,
                 "namespaces": len(self._identities), "published": int(m.kv_events_published._value.get()),
                 "dropped": int(m.kv_events_dropped._value.get()), "adopted_announced": self._adopted.announced,
-                "adopted_waiting": self._adopted.pending}
+                "adopted_waiting": self._adopted.pending, "reopened_announced": self._adopted.announced_below}
 
     # --- what the server tells it ------------------------------------------------------------------
     def set_identity(self, namespace: str, identity: EventIdentity | None) -> None:
@@ -224,6 +224,14 @@ class KvEventPublisher(IndexObserver):
             if ns in self._identities and self._adopted.known(ns):
                 self._schedule_announce()
 
+    def reopened(self, tier: Reopened) -> None:
+        """A tier below the pool found blocks at start (kvoffd/cache/tiers/disk.py): announced like the
+        adopted ones, under its medium, once their namespace's identity is known. On the loop."""
+        self._adopted.add_below(tier)
+        for ns in tier.reopened_namespaces():
+            if ns in self._identities and self._adopted.known(ns):
+                self._schedule_announce()
+
     def _schedule_announce(self) -> None:
         if self._announcing is None:
             if self._loop is None:
@@ -243,7 +251,7 @@ class KvEventPublisher(IndexObserver):
             return
         ident = self._identities.get(a.namespace)
         if ident is not None and a.keys:
-            self._add(_Pending(EventKind.STORED, ident, a.keys))
+            self._add(_Pending(EventKind.STORED, ident, a.keys, a.medium))
         if self._adopted.ready:
             self._schedule_announce()
 

@@ -212,6 +212,7 @@ class Server:
         if self.kv_events is not None:
             self.kv_events.start()
             self.kv_events.adopted(adopted, identities)
+            self.tiers.publish(self.kv_events)  # the disk tier's changes, and what it found at start
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain)
         self._guard = ListenerGuard(self._ctx, self.sock, self._listener, self._zmq_fd, self.fds)
