@@ -220,9 +220,8 @@ class KvEventPublisher(IndexObserver):
             if ns not in self._identities:  # an engine that registered already said it itself
                 self._identities[ns] = ident
         self._adopted.add(entries)
-        for ns in list(self._adopted.waiting):
-            if ns in self._identities and self._adopted.known(ns):
-                self._schedule_announce()
+        if self._adopted.backlog:
+            self._schedule_announce()
 
     def reopened(self, tier: Reopened) -> None:
         """A tier below the pool found blocks at start (kvoffd/cache/tiers/disk.py): announced like the
@@ -239,20 +238,25 @@ class KvEventPublisher(IndexObserver):
             self._announcing = self._loop.call_soon(self._announce_turn)
 
     def _announce_turn(self) -> None:
-        """One slice of adopted blocks per loop turn; later while the publisher thread is behind."""
+        """One slice of adopted blocks per loop turn (and one slice of their sorting, first); later while
+        the publisher thread is behind."""
         self._announcing = None
         if self._thread is None:
             return
         if self._queue.qsize() * 2 >= self._queue.maxsize:
             self._announcing = self._loop.call_later(BACKOFF_S, self._announce_turn)
             return
-        a = self._adopted.next_slice()
-        if a is None:
-            return
-        ident = self._identities.get(a.namespace)
-        if ident is not None and a.keys:
-            self._add(_Pending(EventKind.STORED, ident, a.keys, a.medium))
-        if self._adopted.ready:
+        adopted = self._adopted
+        if adopted.backlog:  # sorting the adopted entries by namespace comes first, sliced as well
+            for ns in adopted.sort_some():
+                if ns in self._identities:
+                    adopted.known(ns)
+        a = adopted.next_slice()
+        if a is not None:
+            ident = self._identities.get(a.namespace)
+            if ident is not None and a.keys:
+                self._add(_Pending(EventKind.STORED, ident, a.keys, a.medium))
+        if adopted.ready or adopted.backlog:
             self._schedule_announce()
 
     def tier_changed(self, medium: str, namespace: str, stored: list[bytes], removed: list[bytes]) -> None:
