@@ -140,11 +140,10 @@ class Persistence(IndexObserver):
 
     def take_adopted(self) -> tuple[list[Entry], dict[str, EventIdentity]]:
         """The adopted entries (once: the caller keeps them from here) and the KV-event identities the
-        file kept for their namespaces."""
+        file kept for their namespaces (the table holds only adopted namespaces until the first REGISTER:
+        ``adopt`` kept those alone; no pass over the entries, which may be millions)."""
         entries, self._adopted = self._adopted, []
-        names = {e.table.namespace for e in entries}
-        return entries, {f.name: f.events for f in self.namespaces.by_id.values()
-                         if f.events is not None and f.name in names}
+        return entries, {f.name: f.events for f in self.namespaces.by_id.values() if f.events is not None}
 
     def note_identity(self, namespace: str, ident: EventIdentity | None) -> None:
         """REGISTER's ``layout.kv_events`` for ``namespace`` (None: absent): kept with its facts."""
