@@ -196,17 +196,25 @@ class DiskTier:
 
     def _mark(self, c: _SizeClass, pos: np.ndarray) -> None:
         """Rank 0's records at ``pos``, by namespace (positions as uint32: 4 bytes a block, plus a byte a
-        record for the marks, freed once all are handed out)."""
-        tids = c.table.recs["tid"][pos]
-        for tid in np.unique(tids).tolist():
-            ref = self._refs.get(tid)
-            if ref is None or ref.rank != 0:
+        record for the marks, freed once all are handed out). O(records x namespaces), no sort: the
+        daemon is about to serve."""
+        if not len(pos) or not self._refs:
+            return
+        names = sorted({r.namespace for r in self._refs.values() if r.rank == 0})
+        ns_of = np.full(max(self._refs) + 1, -1, dtype=np.int32)  # tid -> namespace number (-1: not rank 0)
+        for tid, r in self._refs.items():
+            if r.rank == 0:
+                ns_of[tid] = names.index(r.namespace)
+        tids = c.table.recs["tid"][pos].astype(np.int64)
+        of = np.where(tids < len(ns_of), ns_of[np.minimum(tids, len(ns_of) - 1)], -1)
+        for k, name in enumerate(names):
+            mine = pos[of == k].astype(np.uint32)
+            if not len(mine):
                 continue
             if c.reopened is None:
                 c.reopened = np.zeros(c.table.cap, dtype=bool)
-            mine = pos[tids == tid].astype(np.uint32)
             c.reopened[mine] = True
-            self._reopened.setdefault(ref.namespace, []).append((c, mine))
+            self._reopened.setdefault(name, []).append((c, mine))
 
     def reopened_namespaces(self) -> set[str]:
         return set(self._reopened)
