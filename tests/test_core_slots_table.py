@@ -167,3 +167,43 @@ def test_blocks_of_a_cleared_or_forgotten_namespace_are_not_adopted_later():
     assert index.forget_if_idle("m")
     got, gone = plan.take(index, pool, 100)  # its table is gone: nothing enters, the slots go back
     assert not got and len(gone) == 6 and pool.used_bytes == 0 and index.resident == 0
+
+
+def test_the_namespace_table_keeps_the_kv_event_identity_and_reads_old_or_bad_ones_leniently():
+    """The identity is an optional key of a namespace's JSON object: kept across a reload, changed in place
+    (not a new namespace id: it is not what a re-registering engine must match), absent in a table
+    written without it, and a malformed one loses only itself (one warning), never the namespace."""
+    import json
+    import zlib
+
+    from kvoffd.cache.slots_table import _NS_HEAD, _NS_MAGIC, NamespaceTable
+    from kvoffd.events.wire import EventIdentity, HashForm
+    from kvoffd.pool_format import NS_AREA_BYTES
+
+    table = NamespaceTable(memoryview(bytearray(2 * NS_AREA_BYTES)))
+    ident = EventIdentity(HashForm.INT64, 16)
+    assert table.id_for(NamespaceFacts("ev", 1, {0: RankFacts(SLOT, (SLOT,))}, events=ident)) == 1
+    assert table.id_for(NamespaceFacts("ev", 1, {0: RankFacts(SLOT, (SLOT,))})) == 1  # same facts, same id
+    again = NamespaceTable(table.area)
+    again.load()
+    assert again.by_id[1].events == ident
+    again.set_events("ev", EventIdentity(HashForm.BYTES, 32))
+    third = NamespaceTable(table.area)
+    third.load()
+    assert third.by_id[1].events == EventIdentity(HashForm.BYTES, 32)
+
+    def write(doc: dict) -> NamespaceTable:
+        area = memoryview(bytearray(2 * NS_AREA_BYTES))
+        body = json.dumps(doc).encode()
+        area[:_NS_HEAD.size] = _NS_HEAD.pack(_NS_MAGIC, 1, len(body), zlib.crc32(body))
+        area[_NS_HEAD.size:_NS_HEAD.size + len(body)] = body
+        t = NamespaceTable(area)
+        t.load()
+        return t
+
+    row = {"id": 3, "name": "old", "world_size": 1, "ranks": {"0": {"slot_bytes": SLOT, "layout": [SLOT]}}}
+    assert write({"namespaces": [row]}).by_id[3].events is None  # written before the key existed
+    for bad in ({"hash": "md5", "block_size": 16}, {"hash": "int64", "block_size": 0}, ["int64"],
+                {"hash": "bytes", "block_size": True}, {"hash": "bytes"}):
+        t = write({"namespaces": [{**row, "events": bad}]})
+        assert t.by_id[3].name == "old" and t.by_id[3].events is None, bad

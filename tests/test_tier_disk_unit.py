@@ -177,3 +177,46 @@ def test_a_spilled_blocks_slot_is_not_reused_before_its_write_read_it(tmp_path):
 
 def test_spills_past_the_deferred_budget_are_dropped_and_counted(tmp_path):
     asyncio.run(_gated(str(tmp_path / "disk"), budget_blocks=4))
+
+
+async def _reopen(path: str) -> None:
+    tier = DiskTier(path, 64 * SLOT, threads=2)
+    tier.start(asyncio.get_running_loop())
+    told: list[tuple[str, bytes, bytes]] = []
+    tier.changed = lambda ref, stored, removed: told.append((ref.namespace, stored, removed))
+    keys, src, _ = _blocks(0, 20)
+    other = TableRef("unit", 1, 2, (SLOT,))  # rank 1 of another table: never announced
+    try:
+        assert all(r is SpillResult.WRITTEN for r in await tier.write(REF, keys, src))
+        assert all(r is SpillResult.WRITTEN for r in await tier.write(other, keys[:4 * 32], src[:4]))
+        assert b"".join(s for _, s, _ in told if s) == keys + keys[:4 * 32]  # every insert told, with its keys
+    finally:
+        tier.close()
+    tier = DiskTier(path, 64 * SLOT, threads=2)  # the restart: its index reopened
+    tier.start(asyncio.get_running_loop())
+    told.clear()
+    tier.changed = lambda ref, stored, removed: told.append((ref.namespace, stored, removed))
+    try:
+        assert tier.reopened_namespaces() == set()  # marked only when events are published
+        tier.mark_reopened()
+        assert tier.reopened_namespaces() == {"unit"}
+        tier.remove(REF, keys[3 * 32:4 * 32])  # gone before its announcement: told removed, never announced
+        assert told == [("unit", b"", keys[3 * 32:4 * 32])]
+        got, more = tier.take_reopened("unit", 8)
+        assert more and len(got) == 7 * 32  # 8 looked at, one of them gone
+        rest, more = tier.take_reopened("unit", 100)
+        assert not more and sorted(_split(got + rest)) == sorted(set(_split(keys)) - {keys[96:128]})
+        assert tier.take_reopened("unit", 100) == (b"", False) and tier.reopened_namespaces() == set()
+        assert tier._classes[SLOT].reopened is None  # the marks freed once all were handed out
+    finally:
+        tier.close()
+
+
+def _split(keys: bytes) -> list[bytes]:
+    return [keys[i:i + 32] for i in range(0, len(keys), 32)]
+
+
+def test_reopened_blocks_are_handed_out_once_while_still_held(tmp_path):
+    """KV events: inserts and removals are told with their keys; after a restart the rank-0 blocks found
+    are handed out slice by slice, once, those removed meanwhile left out."""
+    asyncio.run(_reopen(str(tmp_path / "d")))

@@ -13,6 +13,7 @@ from kvoffd.cache.index import Entry, Index
 from kvoffd.cache.persist import Persistence
 from kvoffd.cache.pool import Pool, Provisioned
 from kvoffd.cache.pool_file import PoolFile, PoolFileError, open_pool_file
+from kvoffd.events.wire import EventIdentity
 from kvoffd.pool_format import Layout, default_pool_path, pool_geometry
 from kvoffd.shards import bind_shards, plan_shards
 from kvoffd.topology import Topology
@@ -43,6 +44,14 @@ class Volatile:
         pass
 
     def touched(self, entries: Sequence[Entry]) -> None:
+        pass
+
+    on_adopted = None  # (a pool in private memory adopts nothing)
+
+    def take_adopted(self) -> tuple[list[Entry], dict[str, EventIdentity]]:
+        return [], {}
+
+    def note_identity(self, namespace: str, ident: EventIdentity | None) -> None:
         pass
 
     async def close(self) -> None:

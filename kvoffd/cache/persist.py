@@ -23,6 +23,16 @@ lazily: the first LOAD of an adopted block checks its crc32 first (the ``--verif
 kvoffd/server/verify.py), and a background pass checks the rest, each slice as it enters the index;
 a mismatch drops that block only (a counted miss). The end of that pass is "full adoption"
 (``stats()['verified_s']``).
+
+The namespace facts also keep each namespace's KV-event identity (``note_identity``, told at every
+REGISTER, whether or not this daemon publishes events): so a daemon that adopts the blocks can
+announce them to routers at start (``take_adopted``, kvoffd/events/announce.py), before any engine
+registers again, rather than leaving the stream blind until one does (an engine may never come back:
+a node restarted with new engine processes, or one that now starts later than the daemon). Routers
+learn a restarted node's blocks as soon as its daemon is back, and the announcement does not depend on
+which engine registers first. The identity is the REGISTER's own word, so it cannot be wrong for blocks
+stored under it; when an engine later registers with another one (a changed
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), the file takes the new one and the next events use it.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -44,7 +54,8 @@ from kvoffd.cache.adopt import AdoptionPlan, plan_adoption
 from kvoffd.cache.index import Entry, Index, IndexObserver, Table
 from kvoffd.cache.pool import Pool
 from kvoffd.cache.pool_file import ALLOCATE_THREADS, PoolFile
-from kvoffd.cache.slots_table import NamespaceFacts, NamespaceTable, RankFacts, SlotRecords
+from kvoffd.cache.slots_table import MAX_NAMESPACE_IDS, NamespaceFacts, NamespaceTable, RankFacts, SlotRecords
+from kvoffd.events.wire import EventIdentity
 from kvoffd.pool_format import NS_AREA_BYTES
 from kvoffd.shards import bind_thread_near
 
@@ -72,6 +83,9 @@ class Persistence(IndexObserver):
         self.namespaces = NamespaceTable(memoryview(pf.map)[lay.ns_offset:lay.ns_offset + 2 * NS_AREA_BYTES])
         self._ids: weakref.WeakKeyDictionary[Table, int] = weakref.WeakKeyDictionary()
         self.unverified: set[Entry] = set()
+        self._adopted: list[Entry] | None = []  # slices indexed before ``take_adopted`` (None after it)
+        self.on_adopted: Callable[[list[Entry]], None] | None = None  # each slice after (the KV events)
+        self._events: OrderedDict[str, EventIdentity | None] = OrderedDict()  # REGISTER's layout.kv_events
         self._queue: deque[list[Entry]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -141,6 +155,10 @@ class Persistence(IndexObserver):
         entries, gone = plan.take(self.index, self.pool, ADOPT_SLICE)
         self.records.invalidate(gone)
         self.unverified.update(entries)
+        if self.on_adopted is not None:
+            self.on_adopted(entries)
+        elif self._adopted is not None:
+            self._adopted += entries
         if entries and not self._no_verify_pass:
             for i in range(0, len(entries), VERIFY_SLICE):
                 part = entries[i:i + VERIFY_SLICE]
@@ -153,6 +171,22 @@ class Persistence(IndexObserver):
         self.indexed_s = time.monotonic() - self._t0
         log.info("adopted blocks all in the index %.2f s after start", self.indexed_s)
         self._maybe_verified()
+
+    def take_adopted(self) -> tuple[list[Entry], dict[str, EventIdentity]]:
+        """The adopted entries in the index so far (once: the caller keeps them from here; the later
+        slices go to ``on_adopted``, if set) and the KV-event identities the file kept for their
+        namespaces (the table holds only adopted namespaces until the first REGISTER: ``adopt`` kept
+        those alone; no pass over the entries, which may be millions)."""
+        entries, self._adopted = self._adopted or [], None
+        return entries, {f.name: f.events for f in self.namespaces.by_id.values() if f.events is not None}
+
+    def note_identity(self, namespace: str, ident: EventIdentity | None) -> None:
+        """REGISTER's ``layout.kv_events`` for ``namespace`` (None: absent): kept with its facts."""
+        self.namespaces.set_events(namespace, ident)
+        self._events[namespace] = ident  # for facts made later (at the namespace's first seal)
+        self._events.move_to_end(namespace)
+        while len(self._events) > MAX_NAMESPACE_IDS:
+            self._events.popitem(last=False)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """The sealer thread, the background verification of adopted blocks, the periodic flush."""
@@ -320,7 +354,7 @@ class Persistence(IndexObserver):
             if ns is None or ns.tables.get(t.rank) is not t:
                 return None
             facts = NamespaceFacts(t.namespace, ns.world_size, {t.rank: RankFacts(t.slot_bytes, ns.layouts[t.rank])},
-                                   ns.replicas)
+                                   ns.replicas, self._events.get(t.namespace))
             got = self.namespaces.id_for(facts)
             if got is not None:
                 self._ids[t] = got

@@ -19,9 +19,16 @@ to 0, words 1-7, then word 0 with the state. It is invalidated (word 0 to 0, one
 its slot goes back to the pool (``invalidate``). A record whose state is not SEALED, or whose check
 does not match, is ignored at adoption. Everything is numpy, vectorised over a batch of slots.
 
-Namespace table: a JSON document (namespace id -> name, world size, each rank's slot size and layout)
-written to the older of two areas with a generation number and a crc32, so one copy is whole whatever
-instant the process dies at.
+Namespace table: a JSON document (namespace id -> name, world size, each rank's slot size and layout,
+and optionally its KV-event identity) written to the older of two areas with a generation number and a
+crc32, so one copy is whole whatever instant the process dies at.
+
+The KV-event identity (``"events": {"hash", "block_size", "group_idx"}``: what REGISTER's
+``layout.kv_events`` said) is an optional key of a namespace's JSON object, not a change of the file's
+layout, so ``FORMAT_VERSION`` stays: an older daemon reads the object's other keys and ignores it (its
+own save then drops it: the next daemon learns the identity at REGISTER instead), and a file written
+before it has none (the same). It is read leniently: a malformed value loses the identity (one
+warning), never the namespace and so never its blocks.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvoffd.events.wire import EventIdentity, HashForm
 from kvoffd.pool_format import NS_AREA_BYTES, Layout
 
 log = logging.getLogger(__name__)
@@ -158,6 +166,31 @@ class NamespaceFacts:
     world_size: int
     ranks: dict[int, RankFacts] = field(default_factory=dict)  # storing ranks only (``replicas``)
     replicas: int = 1  # REGISTER.replicas: runs of ranks sharing one copy, stored by the run's first rank
+    #: its engines' ``layout.kv_events`` (None: not said, or keys that are not block hashes). Not part of
+    #: what a re-registering engine must match: it is what the KV-event stream shows, not the bytes.
+    events: EventIdentity | None = None
+
+
+def _events_doc(ident: EventIdentity | None) -> dict[str, object] | None:
+    if ident is None:
+        return None
+    return {"hash": ident.hash_form.value, "block_size": ident.block_size, "group_idx": ident.group_idx}
+
+
+def _events_of(doc: object, name: str) -> EventIdentity | None:
+    """A namespace's persisted event identity; a malformed one is dropped with a warning (the namespace
+    and its blocks stay: only the announcement at start waits for the engine's REGISTER)."""
+    if doc is None:
+        return None
+    try:
+        block_size, group_idx = doc["block_size"], doc.get("group_idx", 0)
+        if type(block_size) is not int or type(group_idx) is not int or block_size < 1 or group_idx < 0:
+            raise ValueError(f"block_size {block_size!r}, group_idx {group_idx!r}")
+        return EventIdentity(HashForm(doc["hash"]), block_size, group_idx)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("the pool's namespace table: namespace %r has a malformed KV-event identity (%s); its blocks "
+                    "are announced once an engine registers it", name, e)
+        return None
 
 
 class NamespaceTable:
@@ -188,8 +221,9 @@ class NamespaceTable:
                 replicas = int(item.get("replicas", 1))
                 if replicas < 1:
                     raise ValueError(f"replicas {replicas}")
-                self.by_id[int(item["id"])] = NamespaceFacts(str(item["name"]), int(item["world_size"]), ranks,
-                                                             replicas)
+                name = str(item["name"])
+                self.by_id[int(item["id"])] = NamespaceFacts(name, int(item["world_size"]), ranks, replicas,
+                                                             _events_of(item.get("events"), name))
         except (ValueError, KeyError, TypeError) as e:
             log.warning("the pool's namespace table is damaged (%s); its blocks are not adopted", e)
             self.by_id.clear()
@@ -213,6 +247,14 @@ class NamespaceTable:
             return None
         return new
 
+    def set_events(self, name: str, ident: EventIdentity | None) -> None:
+        """What REGISTER's ``layout.kv_events`` now says for namespace ``name``: saved if it changed."""
+        changed = [f for f in self.by_id.values() if f.name == name and f.events != ident]
+        for f in changed:
+            f.events = ident
+        if changed:
+            self.save()
+
     def keep_only(self, ids: set[int]) -> None:
         """Forget the namespaces no adopted block uses (the table stays small across restarts)."""
         self.by_id = {i: f for i, f in self.by_id.items() if i in ids}
@@ -221,7 +263,9 @@ class NamespaceTable:
     def save(self) -> bool:
         doc = {"namespaces": [{"id": i, "name": f.name, "world_size": f.world_size, "replicas": f.replicas,
                                "ranks": {str(r): {"slot_bytes": rf.slot_bytes, "layout": list(rf.layout)}
-                                         for r, rf in f.ranks.items()}} for i, f in self.by_id.items()]}
+                                         for r, rf in f.ranks.items()},
+                               **({"events": _events_doc(f.events)} if f.events is not None else {})}
+                              for i, f in self.by_id.items()]}
         body = json.dumps(doc, separators=(",", ":")).encode()
         if len(body) > NS_AREA_BYTES - _NS_HEAD.size:
             log.warning("the pool's namespace table is full (%d bytes); new namespaces are not persisted", len(body))

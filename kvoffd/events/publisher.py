@@ -27,6 +27,9 @@ Why it is shaped like this:
 * A CLEAR of one namespace is its removals (``freeing``); a CLEAR of every namespace is one
   ``AllBlocksCleared`` (``all_cleared``, told by the CLEAR handler: the index's ``cleared`` moment
   names one namespace at a time, and a router needs "everything" once, not a removal per block).
+* The blocks a warm restart adopted were committed by another daemon: ``adopted`` (told once, at
+  start) announces them as ``BlockStored`` once their namespace's identity is known, in slices across
+  loop turns (kvoffd/events/announce.py), so the stream matches the index after a restart too.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import msgspec
 import zmq
 
 from kvoffd.cache.index import IndexObserver
+from kvoffd.events.announce import BACKOFF_S, Adopted, Reopened
 from kvoffd.events.wire import (
     LOCALITY,
     MEDIUM_CPU,
@@ -114,7 +118,8 @@ def replay_endpoint_for(endpoint: str) -> str:
 
 class KvEventPublisher(IndexObserver):
     """An index observer that publishes vLLM KV events; see the module doc. Of the index's moments it
-    needs ``committed`` (BlockStored) and ``freeing`` (BlockRemoved); the others stay no-ops."""
+    needs ``committed`` (BlockStored), ``freeing`` (BlockRemoved) and ``cleared`` (adopted blocks of a
+    cleared namespace are not announced); the others stay no-ops."""
 
     def __init__(self, endpoints: Endpoints, metrics: Metrics, queue_batches: int = QUEUE_BATCHES,
                  replay_batches: int = REPLAY_BATCHES):
@@ -134,6 +139,8 @@ class KvEventPublisher(IndexObserver):
         self._replay: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._bad_replays = 0
+        self._adopted = Adopted()  # a warm restart's blocks, announced once their identity is known
+        self._announcing: asyncio.Handle | None = None
 
     # --- life ---------------------------------------------------------------------------------------
     def bind(self) -> Endpoints:
@@ -169,6 +176,9 @@ class KvEventPublisher(IndexObserver):
 
     def close(self) -> None:
         """Send what is queued (the thread drains its queue first), then close the sockets."""
+        if self._announcing is not None:
+            self._announcing.cancel()
+            self._announcing = None
         if self._thread is not None:
             self._flush()
             self._queue.put(None)
@@ -185,18 +195,69 @@ class KvEventPublisher(IndexObserver):
         m = self.metrics
         return {"endpoint": self.bound.publish, "replay_endpoint": self.bound.replay, "topic": self.bound.topic,
                 "namespaces": len(self._identities), "published": int(m.kv_events_published._value.get()),
-                "dropped": int(m.kv_events_dropped._value.get())}
+                "dropped": int(m.kv_events_dropped._value.get()), "adopted_announced": self._adopted.announced,
+                "adopted_waiting": self._adopted.pending, "reopened_announced": self._adopted.announced_below}
 
     # --- what the server tells it ------------------------------------------------------------------
     def set_identity(self, namespace: str, identity: EventIdentity | None) -> None:
         """An engine registered in ``namespace``; ``identity`` None: its keys are not block hashes."""
         if identity is None:
             self._identities.pop(namespace, None)
+            self._adopted.withdrawn(namespace)
             return
         self._identities[namespace] = identity
         self._identities.move_to_end(namespace)
         while len(self._identities) > MAX_NAMESPACES:
-            self._identities.popitem(last=False)
+            self._adopted.withdrawn(self._identities.popitem(last=False)[0])
+        if self._adopted.known(namespace):
+            self._schedule_announce()
+
+    def adopted(self, entries: Sequence[Entry], identities: dict[str, EventIdentity]) -> None:
+        """A warm restart's adopted entries, and the identities the pool file kept for their namespaces
+        (kvoffd/cache/persist.py): told once, on the loop, after ``start``. Rank 0's are announced as
+        their namespace's identity becomes known (now, for those the file kept; else at REGISTER)."""
+        for ns, ident in identities.items():
+            if ns not in self._identities:  # an engine that registered already said it itself
+                self._identities[ns] = ident
+        self._adopted.add(entries)
+        if self._adopted.backlog:
+            self._schedule_announce()
+
+    def reopened(self, tier: Reopened) -> None:
+        """A tier below the pool found blocks at start (kvoffd/cache/tiers/disk.py): announced like the
+        adopted ones, under its medium, once their namespace's identity is known. On the loop."""
+        self._adopted.add_below(tier)
+        for ns in tier.reopened_namespaces():
+            if ns in self._identities and self._adopted.known(ns):
+                self._schedule_announce()
+
+    def _schedule_announce(self) -> None:
+        if self._announcing is None:
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            self._announcing = self._loop.call_soon(self._announce_turn)
+
+    def _announce_turn(self) -> None:
+        """One slice of adopted blocks per loop turn (and one slice of their sorting, first); later while
+        the publisher thread is behind."""
+        self._announcing = None
+        if self._thread is None:
+            return
+        if self._queue.qsize() * 2 >= self._queue.maxsize:
+            self._announcing = self._loop.call_later(BACKOFF_S, self._announce_turn)
+            return
+        adopted = self._adopted
+        if adopted.backlog:  # sorting the adopted entries by namespace comes first, sliced as well
+            for ns in adopted.sort_some():
+                if ns in self._identities:
+                    adopted.known(ns)
+        a = adopted.next_slice()
+        if a is not None:
+            ident = self._identities.get(a.namespace)
+            if ident is not None and a.keys:
+                self._add(_Pending(EventKind.STORED, ident, a.keys, a.medium))
+        if adopted.ready or adopted.backlog:
+            self._schedule_announce()
 
     def tier_changed(self, medium: str, namespace: str, stored: list[bytes], removed: list[bytes]) -> None:
         """Another tier (a disk tier: ``MEDIUM_DISK``) now holds ``stored`` and no longer ``removed``,
@@ -263,12 +324,16 @@ class KvEventPublisher(IndexObserver):
             if ident is not None:
                 self._add(_Pending(EventKind.REMOVED, ident, keys))
 
+    def cleared(self, namespace: str) -> None:
+        self._adopted.forget(namespace)  # its entries are dead: none would be announced; free them now
+
     # --- what the CLEAR handler tells it ----------------------------------------------------------
     def all_cleared(self) -> None:
         """A CLEAR of every namespace is done: one AllBlocksCleared instead of a removal per block (the
         turn's pending events, the removals its ``freeing`` calls just added included, describe blocks
         that are gone too). One namespace's CLEAR is its removals: nothing to do here."""
         self._pending.clear()
+        self._adopted.forget()
         self._add(_Pending(EventKind.CLEARED))
 
     def _add(self, p: _Pending) -> None:

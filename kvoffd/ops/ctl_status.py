@@ -78,12 +78,15 @@ def persistence_line(p: dict) -> str:
 
 
 def kv_events_line(ev: Any) -> str:
-    """The KV-event endpoints (--kv-events-address), or "off"."""
+    """The KV-event endpoints (--kv-events-address), or "off"; after a warm restart, how many adopted
+    blocks were announced and how many wait for their namespace's identity (an engine's REGISTER)."""
     if not isinstance(ev, dict) or not ev.get("endpoint"):
         return "off"
     topic = f", topic {ev['topic']!r}" if ev.get("topic") else ""
+    adopted = (f"; adopted blocks: {ev.get('adopted_announced', 0):,} announced, {ev.get('adopted_waiting', 0):,} "
+               "waiting for a REGISTER" if ev.get("adopted_announced") or ev.get("adopted_waiting") else "")
     return (f"{ev['endpoint']} (replay {ev.get('replay_endpoint', '?')}{topic}; "
-            f"{ev.get('published', 0):,} published, {ev.get('dropped', 0):,} dropped)")
+            f"{ev.get('published', 0):,} published, {ev.get('dropped', 0):,} dropped{adopted})")
 
 
 def tier_line(t: dict[str, Any]) -> str:

@@ -112,7 +112,7 @@ class Server:
                                  capabilities=("kv_events",) if self.kv_events is not None else ())
         self.registrar = Registrar(sessions=self.sessions, index=self.index, pool=self.pool, metrics=self.metrics,
                                    fds=self.fds, by_kind=self.by_kind, kv_events=self.kv_events,
-                                   topology=self.topology)
+                                   topology=self.topology, persist=self.persist)
         self.jobs = Jobs(sessions=self.sessions, index=self.index, pool=self.pool, metrics=self.metrics,
                          verify=cfg.verify, persist=self.persist, reply=self._send, spawn=self._spawn,
                          kv_events=self.kv_events, tiers=self.tiers)
@@ -227,8 +227,13 @@ class Server:
         self.tiers.start(loop)
         if self.fd_handover is not None:
             self.fd_handover.start(loop)
+        adopted, identities = self.persist.take_adopted()  # a warm restart's blocks, for the KV-event stream
         if self.kv_events is not None:
             self.kv_events.start()
+            self.kv_events.adopted(adopted, identities)
+            kv_events = self.kv_events
+            self.persist.on_adopted = lambda entries: kv_events.adopted(entries, {})  # the slices still to come
+            self.tiers.publish(self.kv_events)  # the disk tier's changes, and what it found at start
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain)
         self._guard = ListenerGuard(self._ctx, self.sock, self._listener, self._zmq_fd, self.fds)

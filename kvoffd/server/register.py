@@ -29,6 +29,7 @@ from kvoffd_client import protocol as P
 from kvoffd_client.protocol import ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
+    from kvoffd.cache.keeper import Keeper
     from kvoffd.events.publisher import KvEventPublisher
 
 log = logging.getLogger(__name__)
@@ -37,12 +38,15 @@ log = logging.getLogger(__name__)
 class Registrar:
     """Serves REGISTER for the sessions (an ``is_async`` row of the server's table). ``kv_events``
     (--kv-events-address; None: off) is told each registered namespace's ``layout.kv_events``.
-    ``topology``: the host's NUMA nodes, which place each engine's stores on a pool shard."""
+    ``topology``: the host's NUMA nodes, which place each engine's stores on a pool shard. ``persist``
+    (the pool file's keeper) keeps each namespace's ``layout.kv_events`` too, events on or off here:
+    the next daemon announces the blocks it adopts under it (kvoffd/cache/persist.py)."""
 
     def __init__(self, *, sessions: Sessions, index: Index, pool: Pool, metrics: Metrics, fds: FdBudget,
                  by_kind: dict[str, TransferBackend], kv_events: KvEventPublisher | None = None,
-                 topology: Topology | None = None) -> None:
+                 topology: Topology | None = None, persist: Keeper | None = None) -> None:
         self.topology = topology
+        self.persist = persist
         self.sessions = sessions
         self.index = index
         self.pool = pool
@@ -144,8 +148,11 @@ class Registrar:
         except ProtocolError:
             await loop.run_in_executor(None, backend.detach, mapped)
             raise
+        identity = parse_identity(msg.layout.kv_events)
+        if self.persist is not None:
+            self.persist.note_identity(msg.namespace, identity)
         if self.kv_events is not None:  # whether its keys are block hashes, before its first STORE
-            self.kv_events.set_identity(msg.namespace, parse_identity(msg.layout.kv_events))
+            self.kv_events.set_identity(msg.namespace, identity)
         placement = place_engine(self.pool, self.topology, mapped, conn.pid)
         self.sessions.attach(Engine(engine_id=msg.engine_id, conn=conn, namespace=msg.namespace, rank=msg.rank,
                                     world_size=msg.world_size, mapped=mapped, backend=backend, table=table,

@@ -5,7 +5,9 @@ events too. Two subscribers decode with vLLM's own classes (``KVEventBatch``): t
 must name only hashes that vLLM's own events name (the engine-visible hashes a router indexes), its
 resident set rebuilt from events alone must equal what the daemon's LOOKUP finds (after evictions,
 and for a late subscriber from the replay socket), each stored block must carry the tokens and parent
-hash vLLM's own event gives it, and a CLEAR must arrive as AllBlocksCleared.
+hash vLLM's own event gives it, and a CLEAR must arrive as AllBlocksCleared. After a warm restart
+(SIGKILL, the pool file adopted) the new daemon's stream announces the adopted blocks, matching its
+index again.
 
 The engine runs with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0, so that a hash in an event is a daemon
 key the test can look up; tests/test_ops_kv_events.py covers the default integer form.
@@ -126,3 +128,69 @@ def test_a_multi_group_model_publishes_nothing(tmp_path):
         m.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
         assert kv_events_layout(one)["kv_events"]["hash"] == "bytes"
     assert kv_events_layout(CacheIdentity("ns", 32, 1, 1, {"hash_algo": "no-such-algo"})) == {}
+
+
+def test_after_a_warm_restart_the_stream_announces_the_adopted_blocks(tiny_model, tmp_path, monkeypatch):
+    """The daemon is SIGKILLed under a serving engine and a new one adopts its pool file: a subscriber
+    of the new daemon, decoding with vLLM's own classes from seq 0 (the replay socket), rebuilds exactly
+    what the new daemon's LOOKUP finds, named by vLLM's own hashes, each announced once."""
+    import os
+    import shutil
+    import time
+    import uuid
+
+    import msgspec
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    from kvoffd_client.client import KvoffdClient
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    (tmp_path / "d").mkdir()
+    shm = f"/dev/shm/kvtest-ev-vllm-{uuid.uuid4().hex[:10]}"
+    os.makedirs(shm, mode=0o700)
+    d = Daemon(tmp_path / "d", pool="8MiB", pool_path=f"{shm}/kvoffd.pool",
+               extra=("--kv-events-address", "tcp://127.0.0.1:0")).start()
+    decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+    own = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{tmp_path}/vllm-ev",
+                         replay_endpoint=f"ipc://{tmp_path}/vllm-ev-replay")
+    theirs = EventSubscriber(own.endpoint, own.replay_endpoint, decode=decode)
+    llm = make_llm(tiny_model, d.address, kv_events_config=own)
+    ours = None
+    c = KvoffdClient(d.address, name="test", heartbeat=False)
+    try:
+        assert c.connect(10)
+        rng = random.Random(14)
+        generate(llm, [[rng.randrange(3, 500) for _ in range(130)] for _ in range(6)], max_tokens=4)
+        drain(llm)
+        ns = connector_of(llm)._scheduler.identity.namespace
+        assert theirs.wait_for(lambda s: len(_stored(s.events())) >= 24)
+        vllm_hashes = _stored(theirs.events())
+        stored = c.stats()["counters"]["stored_blocks"]
+        deadline = time.monotonic() + 15
+        while c.stats()["persistence"]["sealed_blocks"] < stored:
+            assert time.monotonic() < deadline, "blocks not sealed"
+            time.sleep(0.02)
+        c.close()
+        d.kill()
+        d.start()
+        c = KvoffdClient(d.address, name="test", heartbeat=False)
+        assert c.connect(10)
+        assert c.stats()["persistence"]["adopted_blocks"] >= stored
+        held = {h for h in vllm_hashes if c.lookup(ns, [h]).hits == 1}
+        assert len(held) >= 24, len(held)
+        ev = c.stats()["daemon"]["kv_events"]
+        ours = EventSubscriber(ev["endpoint"], ev["replay_endpoint"], decode=decode)
+        assert ours.wait_for(lambda s: _resident(s.events()) == held), (len(_resident(ours.events())), len(held))
+        events = ours.events()
+        assert all(type(e) is BlockStored and e.medium == "CPU" and e.token_ids == [] for e in events)
+        announced = [h for e in events for h in e.block_hashes]
+        assert len(announced) == len(set(announced)) and set(announced) <= vllm_hashes
+    finally:
+        c.close()
+        close_llm(llm)
+        theirs.close()
+        if ours is not None:
+            ours.close()
+        d.stop()
+        shutil.rmtree(shm, ignore_errors=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -87,11 +87,33 @@ class TierStats:
         return d
 
 
+class TierEvents(Protocol):
+    """Where a tier's changes go when the daemon publishes KV events (kvoffd/events/publisher.py)."""
+
+    def tier_changed(self, medium: str, namespace: str, stored: list[bytes], removed: list[bytes]) -> None: ...
+
+    def reopened(self, tier: Tier) -> None:
+        """``tier`` holds blocks from before the restart (``reopened_namespaces``): announce them."""
+
+
 class Tier(Protocol):
     """A tier of blocks below the pool. All methods are called on the event loop thread and return at
-    once; ``read``/``write`` do their work elsewhere."""
+    once; ``read``/``write`` do their work elsewhere.
+
+    KV events: ``medium`` names it on the stream; ``changed`` (set by ``Tiers.publish``, None: off) is
+    told each change of what it holds, and ``mark_reopened`` (once, before serving), then
+    ``reopened_namespaces``/``take_reopened`` hand out, once, the rank-0 blocks it found at start (see
+    kvoffd/cache/tiers/disk.py)."""
 
     name: str
+    medium: str
+    changed: Callable[[TableRef, bytes, bytes], None] | None
+
+    def mark_reopened(self) -> None: ...
+
+    def reopened_namespaces(self) -> set[str]: ...
+
+    def take_reopened(self, namespace: str, n: int) -> tuple[bytes, bool]: ...
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start threads/connections; futures are resolved on ``loop``."""

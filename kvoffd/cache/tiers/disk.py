@@ -11,6 +11,14 @@ block found again n times survives n more sweeps (up to 3). A slot being read or
 record is removed before its slot is rewritten and inserted only after the write completed — so a
 SIGKILL mid-spill leaves the old record gone and the new one absent, never a record naming half-written
 bytes. Everything here runs on the loop thread except the functions of ``diskio``, run by ``IoPool``.
+
+KV events (medium DISK): ``changed`` (set by kvoffd/cache/tiers/manager.py when the daemon publishes
+events) hears of every record inserted (a spill written) and every record removed (evicted by the
+hand, forgotten after a failed read, removed, cleared by namespace; a CLEAR of all is one
+``AllBlocksCleared`` already), with the keys, on the loop. The blocks found at start are the tier's
+own to announce, since no spill of this daemon wrote them: ``mark_reopened`` marks their records, and
+``take_reopened`` hands them out a slice at a time (kvoffd/events/announce.py), each only while its
+record is still the one found at start (a removal clears its mark), and once.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import fcntl
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +37,7 @@ from kvoffd.cache.tiers import diskio
 from kvoffd.cache.tiers.base import SpillResult, TableRef, TierStats
 from kvoffd.cache.tiers.iopool import READ, WRITE, IoPool
 from kvoffd.cache.tiers.table import BlockTable, keys_u64
+from kvoffd.events.wire import MEDIUM_DISK
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +58,7 @@ class _SizeClass:
     ref: np.ndarray  # CLOCK counts (0..REF_MAX)
     busy: np.ndarray  # reads and writes in flight per slot: never handed out meanwhile
     hand: int = 0
+    reopened: np.ndarray | None = None  # record position -> found at start, not yet announced nor removed
 
 
 @dataclass
@@ -60,8 +70,13 @@ class _Batch:
     results: list = field(default_factory=list)
 
 
+#: a tier's blocks changed: (table, keys stored, keys removed), keys concatenated (32 bytes each)
+Changed = Callable[[TableRef, bytes, bytes], None]
+
+
 class DiskTier:
     name = "disk"
+    medium = MEDIUM_DISK
 
     def __init__(self, path: str, size: int, threads: int = DISK_THREADS):
         self.path = path
@@ -74,7 +89,10 @@ class DiskTier:
             os.close(self._lock)
             raise OSError(f"--disk-path {path} is in use by another kvoffd") from None
         self._tids: dict[TableRef, int] = {}
+        self._refs: dict[int, TableRef] = {}  # tid -> its table
         self._namespaces: dict[int, str] = {}
+        self.changed: Changed | None = None  # KV events (see the module doc)
+        self._reopened: dict[str, list[tuple[_SizeClass, np.ndarray]]] = {}  # namespace -> rank 0's, found at start
         self._gen: dict[int, int] = {}  # tid -> CLEAR generation (a spill that straddles a CLEAR is dropped)
         self._load_tables()
         self._classes: dict[int, _SizeClass] = {}
@@ -101,6 +119,7 @@ class DiskTier:
         for r in rows:
             ref = TableRef(str(r["namespace"]), int(r["rank"]), int(r["world_size"]), tuple(r["layout"]))
             self._tids[ref] = int(r["tid"])
+            self._refs[int(r["tid"])] = ref
             self._namespaces[int(r["tid"])] = ref.namespace
 
     def _save_tables(self) -> None:
@@ -121,6 +140,7 @@ class DiskTier:
         tid = self._tids.get(ref)
         if tid is None and create:
             tid = self._tids[ref] = max(self._tids.values(), default=0) + 1
+            self._refs[tid] = ref
             self._namespaces[tid] = ref.namespace
             self._save_tables()
         return tid or 0
@@ -165,6 +185,84 @@ class DiskTier:
         if len(pos):
             log.info("disk tier: %d blocks of %d bytes found in %s (%d dropped)", int(ok.sum()), c.slot_bytes,
                      self.path, int((~ok).sum()))
+
+    # --- KV events ------------------------------------------------------------------------------------
+    def mark_reopened(self) -> None:
+        """Mark the rank-0 blocks found at start, to be announced (``take_reopened``). Called once, by
+        ``Tiers.publish`` before the daemon serves (nothing changed since the index was opened), and only
+        when the daemon publishes events: otherwise the marks would cost memory for nothing."""
+        for c in self._classes.values():
+            self._mark(c, c.table.live())
+
+    def _mark(self, c: _SizeClass, pos: np.ndarray) -> None:
+        """Rank 0's records at ``pos``, by namespace (positions as uint32: 4 bytes a block, plus a byte a
+        record for the marks, freed once all are handed out). O(records x namespaces), no sort: the
+        daemon is about to serve."""
+        if not len(pos) or not self._refs:
+            return
+        names = sorted({r.namespace for r in self._refs.values() if r.rank == 0})
+        ns_of = np.full(max(self._refs) + 1, -1, dtype=np.int32)  # tid -> namespace number (-1: not rank 0)
+        for tid, r in self._refs.items():
+            if r.rank == 0:
+                ns_of[tid] = names.index(r.namespace)
+        tids = c.table.recs["tid"][pos].astype(np.int64)
+        of = np.where(tids < len(ns_of), ns_of[np.minimum(tids, len(ns_of) - 1)], -1)
+        for k, name in enumerate(names):
+            mine = pos[of == k].astype(np.uint32)
+            if not len(mine):
+                continue
+            if c.reopened is None:
+                c.reopened = np.zeros(c.table.cap, dtype=bool)
+            c.reopened[mine] = True
+            self._reopened.setdefault(name, []).append((c, mine))
+
+    def reopened_namespaces(self) -> set[str]:
+        return set(self._reopened)
+
+    def take_reopened(self, namespace: str, n: int) -> tuple[bytes, bool]:
+        """Up to ``n`` of ``namespace``'s rank-0 blocks found at start, still held by the same record and
+        not handed out before (keys concatenated; fewer, or none, when some went since), and whether
+        more remain. Looks at ``n`` positions at most: O(n) per call whatever the tier's size."""
+        parts = self._reopened.get(namespace)
+        if not parts:
+            self._reopened.pop(namespace, None)
+            return b"", False
+        c, pos = parts[0]
+        take, rest = pos[:n], pos[n:]
+        if len(rest):
+            parts[0] = (c, rest)
+        else:
+            parts.pop(0)
+        live = take[c.reopened[take]]
+        c.reopened[live] = False
+        out = c.table.recs["k"][live].tobytes()
+        more = bool(parts)
+        if not more:
+            self._reopened.pop(namespace, None)
+            if not any(c is c2 for ps in self._reopened.values() for c2, _ in ps):
+                c.reopened = None  # every mark of this class handed out
+        return out, more
+
+    def _removing(self, c: _SizeClass, pos: np.ndarray) -> None:
+        """Records at ``pos`` are about to be removed: told (their keys, by table), unmarked."""
+        if not len(pos):
+            return
+        if c.reopened is not None:
+            c.reopened[pos] = False
+        if self.changed is not None:
+            self._tell(c, pos, removed=True)
+
+    def _tell(self, c: _SizeClass, pos: np.ndarray, removed: bool) -> None:
+        tids = c.table.recs["tid"][pos]
+        keys = c.table.recs["k"][pos]
+        for tid in np.unique(tids).tolist():
+            ref = self._refs.get(tid)
+            if ref is not None:
+                k = keys[tids == tid].tobytes()
+                if removed:
+                    self.changed(ref, b"", k)
+                else:
+                    self.changed(ref, k, b"")
 
     # --- the Tier interface -------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -248,6 +346,7 @@ class DiskTier:
         live = own != NONE
         pos = own[live].astype(np.int64)
         same = c.table.recs["crc"][pos] == np.array(crcs, dtype=np.uint32)[live]
+        self._removing(c, pos[same])
         c.table.remove(pos[same])
         c.owner[s[live][same]] = NONE
 
@@ -306,6 +405,8 @@ class DiskTier:
                                  np.array(res.crcs, dtype=np.uint32)[ok][keep])
             placed = pos >= 0  # both of a key's buckets full (about never): that block is not kept
             c.owner[slots[ok][keep][placed]] = pos[placed]
+            if self.changed is not None and placed.any():
+                self._tell(c, pos[placed], removed=False)
             for j in np.flatnonzero(ok)[keep][~placed].tolist():
                 out[part[j][0]] = SpillResult.FULL
         batch.left -= 1
@@ -338,6 +439,7 @@ class DiskTier:
             c.ref[sel] = 0  # the new block starts unreferenced
             ev = sel[c.owner[sel] != NONE]
             if len(ev):
+                self._removing(c, c.owner[ev].astype(np.int64))
                 c.table.remove(c.owner[ev].astype(np.int64))
                 c.owner[ev] = NONE
                 self.st.evictions += len(ev)
@@ -352,6 +454,7 @@ class DiskTier:
         pos = pos[pos >= 0]
         if c is not None and len(pos):
             slots = c.table.recs["slot"][pos].astype(np.int64)
+            self._removing(c, pos)
             c.table.remove(pos)
             c.owner[slots] = NONE
 
@@ -363,6 +466,10 @@ class DiskTier:
             pos = c.table.live()
             pos = pos[np.isin(c.table.recs["tid"][pos], np.array(tids, dtype=np.uint32))]
             c.owner[c.table.recs["slot"][pos].astype(np.int64)] = NONE
+            if namespace:  # a CLEAR of all is one AllBlocksCleared on the stream: no removal per block
+                self._removing(c, pos)
+            elif c.reopened is not None:
+                c.reopened[pos] = False
             c.table.remove(pos)
 
     def stats(self) -> TierStats:

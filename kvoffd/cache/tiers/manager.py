@@ -1,5 +1,8 @@
 """``Tiers``: what sits between the index and the tiers below the pool (today: the disk tier).
 
+With KV events on, ``publish`` connects each tier to the stream: what it writes and drops is
+published under its medium, and what it found at start is announced (kvoffd/events/announce.py).
+
 It is an index observer (a subclass of kvoffd/cache/index.py's ``IndexObserver``): blocks evicted from
 the pool are spilled (``evicted``), a CLEAR clears the tiers (``cleared``, per namespace; the server
 wraps a CLEAR of all in ``clearing_all`` and calls ``cleared`` itself for a namespace the index does
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kvoffd.cache.index import Entry, Hits, Index, IndexObserver, StorePlan, Table
-from kvoffd.cache.tiers.base import SpillResult, TableRef, Tier, TierStats
+from kvoffd.cache.tiers.base import SpillResult, TableRef, Tier, TierEvents, TierStats
 from kvoffd_client.protocol import KEY_SIZE, MissReason
 
 log = logging.getLogger(__name__)
@@ -88,6 +91,19 @@ class Tiers(IndexObserver):
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         for t in self.tiers:
             t.start(loop)
+
+    def publish(self, events: TierEvents) -> None:
+        """KV events (--kv-events-address): each tier tells ``events`` what it now holds and no longer
+        holds, rank 0's blocks only (as for the pool), under its own medium; and the blocks it found at
+        start are announced. On the loop, after ``start``."""
+        for tier in self.tiers:
+            def changed(ref: TableRef, stored: bytes, removed: bytes, medium: str = tier.medium) -> None:
+                if ref.rank == 0:
+                    events.tier_changed(medium, ref.namespace, _split_keys(stored), _split_keys(removed))
+
+            tier.changed = changed
+            tier.mark_reopened()
+            events.reopened(tier)
 
     async def aclose(self, timeout: float = 30.0) -> None:
         """Let spills in flight land in the index (a clean stop keeps them), then close the tiers."""
@@ -381,6 +397,10 @@ class Tiers(IndexObserver):
             st.notes["spill_deferred_bytes"] = str(self.index.deferred_bytes)  # pool slots spills still read
             out.append(st)
         return out
+
+
+def _split_keys(keys: bytes) -> list[bytes]:
+    return [keys[i:i + _K] for i in range(0, len(keys), _K)]
 
 
 def make_tiers(index: Index, disk_path: str, disk_size: int, verify: bool) -> Tiers:
