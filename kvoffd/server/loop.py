@@ -91,6 +91,7 @@ class Server:
         self.daemon_id = uuid.uuid4().hex
         self.started = time.time()
         t0 = time.monotonic()
+        self._t_process = t0 - process_age_s()  # the process's start, on the monotonic clock
         self.topology = read_topology(cfg.sysfs_root, parse_numa_map(cfg.numa_map))
         self.pool, pool_file = open_pool(cfg.pool_size, cfg.pool_path, cfg.address, cfg.cold, self.topology)
         t_pool = time.monotonic()
@@ -101,8 +102,9 @@ class Server:
         t_tiers = time.monotonic()
         self.backends = make_backends(cfg, self.pool)
         # where a start's time goes (the serving line says it: a warm restart's first hit is this)
-        self.start_phases = {"pool": t_pool - t0, "adoption": t_adopt - t_pool, "tiers": t_tiers - t_adopt,
+        self.start_phases = {"before the server": t0 - self._t_process, "pool": t_pool - t0, "adoption": t_adopt - t_pool, "tiers": t_tiers - t_adopt,
                              "backends": time.monotonic() - t_tiers}
+        self._t_built = time.monotonic()
         self.by_kind = by_kind(self.backends)
         self.fds = FdBudget()
         self.metrics = Metrics(__version__)
@@ -219,11 +221,16 @@ class Server:
 
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
         loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
         if self.sock is None:
             self.bind()
         for b in self.backends:
             b.start()
+        t_backends = time.monotonic()
         self.persist.start(loop)
+        self.start_phases["bind"] = t0 - self._t_built
+        self.start_phases["started"] = t_backends - t0
+        self.start_phases["first adoption slice"] = time.monotonic() - t_backends
         self.tiers.start(loop)
         if self.fd_handover is not None:
             self.fd_handover.start(loop)
