@@ -213,7 +213,9 @@ def _write_zeros(fd: int, length: int) -> None:
     fault at a time (~1.2 GiB/s a thread), and the kernel's fault-around skips such pages; written
     pages are whole, so the pinning threads map them 64 KiB per fault. Writing and then touching runs
     at twice the speed of allocating and then faulting (2.1-2.3 against 1.1-1.2 GiB/s on one thread,
-    2-core VM). ``os.pwrite`` releases the GIL."""
+    2-core VM). ``os.pwrite`` releases the GIL. Only for a segment nothing was written to: the pool hands
+    out no chunk beyond the allocated prefix (``Pool.set_allocated_bytes``), and a segment that may
+    hold adopted blocks is fallocated instead."""
     for off in range(0, length, len(ZEROS)):
         n = min(len(ZEROS), length - off)
         if os.pwrite(fd, ZEROS if n == len(ZEROS) else ZEROS[:n], off) != n:

@@ -26,7 +26,6 @@ def test_a_pool_file_is_pinned_in_place_and_keeps_its_bytes():
         pool, pf = open_pool(4 << 30, f"{d}/kvoffd.pool", "ipc:///nonexistent/x.sock", cold=False)
         assert pf is not None and pool.persistent
         pattern = np.arange(1 << 20, dtype=np.uint8)
-        pool.buffer[123 << 20:124 << 20] = pattern
         pool.set_usable_bytes(0)
         p = Pinner(pool, pool.set_usable_bytes, region_bytes=1 << 30, threads=4)
         t = time.perf_counter()
@@ -37,6 +36,7 @@ def test_a_pool_file_is_pinned_in_place_and_keeps_its_bytes():
         alloc.join(300)
         pool.provisioned.end()
         assert pf.allocated == pool.nbytes and not pf.error
+        pool.buffer[123 << 20:124 << 20] = pattern  # a store, once allocated (the pool hands out nothing before)
         assert p.wait(300)
         dt = time.perf_counter() - t
         try:
