@@ -377,13 +377,15 @@ class Tiers(IndexObserver):
             st.promotions += self.staged_hits  # served from a spill still in flight
             if self.spill_busy:
                 st.spills_dropped[SpillResult.BUSY.value] = self.spill_busy
-            st.notes["spill_copies"] = str(self.spill_copies)  # the fallback that copies on the loop
-            st.notes["spill_deferred_bytes"] = str(self.index.deferred_bytes)  # pool slots spills still read
+            st.staged_hits = self.staged_hits
+            st.spill_copies = self.spill_copies  # the fallback that copies on the loop
+            st.spill_deferred_bytes = self.index.deferred_bytes  # pool slots spills still read
             out.append(st)
         return out
 
 
-def make_tiers(index: Index, disk_path: str, disk_size: int, verify: bool) -> Tiers:
+def make_tiers(index: Index, disk_path: str, disk_size: int, verify: bool, disk_policy: str = "clock2-ghost"
+               ) -> Tiers:
     """The tiers the configuration asks for. A tier that cannot start (an unusable ``--disk-path``) is
     logged and left out: the daemon serves from the pool alone rather than not at all."""
     tiers: list[Tier] = []
@@ -391,7 +393,7 @@ def make_tiers(index: Index, disk_path: str, disk_size: int, verify: bool) -> Ti
     if disk_path:
         from kvoffd.cache.tiers.disk import DiskTier
         try:
-            tiers.append(DiskTier(disk_path, disk_size))
+            tiers.append(DiskTier(disk_path, disk_size, policy=disk_policy))
         except OSError as e:
             disabled = f"disk tier disabled: {e}"
             log.error("%s; serving from the pool alone", disabled)
