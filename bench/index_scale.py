@@ -59,7 +59,7 @@ def build(directory: str, n: int, seed: int = 1) -> tuple[np.ndarray, int]:
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "tables.json"), "w") as f:
         json.dump({"tables": [{"tid": 1, "namespace": "scale", "rank": 0, "world_size": 1, "layout": LAYOUT}]}, f)
-    t = BlockTable(n, os.path.join(directory, f"index-{SLOT}.kvx"))
+    t = BlockTable(n)  # in memory, then saved in one pass (BlockTable.save says why)
     rng = np.random.default_rng(seed)
     first = None
     for lo in range(0, n, BUILD_BATCH):
@@ -68,7 +68,7 @@ def build(directory: str, n: int, seed: int = 1) -> tuple[np.ndarray, int]:
         pos = t.insert(1, k, np.arange(lo, lo + m, dtype=np.uint32), np.zeros(m, dtype=np.uint32))
         if first is None:
             first = k[pos >= 0][:400_000].copy()  # (a key whose two buckets were full is not indexed)
-    t.flush()
+    t.save(os.path.join(directory, f"index-{SLOT}.kvx"))
     return first, t.used
 
 
