@@ -80,7 +80,7 @@ class Server:
         self.pool, pool_file = open_pool(cfg.pool_size, cfg.pool_path, cfg.address, cfg.cold)
         self.index = Index(self.pool, cfg.eviction_policy)
         self.persist = keeper(pool_file, self.pool, self.index)  # adopts the previous daemon's blocks
-        self.tiers = make_tiers(self.index, cfg.disk_path, cfg.disk_size, cfg.verify)  # below the pool
+        self.tiers = make_tiers(self.index, cfg.disk_path, cfg.disk_size, cfg.verify, cfg.disk_policy)  # below the pool
         self.backends = make_backends(cfg, self.pool)
         self.by_kind = by_kind(self.backends)
         self.fds = FdBudget()
