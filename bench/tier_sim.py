@@ -256,6 +256,7 @@ class _Either:
 class Result:
     hits: list[int]
     disk_hits: int
+    first_reuse_hits: int  # hits on a block's first reuse (no policy has any signal about those yet)
 
 
 def simulate2(trace: T.Trace, pool_pol: EvictionPolicy, pool_cap: int, disk_pol: EvictionPolicy,
@@ -281,6 +282,7 @@ def simulate2(trace: T.Trace, pool_pol: EvictionPolicy, pool_cap: int, disk_pol:
 
     hits: list[int] = []
     disk_hits = 0
+    reused: set = set()
     for r in trace.requests:
         ids = r.hash_ids
         n = len(ids)
@@ -299,6 +301,7 @@ def simulate2(trace: T.Trace, pool_pol: EvictionPolicy, pool_cap: int, disk_pol:
         hits.append(m)
         for b in ids[:m]:
             uses[b] = uses.get(b, 0) + 1
+        reused.update(ids[:m])
         if wanted:
             disk_hits += len(wanted)
             for b in wanted:  # the reads: a use
@@ -316,7 +319,20 @@ def simulate2(trace: T.Trace, pool_pol: EvictionPolicy, pool_cap: int, disk_pol:
                 spill(refused)
         pool.check()
         disk.check()
-    return Result(hits, disk_hits)
+    return Result(hits, disk_hits, len(reused))
+
+
+def first_reuses(trace: T.Trace) -> set:
+    """The blocks an unbounded cache hits at least once: each of them has one first reuse."""
+    seen: set = set()
+    out: set = set()
+    for r in trace.requests:
+        for b in r.hash_ids:
+            if b not in seen:
+                break
+            out.add(b)
+        seen.update(r.hash_ids)
+    return out
 
 
 def _job(args: tuple) -> tuple:
@@ -326,13 +342,14 @@ def _job(args: tuple) -> tuple:
     t0 = time.process_time()
     if pool_name == "one-tier":  # LRU and the optimum over p + d blocks, one tier
         f = T.simulate_lru if disk_name == "lru" else T.simulate_optimum
-        return path.stem, part, split, pool_name, disk_name, mode, f(trace, p + d).block_ratio(trace), 0, \
+        return path.stem, part, split, pool_name, disk_name, mode, f(trace, p + d).block_ratio(trace), (0, 0), \
             time.process_time() - t0
     make = disk_policies().get(disk_name) or clock_variant(disk_name)
     res = simulate2(trace, S.factories()[pool_name](p), p, make(d), d,
                     exclusive=mode.startswith("excl"), spill_refused=mode.endswith("+refused"))
     ratio = sum(res.hits) / max(1, trace.asked_blocks)
-    return path.stem, part, split, pool_name, disk_name, mode, ratio, res.disk_hits, time.process_time() - t0
+    return (path.stem, part, split, pool_name, disk_name, mode, ratio, (res.disk_hits, res.first_reuse_hits),
+            time.process_time() - t0)
 
 
 def run(paths: Sequence[Path], parts: Sequence[str], splits: Sequence[str], pools: Sequence[str],
@@ -345,7 +362,8 @@ def run(paths: Sequence[Path], parts: Sequence[str], splits: Sequence[str], pool
             tr = S.halves(trace)[part]
             out.setdefault(path.stem, {})[part] = {
                 "requests": len(tr.requests), "asked_blocks": tr.asked_blocks,
-                "unbounded": T.simulate_unbounded(tr).block_ratio(tr), "rows": [], "one_tier": {}}
+                "unbounded": T.simulate_unbounded(tr).block_ratio(tr), "rows": [], "one_tier": {},
+                "unbounded_first_reuse_hits": len(first_reuses(tr))}
             for split in splits:
                 work += [(path, part, split, "one-tier", d, "") for d in ("lru", "optimum")]
                 work += [(path, part, split, p, d, m) for p in pools for d in disks for m in modes]
@@ -356,7 +374,8 @@ def run(paths: Sequence[Path], parts: Sequence[str], splits: Sequence[str], pool
                 o["one_tier"].setdefault(split, {})[disk] = ratio
                 continue
             o["rows"].append({"split": split, "pool": pool, "disk": disk, "mode": mode, "ratio": ratio,
-                              "of_unbounded": ratio / o["unbounded"], "disk_hits": dh,
+                              "of_unbounded": ratio / o["unbounded"], "disk_hits": dh[0],
+                              "first_reuse_hits": dh[1],
                               "seconds": round(secs, 1)})
     return out
 
