@@ -39,7 +39,7 @@ import json
 import re
 import sys
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -89,7 +89,7 @@ class Clock:
         self.ring: list = []
         self.ref: list[int] = []
         self.slot: dict = {}
-        self.free: list[int] = []
+        self.free: deque[int] = deque()  # in the hand's order: a batch's first block takes its first victim's slot
         self.hand = 0
         self.orphans, self.leaves, self.hint = orphans, leaves, hint
         self.parent: dict = {}
@@ -113,7 +113,7 @@ class Clock:
 
     def on_insert(self, key: Key, parent: Key | None) -> None:
         if self.free:
-            s = self.free.pop()
+            s = self.free.popleft()
         else:
             s = len(self.ring)
             self.ring.append(None)
@@ -234,8 +234,8 @@ def disk_policies() -> dict[str, Callable[[int], EvictionPolicy]]:
         "clock3": lambda c: Clock(c, 3),
         "clock2-orphans": lambda c: Clock(c, 2, orphans=True, name="clock2-orphans"),
         "clock2-leaves": lambda c: Clock(c, 2, leaves=True, name="clock2-leaves"),
-        "clock2-ghost": lambda c: Clock(c, 2, ghost=1.0, name="clock2-ghost"),
-        "clock2-ghost2": lambda c: Clock(c, 2, ghost=1.0, ghost_ref=2, name="clock2-ghost2"),
+        "clock2-ghost1x1": lambda c: Clock(c, 2, ghost=1.0, name="clock2-ghost1x1"),
+        "clock2-ghost1x2": lambda c: Clock(c, 2, ghost=1.0, ghost_ref=2, name="clock2-ghost1x2"),
         "clock2-bloom": lambda c: Clock(c, 2, ghost=2.0, ghost_ref=2, bloom=True, name="clock2-bloom"),
         "clock2-hint": lambda c: Clock(c, 2, hint=True, name="clock2-hint"),
         "clock2-prefix": lambda c: Clock(c, 2, orphans=True, leaves=True, ghost=1.0, hint=True,
@@ -298,19 +298,25 @@ def simulate2(trace: T.Trace, pool_pol: EvictionPolicy, pool_cap: int, disk_pol:
                     break
                 wanted.append(b)
             m += 1
-        hits.append(m)
-        for b in ids[:m]:
-            uses[b] = uses.get(b, 0) + 1
-        reused.update(ids[:m])
         if wanted:
+            # the pool's slots first (``Tiers._promote``: ``prepare_store(admit=False)``); what finds no
+            # room (a request longer than the pool, its hits pinned) ends the hits there, unread
+            ev, _ = pool.store(wanted, [parent[b] for b in wanted], admit=False, pinned=set(ids[:m]))
+            placed = [b for b in wanted if b in pres]
+            if len(placed) < len(wanted):
+                m = ids.index(wanted[len(placed)])
+                wanted = placed
             disk_hits += len(wanted)
             for b in wanted:  # the reads: a use
                 disk_pol.on_access(b)
             if exclusive:
                 for b in wanted:
                     disk.remove(b)
-            ev, _ = pool.store(wanted, [parent[b] for b in wanted], admit=False, pinned=set(ids[:m]))
             spill(ev)
+        hits.append(m)
+        for b in ids[:m]:
+            uses[b] = uses.get(b, 0) + 1
+        reused.update(ids[:m])
         pool.load(ids[:m])
         if m < n:
             ev, refused = pool.store(ids[m:], (ids[m - 1] if m else None, *ids[m:-1]))
