@@ -28,7 +28,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -50,53 +50,103 @@ def factories() -> dict[str, Callable[[int], EvictionPolicy]]:
     return {"lru": LRU, **zoo()}
 
 
-def simulate(trace: T.Trace, policy: EvictionPolicy, capacity: int) -> T.Tally:
-    """The trace through ``policy`` at ``capacity`` blocks, in the daemon's call order (module docstring)."""
-    resident: set = set()
-    t = T.Tally()
-    for r in trace.requests:
-        ids = r.hash_ids
-        h = T.leading_hits(ids, resident)
-        t.hits.append(h)
-        policy.on_lookup_miss(ids[h:])
-        for b in ids[:h]:
-            policy.on_access(b)
-        rest = ids[h:]
-        for b in rest:  # Index._touch: the STORE's resident keys first
-            if b in resident:
-                policy.on_access(b)
-                t.noop += 1
-        admitted: list = []
-        parents: list = []
-        taken: set = set()
-        for j, b in enumerate(rest):
-            if b in resident or b in taken:
-                continue
-            parent = ids[h + j - 1] if h + j else None
-            ok = parent is None or parent in resident or parent in taken
-            if policy.admit(b, ok):
-                admitted.append(b)
-                parents.append(parent)
-                taken.add(b)
-        short = len(admitted) - (capacity - len(resident))
-        while short > 0:
+class TierModel:
+    """One tier of ``capacity`` blocks driven through ``policy`` in the daemon's call order.
+
+    Split out of ``simulate`` so that bench/tier_sim.py drives a pool *and* a disk tier with the same
+    code: the disk tier is a second model whose STOREs are the pool's evictions. ``store`` returns the
+    blocks it evicted (in eviction order) and the ones the policy refused, for the tier below."""
+
+    def __init__(self, policy: EvictionPolicy, capacity: int, tally: T.Tally | None = None):
+        self.policy = policy
+        self.capacity = capacity
+        self.resident: set = set()
+        self.t = tally if tally is not None else T.Tally()
+
+    def load(self, keys: Sequence) -> None:
+        """A LOAD ended: its blocks were used, in key order."""
+        for b in keys:
+            self.policy.on_access(b)
+
+    def evict(self, n: int, pinned: Container = ()) -> list:
+        """Up to ``n`` victims; a pinned one is skipped and handed back as just used (Index.release)."""
+        out: list = []
+        back: list = []
+        policy, resident = self.policy, self.resident
+        while len(out) < n:
             v = policy.victim()
             if v is None:
                 break
+            if v in pinned:
+                back.append(v)
+                continue
             resident.remove(v)  # KeyError: the policy named a block it never held
-            t.evicted += 1
-            short -= 1
-        room = max(0, capacity - len(resident))
+            out.append(v)
+        self.t.evicted += len(out)
+        for v in back:
+            policy.on_access(v)
+        return out
+
+    def store(self, keys: Sequence, parents: Sequence, present: Container = (), admit: bool = True,
+              pinned: Container = ()) -> tuple[list, list]:
+        """A STORE of ``keys`` (``parents[i]``: the block before ``keys[i]`` in its prefix, None for a
+        head). ``present``: blocks outside this tier that count as a present parent (the pool, for the
+        disk). ``admit=False``: a promotion (the index bypasses admission). Returns (evicted, refused)."""
+        policy, resident = self.policy, self.resident
+        for b in keys:  # Index._touch: the STORE's resident keys first
+            if b in resident:
+                policy.on_access(b)
+                self.t.noop += 1
+        admitted: list = []
+        ps: list = []
+        refused: list = []
+        taken: set = set()
+        for b, parent in zip(keys, parents, strict=True):
+            if b in resident or b in taken:
+                continue
+            ok = parent is None or parent in resident or parent in taken or parent in present
+            if not admit or policy.admit(b, ok):
+                admitted.append(b)
+                ps.append(parent)
+                taken.add(b)
+            else:
+                refused.append(b)
+        short = len(admitted) - (self.capacity - len(resident))
+        evicted = self.evict(short, pinned) if short > 0 else []
+        room = max(0, self.capacity - len(resident))
         for b in admitted[room:]:
             policy.on_remove(b)
-        t.dropped += max(0, len(admitted) - room)
-        for b, parent in zip(admitted[:room], parents[:room], strict=True):
+        self.t.dropped += max(0, len(admitted) - room)
+        for b, parent in zip(admitted[:room], ps[:room], strict=True):
             resident.add(b)
             policy.on_insert(b, parent)
-        t.stored += min(room, len(admitted))
-        if len(policy) != len(resident):
-            raise AssertionError(f"{policy.name}: tracks {len(policy)} blocks, {len(resident)} resident")
-    return t
+        self.t.stored += min(room, len(admitted))
+        return evicted, refused
+
+    def remove(self, key) -> None:
+        """The block leaves for a reason of the caller's (an exclusive tier promoted it)."""
+        self.resident.discard(key)
+        self.policy.on_remove(key)
+
+    def check(self) -> None:
+        if len(self.policy) != len(self.resident):
+            raise AssertionError(f"{self.policy.name}: tracks {len(self.policy)} blocks, "
+                                 f"{len(self.resident)} resident")
+
+
+def simulate(trace: T.Trace, policy: EvictionPolicy, capacity: int) -> T.Tally:
+    """The trace through ``policy`` at ``capacity`` blocks, in the daemon's call order (module docstring)."""
+    m = TierModel(policy, capacity)
+    for r in trace.requests:
+        ids = r.hash_ids
+        h = T.leading_hits(ids, m.resident)
+        m.t.hits.append(h)
+        policy.on_lookup_miss(ids[h:])
+        m.load(ids[:h])
+        if h < len(ids):
+            m.store(ids[h:], (ids[h - 1] if h else None, *ids[h:-1]))
+        m.check()
+    return m.t
 
 
 def halves(trace: T.Trace) -> dict[str, T.Trace]:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from kvoffd.cache.policy import DEFAULT_POLICY, LRU, POLICIES
+from kvoffd.cache.policy import DEFAULT_POLICY, DISK_POLICIES, LRU, POLICIES
 from kvoffd.pool_format import pool_geometry
 from kvoffd.topology import NumaMapError, parse_numa_map
 from kvoffd_client.paths import default_auth_token_file, runtime_dir
@@ -158,6 +158,7 @@ class Config:
     disk_size: int = 0  # bytes of disk tier per block size
     numa_map: str = "auto"  # auto | off | gpu0=0,gpu1=1,... (kvoffd/topology.py): the pool's NUMA shards
     sysfs_root: str = "/sys"  # where the topology is read (a test's fake host; a container's host /sys)
+    disk_policy: str = "clock2-ghost"  # the disk tier's replacement (kvoffd/cache/policy.py DISK_POLICIES)
 
     @property
     def metrics_host_port(self) -> tuple[str, int] | None:
@@ -199,6 +200,9 @@ _FLAGS = [
                       "Default: auto"),
     ("sysfs_root", str, "Where the NUMA topology is read from (a container that mounts the host's /sys "
                         "elsewhere). Default: /sys"),
+    ("disk_policy", str, "Replacement in the disk tier: clock2-ghost (2-bit CLOCK; a block evicted from the "
+                         "disk recently starts at count 2 when it comes back) or clock2 (every block starts "
+                         "at 0). Default: clock2-ghost (docs/benchmarks.md, disk tier)"),
 ]
 
 
@@ -268,6 +272,7 @@ _PARSERS: dict[str, tuple[str, Callable[[object], object]]] = {
     "kv_events_topic": ("kv_events_topic", str),
     "disk_path": ("disk_path", str),
     "disk_size": ("disk_size", lambda v: parse_size(str(v))),
+    "disk_policy": ("disk_policy", _lower),
     "allow_remote": ("allow_remote", _truthy),
     "verify": ("verify", _truthy),
     "cold": ("cold", _truthy),
@@ -305,6 +310,8 @@ def _check(cfg: Config, raw: dict[str, object]) -> None:
         cfg.eviction_policy = LRU.name
     if cfg.disk_path and cfg.disk_size < (1 << 20):
         raise ConfigError("--disk-path needs --disk-size of at least 1MiB (e.g. --disk-size 512GiB)")
+    if cfg.disk_policy not in DISK_POLICIES:
+        raise ConfigError(f"--disk-policy must be one of {', '.join(DISK_POLICIES)}, got {cfg.disk_policy!r}")
     if cfg.disk_size and not cfg.disk_path:
         raise ConfigError("--disk-size needs --disk-path (the directory of the disk tier)")
     if cfg.pool_size < (1 << 20):

@@ -77,12 +77,18 @@ _TIER_COUNTERS = (  # TierStats field, metric name, help
     ("checksum_failures", "kvoffd_tier_checksum_failures", "Blocks whose bytes failed their checksum on read"),
     ("read_bytes", "kvoffd_tier_read_bytes", "Bytes read from this tier"),
     ("write_bytes", "kvoffd_tier_write_bytes", "Bytes written to this tier"),
+    ("staged_hits", "kvoffd_tier_staged_hits", "Promotions served from a spill still in flight (copied back "
+     "from its pool slot, no read); included in promotions"),
+    ("spill_copies", "kvoffd_tier_spill_copies", "Evicted blocks copied out on the event loop before their "
+     "spill (a STORE needing more slots than the reserve evicted ahead)"),
 )
 _TIER_GAUGES = (
     ("resident_bytes", "kvoffd_tier_resident_bytes", "Bytes of blocks held by this tier"),
     ("resident_blocks", "kvoffd_tier_resident_blocks", "Blocks held by this tier"),
     ("capacity_bytes", "kvoffd_tier_capacity_bytes", "Bytes this tier may hold"),
     ("index_bytes", "kvoffd_tier_index_bytes", "Memory of this tier's index"),
+    ("spill_deferred_bytes", "kvoffd_tier_spill_deferred_bytes", "Pool bytes kept out of the pool until the "
+     "spills reading them are written"),
 )
 SPILL_DROP_REASONS = ("full", "busy", "error")
 

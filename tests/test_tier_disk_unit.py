@@ -99,6 +99,9 @@ async def _staged(path: str) -> None:
     wanted = b"".join(keys[:8])
     hits = tiers.extend_lookup("unit", wanted, index.lookup("unit", wanted))
     assert hits.n == 8 and tiers.staged_hits == 8
+    st = tiers.stats()[0]  # the spill path's figures are STATS fields (and /metrics series), not notes
+    assert (st.staged_hits, st.spill_copies) == (8, tiers.spill_copies) and st.spill_copies >= 16
+    assert st.promotions >= 8 and st.spill_deferred_bytes == index.deferred_bytes
     for k in keys[:8]:
         e = t.visible[k]  # visible at once: no read to wait for
         assert bytes(index.pool.view(e.slot, SLOT)) == hashlib.sha256(k).digest() * (SLOT // 32)
@@ -212,6 +215,21 @@ async def _reopen(path: str) -> None:
         tier.close()
 
 
+async def _returning(path: str, policy: str) -> np.ndarray:
+    """16 slots: A fills them, B evicts all of A, A[:4] comes back, C and D follow; which of A[:4] are
+    still held after D's sweep."""
+    tier = DiskTier(path, 16 * SLOT, threads=2, policy=policy)
+    tier.start(asyncio.get_running_loop())
+    try:
+        a, a_src, _ = _blocks(0, 16)
+        for keys, src in ((a, a_src), _blocks(100, 16)[:2], (a[:4 * 32], a_src[:4]), _blocks(200, 12)[:2],
+                          _blocks(300, 4)[:2]):
+            assert all(r is SpillResult.WRITTEN for r in await tier.write(REF, keys, src))
+        return tier.contains(REF, a[:4 * 32])
+    finally:
+        tier.close()
+
+
 def _split(keys: bytes) -> list[bytes]:
     return [keys[i:i + 32] for i in range(0, len(keys), 32)]
 
@@ -220,3 +238,32 @@ def test_reopened_blocks_are_handed_out_once_while_still_held(tmp_path):
     """KV events: inserts and removals are told with their keys; after a restart the rank-0 blocks found
     are handed out slice by slice, once, those removed meanwhile left out."""
     asyncio.run(_reopen(str(tmp_path / "d")))
+
+
+def test_clock2_ghost_keeps_a_block_that_came_back_after_its_eviction(tmp_path):
+    """The default disk policy: A[:4] were evicted by B and spilled again, so they start at count 2 and
+    survive the pass that takes D's slots (C's unreferenced blocks go instead). Plain clock2 starts
+    them at 0 and evicts them first."""
+    assert asyncio.run(_returning(str(tmp_path / "ghost"), "clock2-ghost")).all()
+    assert not asyncio.run(_returning(str(tmp_path / "plain"), "clock2")).any()
+
+
+def test_an_unknown_disk_policy_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="disk policy"):
+        DiskTier(str(tmp_path / "disk"), 1 << 20, policy="lfu")
+
+
+def test_ghost_filter_remembers_one_to_two_segments_of_victims():
+    from kvoffd.cache.tiers.ghost import GhostFilter
+
+    g = GhostFilter(1000)
+    rng = np.random.default_rng(5)
+    old, new, never = (rng.integers(0, 2**63, size=(1000, 4), dtype=np.int64).astype(np.uint64) for _ in range(3))
+    g.add(old)  # one full segment: the filters rotate, old is in the older one
+    assert g.contains(old).all()
+    g.add(new[:500])
+    assert g.contains(old).all() and g.contains(new[:500]).all()
+    assert g.contains(never).mean() < 0.03  # ~10 bits per key: about 1% false positives per filter
+    g.add(new[500:])  # a second rotation: old's segment is cleared
+    assert g.contains(new).all() and g.contains(old).mean() < 0.03
+    assert g.nbytes <= 2 * 1300  # 10 bits per key of a segment, per filter

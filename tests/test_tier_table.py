@@ -84,3 +84,17 @@ def test_memory_per_block_is_below_100_bytes():
     t = BlockTable(1_000_000)
     per = t.nbytes / 1_000_000
     assert per == pytest.approx(RECORD.itemsize / LOAD_FACTOR, rel=0.01) and per + 7 <= 100
+
+
+def test_a_table_built_in_memory_and_saved_is_found_again(tmp_path):
+    """BlockTable.save: the file a bench (or an import) writes in one pass opens as the same table."""
+    t = BlockTable(1000)
+    k = np.random.default_rng(3).integers(0, 2**63, size=(700, 4), dtype=np.int64).astype(np.uint64)
+    pos = t.insert(1, k, np.arange(700, dtype=np.uint32), np.arange(700, dtype=np.uint32) * 7)
+    path = str(tmp_path / "index-4096.kvx")
+    t.save(path)
+    u = BlockTable(1000, path)
+    assert u.used == t.used == int((pos >= 0).sum())
+    got = u.lookup(1, k)
+    assert (got == pos).all()
+    assert (u.recs["slot"][got[got >= 0]] == np.arange(700)[got >= 0]).all()

@@ -46,6 +46,11 @@ from typing import Protocol
 Key = Hashable
 
 
+# The disk tier's replacement policies (kvoffd/cache/tiers/disk.py), named here with the pool's so that
+# the configuration can list them without importing the tier; the first is the default.
+DISK_POLICIES = ("clock2-ghost", "clock2")
+
+
 class EvictionPolicy(Protocol):
     """What the index calls; see the module docstring for the order of the calls."""
 

@@ -98,7 +98,7 @@ def tier_line(t: dict[str, Any]) -> str:
     if t.get("name") != "dram":
         dropped = sum((t.get("spills_dropped") or {}).values())
         parts += [f"{t.get('promotions', 0)} promoted ({t.get('promotion_failures', 0)} failed)",
-                  f"{t.get('spills', 0)} spilled ({dropped} dropped)",
+                  f"{t.get('spills', 0)} spilled ({dropped} dropped, {t.get('spill_copies', 0)} copied on the loop)",
                   f"read {fmt_size(t.get('read_bytes'))}, written {fmt_size(t.get('write_bytes'))}",
                   f"{t.get('io_errors', 0)} I/O errors, {t.get('checksum_failures', 0)} bad checksums"]
         note = (t.get("notes") or {}).get("direct_io")

@@ -85,8 +85,9 @@ def _pool_usable(c: KvoffdClient) -> bool:
 
 
 def start_daemon(address: str, pool_size: str = "256MiB", *extra: str, env: dict | None = None,
-                 preexec_fn=None) -> DaemonProc:
-    """``preexec_fn`` runs in the daemon's process before it starts (e.g. to lower its RLIMIT_NOFILE)."""
+                 preexec_fn=None, connect_s: float = 20.0) -> DaemonProc:
+    """``preexec_fn`` runs in the daemon's process before it starts (e.g. to lower its RLIMIT_NOFILE);
+    ``connect_s``: how long it may take to answer (a disk tier of 100M blocks reads its index first)."""
     env = dict(os.environ if env is None else env)
     # A test's pool lives in private memory unless it passes --pool-path (tests/test_warm_restart.py):
     # a persistent pool per test would be left in /dev/shm.
@@ -100,7 +101,7 @@ def start_daemon(address: str, pool_size: str = "256MiB", *extra: str, env: dict
     d = DaemonProc(address, proc, log_path)
     c = KvoffdClient(address, heartbeat=False)
     try:
-        if not c.connect(20):
+        if not c.connect(connect_s):
             proc.kill()
             raise RuntimeError(f"daemon did not come up:\n{d.log()}")
         d.metrics_address = c.stats()["daemon"]["metrics_address"]

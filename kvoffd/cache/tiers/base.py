@@ -78,6 +78,10 @@ class TierStats:
     read_bytes: int = 0
     write_bytes: int = 0
     index_bytes: int = 0  # memory of the tier's index
+    # The spill path's own figures (kvoffd/cache/tiers/manager.py fills them; 0 for a tier on its own):
+    staged_hits: int = 0  # promotions served from a spill still in flight (its pool slot), no read
+    spill_copies: int = 0  # evicted blocks copied out on the loop (a STORE larger than the reserve kept ahead)
+    spill_deferred_bytes: int = 0  # pool bytes held out of the pool now until their spill has read them
     notes: dict[str, str] = field(default_factory=dict)  # e.g. direct_io: "off (tmpfs)"
 
     def as_dict(self) -> dict:

@@ -149,6 +149,20 @@ class BlockTable:
             active = active[keep]
         return out
 
+    def save(self, path: str) -> None:
+        """Write this table (usually an in-memory one) as the file ``path`` in one sequential pass.
+
+        Why: filling a big table through its memmap dirties every page of the file at each batch of
+        random inserts, and the kernel writes them back over and over (a 100M-block table, 5.9 GB,
+        had written 2 TB after 7 minutes on a small VM). Built in memory and saved once, it is written
+        once. Atomic (a temporary file, renamed)."""
+        with open(path + ".tmp", "wb") as f:
+            f.write(_MAGIC + self.cap.to_bytes(8, "little") + bytes(_HEADER - 16))
+            self.recs.tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+
     def remove(self, positions: np.ndarray) -> None:
         """Empty these records (positions of live records)."""
         if len(positions):
