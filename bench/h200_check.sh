@@ -6,7 +6,7 @@
 #
 #   bash bench/h200_check.sh [tests|transfer|pool|restart|disk|vmm|index|all] [extra pytest args...]
 #     tests     pytest tests/gpu                        transfer  daemon A/B: this tree vs .old/tree
-#     pool      daemon A/B: private pool vs pool file    restart   warm restart, 48 GiB pinned, TERM+KILL
+#     pool      daemon A/B: private pool vs pool file    restart   warm restart, 64 GiB pinned, TERM+KILL
 #     disk      disk tier vs dd O_DIRECT on local disk   vmm       cuda_vmm vs IPC-handle path
 #     index     the disk tier's index at 1M/10M/100M blocks
 set -u
@@ -54,7 +54,7 @@ fi
 if has restart; then
   df -h /dev/shm | tail -n 1 >> "$summary"
   for sig in ${RESTART_SIGNALS:-TERM KILL}; do
-    PYTHONPATH=$new_pp timeout 240 python3 bench/restart.py --pool-size ${RESTART_POOL:-48GiB} --backend auto --engine-blocks 1024 \
+    PYTHONPATH=$new_pp timeout 240 python3 bench/restart.py --pool-size ${RESTART_POOL:-64GiB} --backend auto --engine-blocks 1024 \
       --signal $sig --json "$OUT/restart_$sig.json" > "$OUT/restart_$sig.log" 2>&1
     echo "restart $sig (rc $?): $(tail -n 8 "$OUT/restart_$sig.log" | tr '\n' ' ')" >> "$summary"
   done
