@@ -18,6 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from engine_helpers import close_llm, connector_of, drain, external_hits, generate, make_llm, vllm_metric  # noqa: E402
 
+from kvoffd_client.vllm.common import STAT_KEYS  # noqa: E402
+
 
 def main() -> None:
     model, address, configs, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -30,13 +32,14 @@ def main() -> None:
             hits = external_hits(llm)
             refused = None
             loaded = vllm_metric(llm, "vllm:kvoffd_load_blocks")
+            counters = {k: vllm_metric(llm, f"vllm:kvoffd_{k}") for k in STAT_KEYS}  # why, when hits fall short
             if hasattr(llm.llm_engine.engine_core, "engine_core"):  # in-process: step it ourselves
                 drain(llm)
                 refused = getattr(connector_of(llm), "refused", None)
         finally:
             close_llm(llm)
         print("RESULT " + json.dumps({"config": cfg, "outputs": outputs, "external_hits": hits,
-                                      "refused": refused, "load_blocks": loaded}), flush=True)
+                                      "refused": refused, "load_blocks": loaded, "kvoffd": counters}), flush=True)
 
 
 if __name__ == "__main__":
