@@ -16,7 +16,15 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_helpers import close_llm, connector_of, drain, external_hits, generate, make_llm, vllm_metric  # noqa: E402
+from engine_helpers import (  # noqa: E402
+    close_llm,
+    connector_of,
+    drain,
+    external_hits,
+    generate_cached,
+    make_llm,
+    vllm_metric,
+)
 
 from kvoffd_client.vllm.common import STAT_KEYS  # noqa: E402
 
@@ -28,7 +36,7 @@ def main() -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if kw.pop("multiprocess", False) else "0"
         llm = make_llm(kw.pop("model", model), address, **kw)
         try:
-            outputs = generate(llm, prompts)
+            outputs, cached = generate_cached(llm, prompts)
             hits = external_hits(llm)
             refused = None
             loaded = vllm_metric(llm, "vllm:kvoffd_load_blocks")
@@ -39,7 +47,8 @@ def main() -> None:
         finally:
             close_llm(llm)
         print("RESULT " + json.dumps({"config": cfg, "outputs": outputs, "external_hits": hits,
-                                      "refused": refused, "load_blocks": loaded, "kvoffd": counters}), flush=True)
+                                      "refused": refused, "load_blocks": loaded, "kvoffd": counters,
+                                      "cached_tokens": cached}), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ import pytest
 from engine_helpers import (
     PROMPTS,
     Daemon,
+    check_served,
     close_llm,
     drain,
     external_hits,
     generate,
+    generate_cached,
     greedy,
     make_llm,
 )
@@ -51,8 +53,9 @@ def _offload_works(llm: Any, d: Daemon, reference: list[list[int]]) -> None:
     drain(llm)
     assert llm.reset_prefix_cache()
     h0 = external_hits(llm)
-    assert generate(llm, PROMPTS) == reference
-    assert external_hits(llm) - h0 == 13 * 32
+    outputs, cached = generate_cached(llm, PROMPTS)
+    assert outputs == reference
+    check_served(PROMPTS, external_hits(llm) - h0, cached)
     drain(llm)
 
 

@@ -10,7 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import PROMPTS, close_llm, core_of, drain, external_hits, generate, make_llm, vllm_metric
+from engine_helpers import (
+    PROMPTS,
+    check_served,
+    close_llm,
+    core_of,
+    drain,
+    external_hits,
+    generate,
+    make_llm,
+    vllm_metric,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -84,10 +94,11 @@ def test_new_process_hits_same_identity_only(llm: Any, tiny_model: str, referenc
     same, bf16, bs64 = _run_child(tiny_model, daemon.address, [
         {"multiprocess": True}, {"dtype": "bfloat16"}, {"block_size": 64}])
     assert same["outputs"] == reference
-    assert same["external_hits"] == 13 * 32, same["kvoffd"]
+    check_served(PROMPTS, same["external_hits"], same["cached_tokens"])
+    assert same["kvoffd"]["lookup_timeouts"] == 0, same["kvoffd"]
     assert bf16["external_hits"] == 0
     assert bs64["external_hits"] == 0
-    assert daemon.metric("kvoffd_lookup_blocks_total", result="hit") - hits0 == 13
+    assert daemon.metric("kvoffd_lookup_blocks_total", result="hit") - hits0 >= same["external_hits"] // 32
 
 
 def test_reset_connector_keeps_the_shared_cache(llm: Any, reference: list[list[int]], daemon: Any) -> None:
