@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from kvevents_sub import END_SEQ, EventSubscriber
+from kvevents_sub import END_SEQ, EventSubscriber, resident
 from kvtest import chain_keys
 from reliability_util import ShmEngine
 
@@ -39,18 +39,6 @@ def _store(c, eng: ShmEngine, engine_id: str, job: int, keys: list[bytes], first
     assert n.ok and not n.failed, n
 
 
-def _resident(events: list[dict]) -> set:
-    """The pool's content as a router would rebuild it from the events alone."""
-    held: set = set()
-    for e in events:
-        if e["type"] == "BlockStored":
-            held.update(e["block_hashes"])
-        elif e["type"] == "BlockRemoved":
-            held.difference_update(e["block_hashes"])
-        elif e["type"] == "AllBlocksCleared":
-            held.clear()
-    return held
-
 
 def _index_holds(c, ns: str, keys: list[bytes]) -> set[bytes]:
     return {k for k in keys if c.lookup(ns, [k]).hits == 1}
@@ -68,7 +56,7 @@ def test_events_follow_stores_evictions_and_clears_and_match_the_index(make_daem
         keys = chain_keys(48, b"events")
         _store(c, eng, "ev-0", 1, keys[:8])
         _store(c, plain, "plain-0", 2, chain_keys(4, b"plain"))
-        assert sub.wait_for(lambda s: set(keys[:8]) <= _resident(s.events()))
+        assert sub.wait_for(lambda s: set(keys[:8]) <= resident(s.events()))
         first = sub.events()[0]
         assert first == {"type": "BlockStored", "block_hashes": keys[:8], "parent_block_hash": None, "token_ids": [],
                          "block_size": 16, "lora_id": None, "medium": "CPU", "lora_name": None, "group_idx": 0,
@@ -78,13 +66,13 @@ def test_events_follow_stores_evictions_and_clears_and_match_the_index(make_daem
             _store(c, eng, "ev-0", 10 + i, keys[8 + 8 * i:16 + 8 * i], first=8 + 8 * i)
         held = _index_holds(c, "evns", keys)
         assert 0 < len(held) < 48
-        assert sub.wait_for(lambda s: _resident(s.events()) == held), (len(_resident(sub.events())), len(held))
+        assert sub.wait_for(lambda s: resident(s.events()) == held), (len(resident(sub.events())), len(held))
         assert any(e["type"] == "BlockRemoved" for e in sub.events())
         # CLEAR of one namespace: its removals; of all: one AllBlocksCleared
         c.clear("evns")
-        assert sub.wait_for(lambda s: not _resident(s.events()))
+        assert sub.wait_for(lambda s: not resident(s.events()))
         _store(c, eng, "ev-0", 20, keys[:4])
-        assert sub.wait_for(lambda s: _resident(s.events()) == set(keys[:4]))
+        assert sub.wait_for(lambda s: resident(s.events()) == set(keys[:4]))
         c.clear()
         assert sub.wait_for(lambda s: s.events()[-1]["type"] == "AllBlocksCleared")
         assert _index_holds(c, "evns", keys) == set()
@@ -197,7 +185,7 @@ def test_malformed_replay_requests_are_ignored_and_the_stream_goes_on(make_daemo
         c.register("rb-0", "rbns", 0, 1, eng.memory, {**eng.layout, "kv_events": {"hash": "bytes", "block_size": 16}})
         keys = chain_keys(4, b"replay-bad")
         _store(c, eng, "rb-0", 1, keys)
-        assert sub.wait_for(lambda s: _resident(s.events()) == set(keys))
+        assert sub.wait_for(lambda s: resident(s.events()) == set(keys))
         late = EventSubscriber(ev["endpoint"], ev["replay_endpoint"])  # replay still answers
         try:
             assert late.catch_up() == len(sub.batches) == 1

@@ -22,7 +22,7 @@ import uuid
 from collections import Counter
 
 import pytest
-from kvevents_sub import EventSubscriber
+from kvevents_sub import EventSubscriber, resident
 from kvtest import chain_keys, wait_until
 from reliability_util import ShmEngine
 
@@ -72,17 +72,6 @@ class Engine:
         self.mem.close()
 
 
-def _resident(events: list[dict]) -> set:
-    held: set = set()
-    for e in events:
-        if e["type"] == "BlockStored":
-            held.update(e["block_hashes"])
-        elif e["type"] == "BlockRemoved":
-            held.difference_update(e["block_hashes"])
-        elif e["type"] == "AllBlocksCleared":
-            held.clear()
-    return held
-
 
 def _stored(events: list[dict]) -> Counter:
     """How many times each hash was announced."""
@@ -118,21 +107,21 @@ def test_adopted_blocks_are_announced_at_start_and_match_the_index(make_daemon, 
     sub = EventSubscriber(ev["endpoint"], ev["replay_endpoint"])  # joins late: replays from seq 0
     again = None
     try:
-        assert sub.wait_for(lambda s: _resident(s.events()) == held, 30), (len(_resident(sub.events())), len(held))
+        assert sub.wait_for(lambda s: resident(s.events()) == held, 30), (len(resident(sub.events())), len(held))
         assert {e["medium"] for e in sub.events()} == {"CPU"}
         assert sub.events()[0]["token_ids"] == [] and sub.events()[0]["parent_block_hash"] is None
         # the engine comes back: no second announcement; its new blocks follow as usual
         again = Engine(d.address, "ev-0", NS, IDENTITY, "warm-ev2")
         more = chain_keys(8, b"after")
         again.store(more)
-        assert sub.wait_for(lambda s: _resident(s.events()) == held | set(more), 30)
+        assert sub.wait_for(lambda s: resident(s.events()) == held | set(more), 30)
         assert max(_stored(sub.events()).values()) == 1, "an adopted block was announced twice"
         info = watcher.stats()["daemon"]["kv_events"]
         assert info["adopted_announced"] == len(held) and info["adopted_waiting"] == 0, info
         late = EventSubscriber(ev["endpoint"], ev["replay_endpoint"])  # a replay request gives the same view
         try:
             assert late.catch_up() == len(sub.batches)
-            assert _resident(late.events()) == _index_holds(watcher, keys + more)
+            assert resident(late.events()) == _index_holds(watcher, keys + more)
         finally:
             late.close()
     finally:
@@ -171,18 +160,18 @@ def test_without_a_kept_identity_they_are_announced_at_register_and_evicted_ones
         assert f"0 announced, {waiting:,} waiting for a REGISTER" in line, line
         # an engine of the namespace registers saying its keys are its block hashes: announced now
         late = Engine(d.address, "ev-1", NS, IDENTITY, "warm-late")
-        assert sub.wait_for(lambda s: _resident(s.events()) == held, 30), (len(_resident(sub.events())), len(held))
+        assert sub.wait_for(lambda s: resident(s.events()) == held, 30), (len(resident(sub.events())), len(held))
         assert not evicted & set(_stored(sub.events())), "a block evicted before its announcement was announced"
         # later evictions of adopted blocks are ordinary removals
         filler.store(chain_keys(64, b"filler-2"))
         now = _index_holds(watcher, keys)
         assert now < held
-        assert sub.wait_for(lambda s: _resident(s.events()) == now, 30)
+        assert sub.wait_for(lambda s: resident(s.events()) == now, 30)
         assert max(_stored(sub.events()).values()) == 1
         fresh = EventSubscriber(ev["endpoint"], ev["replay_endpoint"])
         try:
             fresh.catch_up()
-            assert _resident(fresh.events()) == now
+            assert resident(fresh.events()) == now
         finally:
             fresh.close()
     finally:

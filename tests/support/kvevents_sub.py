@@ -89,3 +89,16 @@ class EventSubscriber:
         self.sub.close(0)
         self.replay.close(0)
         self.ctx.term()
+
+
+def resident(events: list[dict]) -> set:
+    """The node's content as a router would rebuild it from the decoded events alone."""
+    held: set = set()
+    for e in events:
+        if e["type"] == "BlockStored":
+            held.update(e["block_hashes"])
+        elif e["type"] == "BlockRemoved":
+            held.difference_update(e["block_hashes"])
+        elif e["type"] == "AllBlocksCleared":
+            held.clear()
+    return held
