@@ -298,12 +298,7 @@ class FdServer:
         if fds or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
             raise Refused(ErrorCode.BAD_FRAME, "first say how many descriptors follow ({\"v\": 1, \"count\": N}), "
                           "with no descriptor")
-        try:
-            batch = _BATCH.decode(data)
-        except msgspec.ValidationError as e:
-            raise Refused(ErrorCode.BAD_FIELD, f"batch: {e}") from None
-        except msgspec.DecodeError:
-            raise Refused(ErrorCode.BAD_FRAME, "the request is not an fd-socket batch (msgpack map)") from None
+        batch = _decode(_BATCH, data, "batch", "the request is not an fd-socket batch (msgpack map)")
         if batch.v != FD_SOCKET_VERSION:
             raise Refused(ErrorCode.VERSION_MISMATCH, f"fd socket version {batch.v}; this daemon speaks "
                           f"{FD_SOCKET_VERSION}")
@@ -335,12 +330,7 @@ class FdServer:
         if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
             raise Refused(ErrorCode.BAD_FRAME, f"a message carries more than {MAX_FDS_PER_MESSAGE} descriptors "
                           f"or {MAX_FD_MESSAGE} bytes")
-        try:
-            chunk = _CHUNK.decode(data)
-        except msgspec.ValidationError as e:
-            raise Refused(ErrorCode.BAD_FIELD, f"chunk: {e}") from None
-        except msgspec.DecodeError:
-            raise Refused(ErrorCode.BAD_FRAME, "a chunk is not msgpack") from None
+        chunk = _decode(_CHUNK, data, "chunk", "a chunk is not msgpack")
         if len(chunk.sizes) != len(fds):
             raise Refused(ErrorCode.BAD_FRAME, f"a chunk of {len(fds)} descriptors gives {len(chunk.sizes)} sizes")
         if len(c.fds) > c.count:
@@ -353,6 +343,16 @@ class FdServer:
         c.fds, c.count = [], 0  # the Handover holds them (and the promise) now
         self._send(c, FdReply(token=token))
         self._drop_client(c)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, what: str, not_msgpack: str):
+    """One fd-socket message, typed; Refused ``bad_field`` (wrong fields) or ``bad_frame`` (not msgpack)."""
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as e:
+        raise Refused(ErrorCode.BAD_FIELD, f"{what}: {e}") from None
+    except msgspec.DecodeError:
+        raise Refused(ErrorCode.BAD_FRAME, not_msgpack) from None
 
 
 def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
