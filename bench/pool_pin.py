@@ -35,7 +35,6 @@ and registered the same way (``--touch`` ``private``).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import mmap
 import os
 import sys
@@ -48,11 +47,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvoffd.cache.pool_file import map_fixed, write_zeros  # noqa: E402
 from kvoffd.transfer import cuda_driver  # noqa: E402
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 
 GiB = 1 << 30
 MADV_POPULATE_READ = 22
@@ -104,10 +100,7 @@ class Run:
         self.pages = np.frombuffer(self.map, dtype=np.uint8)
         self.base = self.pages.ctypes.data
         for i, fd in enumerate(self.fds):
-            r = _libc.mmap(self.base + i * self.part, self.part, mmap.PROT_READ | mmap.PROT_WRITE,
-                           mmap.MAP_SHARED | 0x10, fd, 0)  # MAP_FIXED
-            if r != self.base + i * self.part:
-                raise OSError(ctypes.get_errno(), "mmap MAP_FIXED failed")
+            map_fixed(self.base + i * self.part, self.part, fd)
 
     def readopt(self) -> None:
         """As a restarted daemon finds an adopted pool: every page written before, a fresh mapping."""
@@ -123,13 +116,10 @@ class Run:
         if self.private:
             self.allocated = self.size
             return 0.0
-        zeros = bytes(8 << 20)
+        def zeros(fd: int) -> None:  # what the daemon does for a fresh segment
+            write_zeros(fd, self.part)
 
-        def write_zeros(fd: int) -> None:  # what the daemon does for a fresh segment (pool_file._write_zeros)
-            for off in range(0, self.part, len(zeros)):
-                os.pwrite(fd, zeros, off)
-
-        how = write_zeros if self.alloc.startswith("zeros") else (lambda fd: os.posix_fallocate(fd, 0, self.part))
+        how = zeros if self.alloc.startswith("zeros") else (lambda fd: os.posix_fallocate(fd, 0, self.part))
         ts = [threading.Thread(target=how, args=(fd,)) for fd in self.fds]
         for t in ts:
             t.start()

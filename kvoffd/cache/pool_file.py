@@ -139,7 +139,7 @@ class PoolFile:
             if os.fstat(fd).st_ino != self._inodes[i]:
                 return f"{segment_path(self.path, i)} was replaced while the daemon ran"
             if self.previous is None:
-                _write_zeros(fd, length)
+                write_zeros(fd, length)
             else:  # it may hold adopted blocks already: allocate around them
                 os.posix_fallocate(fd, 0, length)
         except OSError as e:
@@ -207,7 +207,7 @@ def open_pool_file(path: str, layout: Layout, cold: bool) -> tuple[PoolFile, str
 ZEROS = bytes(8 << 20)
 
 
-def _write_zeros(fd: int, length: int) -> None:
+def write_zeros(fd: int, length: int) -> None:
     """Allocate a fresh segment by writing zeros (ENOSPC, never SIGBUS). Why not ``posix_fallocate``:
     tmpfs allocates without zeroing and leaves each page to be zeroed at its first fault, one 4 KiB
     fault at a time (~1.2 GiB/s a thread), and the kernel's fault-around skips such pages; written
@@ -308,15 +308,23 @@ def _map(fd: int, seg_fds: list[int], path: str, layout: Layout, fresh: bool) ->
     base = ctypes.addressof(ctypes.c_char.from_buffer(data))
     for i, f in enumerate(seg_fds):
         off, length = layout.segment(i)
-        got = _libc.mmap(base + off, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED, f, 0)
-        if got != base + off:
-            err = ctypes.get_errno()
+        try:
+            map_fixed(base + off, length, f)
+        except OSError as e:
             meta.close()
             data.close()
             if fresh:
                 _give_back(fd, seg_fds)
-            raise PoolFileError(f"cannot map data segment {segment_path(path, i)}: {os.strerror(err)}")
+            raise PoolFileError(f"cannot map data segment {segment_path(path, i)}: {e.strerror}") from None
     return meta, data
+
+
+def map_fixed(addr: int, length: int, fd: int) -> None:
+    """Map ``fd`` (from its start) shared over ``[addr, addr + length)`` of a range reserved already."""
+    got = _libc.mmap(addr, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED, fd, 0)
+    if got != addr:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def _give_back(fd: int, seg_fds: list[int]) -> None:
