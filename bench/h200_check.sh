@@ -9,6 +9,7 @@
 #     pool      daemon A/B: private pool vs pool file    restart   warm restart, 64 GiB pinned, TERM+KILL
 #     disk      disk tier vs dd O_DIRECT on local disk   vmm       cuda_vmm vs IPC-handle path
 #     index     the disk tier's index at 1M/10M/100M blocks
+#     imports   python -X importtime of the daemon's modules (what a start spends before serving)
 set -u
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,6 +18,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1 KVOFFD_POOL_PATH=${KVOFFD_POOL_PATH:-none}
 new_pp="/tmp/site:$PWD:$PWD/client"
 summary="$OUT/summary.txt"; : > "$summary"
+# An installed daemon starts from bytecode (pip compiles at install). Here nothing has any: this tree is
+# a fresh copy, the wheels went in with --no-compile, and the image sets PYTHONDONTWRITEBYTECODE=1 and
+# ships its site-packages without .pyc (numpy alone compiled for 0.2 s at every start). Compile once
+# what the daemon imports, as an install would.
+python3 -m compileall -q -j 8 kvoffd client/kvoffd_client /tmp/site > /dev/null 2>&1
+env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$new_pp" python3 -c "import kvoffd.cli, kvoffd.server.loop, kvoffd.transfer.cuda" \
+  > /dev/null 2>&1
+echo "python: $(python3 -V 2>&1); $(env | grep -E '^PYTHON(DONTWRITEBYTECODE|OPTIMIZE)=' | tr '\n' ' ')" >> "$summary"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$summary" 2>&1
 
 if [ "$what" = tests ] || [ "$what" = all ] || case ",$what," in *,tests,*) true;; *) false;; esac; then
@@ -58,6 +67,10 @@ if has restart; then
       --signal $sig --json "$OUT/restart_$sig.json" > "$OUT/restart_$sig.log" 2>&1
     echo "restart $sig (rc $?): $(tail -n 8 "$OUT/restart_$sig.log" | tr '\n' ' ')" >> "$summary"
   done
+fi
+if has imports; then  # what a daemon's start spends before it serves (issue 14: first hit <= 1 s)
+  for i in 1 2; do PYTHONPATH=$new_pp python3 -X importtime -c "import kvoffd.server.loop, kvoffd.cli" 2> "$OUT/importtime$i.log"; done
+  echo "imports: $(sort -t'|' -k2 -n "$OUT/importtime2.log" | tail -n 6 | awk -F'|' '{printf "%s %.0f ms; ", $3, $2/1000}')" >> "$summary"
 fi
 if has disk; then
   mkdir -p /var/tmp/kvoffd-disk; df -h /var/tmp | tail -n 1 >> "$summary"

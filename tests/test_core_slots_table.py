@@ -156,6 +156,41 @@ def test_adopted_slices_come_newest_first_and_keep_the_lru_order():
     assert [k in t.entries for k in keys] == [False] * 6 + [True] * 4  # the oldest adopted went first
 
 
+def test_a_block_asked_for_before_its_slice_enters_at_once_and_only_once():
+    """``asked`` finds the waiting records of the keys a LOOKUP missed (every rank of the namespace,
+    not another namespace's, not one already in the index or given up); ``take_records`` puts them
+    in as just used, and the slice that reaches them later skips them."""
+    rec = _records()
+    keys = chain_keys(10, b"asked")
+    _seal(rec, [i * SLOT for i in range(10)], keys)  # rank 0 of namespace 1 ("m")
+    idx = rec.index_of(np.array([10 * SLOT, 11 * SLOT], dtype=np.int64), SLOT)
+    rec.seal(idx, 1, 1, b"".join(keys[:2]), np.array([50.0, 51.0]), np.array([1, 2], dtype=np.int64), SLOT)  # rank 1
+    other = rec.index_of(np.array([12 * SLOT], dtype=np.int64), SLOT)
+    rec.seal(other, 2, 0, keys[0], np.array([60.0]), np.array([3], dtype=np.int64), SLOT)  # "o": same key
+    pool = Pool(4 * CHUNK, CHUNK)
+    index = Index(pool, "lru")
+    facts = {1: NamespaceFacts("m", 2, {0: RankFacts(SLOT, (SLOT,)), 1: RankFacts(SLOT, (SLOT,))}),
+             2: NamespaceFacts("o", 1, {0: RankFacts(SLOT, (SLOT,))})}
+    plan = plan_adoption(rec.scan(), facts, pool, index)
+    assert plan.waiting == 13 and index.lookup("m", keys[0]).n == 0
+    f = plan.found
+    got = plan.asked("m", keys[0] + keys[1] + chain_keys(1, b"never")[0])
+    assert sorted(zip(f.rank[got].tolist(), [bytes(k) for k in f.keys[got]])) == [
+        (0, keys[0]), (0, keys[1]), (1, keys[0]), (1, keys[1])]  # both ranks, not namespace "o"
+    entries, gone = plan.take_records(index, pool, got)
+    assert len(entries) == 4 and not len(gone) and plan.waiting == 9
+    assert index.lookup("m", keys[0] + keys[1] + keys[2]).n == 2  # rank 1 never had keys[2]
+    assert not len(plan.asked("m", keys[0] + keys[1]))  # in the index already
+    assert len(plan.asked("o", keys[0])) == 1
+    while plan.left:
+        entries, _ = plan.take(index, pool, 3)
+        assert not {e.key for e in entries if e.table.namespace == "m" and e.table.rank == 0} & {keys[0], keys[1]}
+    assert plan.waiting == 0 and index.resident == 13 and not len(plan.asked("m", keys[5]))
+    pool2, index2, plan2, keys2 = _staged()
+    plan2.forget(pool2, keep=set())  # a CLEAR while all wait: nothing is found any more
+    assert not len(plan2.asked("m", keys2[0])) and plan2.waiting == 0
+
+
 def test_blocks_of_a_cleared_or_forgotten_namespace_are_not_adopted_later():
     pool, index, plan, keys = _staged()
     plan.take(index, pool, 4)

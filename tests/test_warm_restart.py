@@ -317,3 +317,32 @@ def test_small_slots_beyond_a_chunks_records_are_a_miss_never_wrong(rig):
     served, _ = r.load(keys, range(n))
     assert len(served) == 4096
     _exact(r, keys, range(n), served)
+
+
+def test_a_lookup_finds_an_adopted_block_before_its_slice_is_indexed(rig, monkeypatch):
+    """Adopted blocks enter the index a slice per loop turn, newest first; a LOOKUP that misses one
+    still waiting takes it at once, so the oldest block hits as soon as the daemon serves. The gate:
+    KVOFFD_TEST_NO_ADOPTION_SLICES holds the slices for good, so only what a LOOKUP asks for is
+    indexed. A CLEAR then gives up the rest: they miss, and their slots are free again."""
+    r = rig()
+    keys = chain_keys(NB, b"on-demand")
+    r.store(keys[:64], range(64))  # the oldest: their slice would come last
+    r.store(keys[64:], range(64, NB))
+    monkeypatch.setenv("KVOFFD_TEST_NO_ADOPTION_SLICES", "1")
+    watcher = r.restart(signal.SIGTERM)
+    p = watcher.stats()["persistence"]
+    assert p["adopted_blocks"] == NB and p["indexing_blocks"] == NB, p  # nothing indexed yet
+    assert watcher.lookup(NS, [keys[0]]).hits == 1  # the oldest block
+    assert watcher.lookup(NS, keys[:48]).hits == 48  # a chain, past the block already taken
+    assert watcher.lookup(NS, [chain_keys(1, b"never-stored")[0]]).hits == 0
+    p = watcher.stats()["persistence"]
+    assert p["adopted_on_demand"] == 48 and p["indexing_blocks"] == NB - 48, p
+    served, _ = r.load(keys[:48], range(48))
+    assert len(served) == 48
+    _exact(r, keys[:48], range(48), served)
+    used = watcher.stats()["pool"]["used_bytes"]
+    assert watcher.clear(NS).removed_blocks == 48
+    assert watcher.lookup(NS, keys[48:]).hits == 0  # given up with their namespace, never resurrected
+    st = watcher.stats()
+    assert st["persistence"]["indexing_blocks"] == 0 and st["persistence"]["adopted_on_demand"] == 48
+    assert st["pool"]["used_bytes"] == used - NB * SLOT, (used, st["pool"])

@@ -13,7 +13,9 @@ In two steps, so that a restarted daemon serves within a second whatever its poo
 pool at once (so nothing is ever stored over an adopted block), before the daemon serves; then
 ``AdoptionPlan.take`` turns records into index entries a slice per loop turn, newest first, each
 slice placed at the cold end of the LRU order (the next slice is older), so that the blocks most
-likely asked for are found first. Until its slice is in, a block is a miss, never a wrong byte.
+likely asked for are found first. A LOOKUP that misses a block whose slice is not in yet takes that
+block at once (``AdoptionPlan.asked``, ``take_records``), so the first hit does not wait for the
+slices whatever the pool holds; a block is a miss only if it was not adopted at all, never a wrong byte.
 """
 
 from __future__ import annotations
@@ -39,10 +41,18 @@ class AdoptionPlan:
     dropped_records: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     not_adopted: int = 0
     why: str = ""  # the first reason records were left out
-    left: int = 0  # records of ``order`` not yet in the index (its first ``left``)
+    left: int = 0  # records of ``order`` the slices have not reached (its first ``left``)
+    waiting: int = 0  # records not yet in the index (of those, the ones no LOOKUP asked for)
+    done: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # per record: not (or no longer) waiting
+    ns_ids: dict[str, int] = field(default_factory=dict)  # namespace name -> its id in the records
+    by_digest: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # records, by ``digests``
+    digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # their identity digests, sorted
 
     def __post_init__(self) -> None:
-        self.left = len(self.order)
+        self.left = self.waiting = len(self.order)
+        if len(self.done) != len(self.found.ns_id):
+            self.done = np.ones(len(self.found.ns_id), dtype=bool)
+            self.done[self.order] = False
 
     @property
     def total(self) -> int:
@@ -59,6 +69,39 @@ class AdoptionPlan:
         lo = max(0, self.left - n)
         sel = self.order[lo:self.left]
         self.left = lo
+        return self._enter(index, pool, sel[~self.done[sel]], cold_end=True)
+
+    def asked(self, namespace: str, keys: bytes) -> np.ndarray:
+        """The records not yet in the index, of any rank of ``namespace``, whose key is among ``keys``
+        (a LOOKUP's binary of 32-byte keys): what a lookup would have hit had their slice been in. A
+        binary search per key and rank in the digests ``plan_adoption`` sorted anyway (no sort here:
+        this runs on the loop, at the first miss of a restarted daemon)."""
+        n_id = self.ns_ids.get(namespace)
+        if n_id is None or not self.waiting:
+            return np.zeros(0, dtype=np.int64)
+        f = self.found
+        q = np.frombuffer(keys, dtype=np.uint8).reshape(-1, 32)
+        words = np.ascontiguousarray(q[:, :8]).view(np.int64).ravel()
+        ranks = [r for (n, r) in self.tables if n == n_id]
+        qd = np.concatenate([words ^ ((n_id << 48) | (r << 32)) for r in ranks])
+        lo = np.searchsorted(self.digests, qd, "left")
+        counts = np.searchsorted(self.digests, qd, "right") - lo
+        if not counts.any():
+            return np.zeros(0, dtype=np.int64)
+        which = np.repeat(np.arange(len(qd)) % len(words), counts)  # (query key, candidate) pairs
+        starts = np.repeat(lo - (np.cumsum(counts) - counts), counts)
+        cand = self.by_digest[starts + np.arange(len(which))]
+        ok = ~self.done[cand] & (f.ns_id[cand] == n_id) & (f.keys[cand] == q[which]).all(axis=1)
+        return np.unique(cand[ok])
+
+    def take_records(self, index: Index, pool: Pool, records: np.ndarray) -> tuple[list[Entry], np.ndarray]:
+        """``records`` (from ``asked``) into the index now, as just used; as ``take`` otherwise. Their
+        places in ``order`` stay: the slice that reaches them skips them."""
+        return self._enter(index, pool, records[np.argsort(self.found.stamp[records], kind="stable")], cold_end=False)
+
+    def _enter(self, index: Index, pool: Pool, sel: np.ndarray, cold_end: bool) -> tuple[list[Entry], np.ndarray]:
+        self.done[sel] = True
+        self.waiting -= len(sel)
         f = self.found
         ids, inverse = np.unique((f.ns_id[sel] << 16) | f.rank[sel], return_inverse=True)
         tabs_of = [self.tables.get((i >> 16, i & 0xFFFF)) for i in ids.tolist()]
@@ -73,7 +116,7 @@ class AdoptionPlan:
         keys = [raw[i:i + 32] for i in range(0, len(raw), 32)]
         tabs = per[ok].tolist()
         entries = index.adopt(tabs, keys, f.offset[sel].tolist(), f.stamp[sel].tolist(), f.crc[sel].tolist(),
-                              cold_end=True)
+                              cold_end=cold_end)
         return entries, f.record[gone]
 
     def forget(self, pool: Pool, keep: set[Table]) -> np.ndarray:
@@ -81,6 +124,7 @@ class AdoptionPlan:
         pool; returns their record indices (to invalidate)."""
         f = self.found
         pending = self.order[:self.left]
+        pending = pending[~self.done[pending]]
         if not len(pending):
             return np.zeros(0, dtype=np.int64)
         keys = {k for k, t in self.tables.items() if t in keep}
@@ -88,6 +132,8 @@ class AdoptionPlan:
                                                                     f.rank[pending].tolist(), strict=True)),
                          dtype=bool, count=len(pending))
         gone = pending[~ok]
+        self.done[gone] = True
+        self.waiting -= len(gone)
         for sb in np.unique(f.slot_bytes[gone]).tolist():
             pool.free(int(sb), f.offset[gone][f.slot_bytes[gone] == sb].tolist())
         self.order = np.concatenate([pending[ok], self.order[self.left:]])
@@ -128,22 +174,34 @@ def _plausible(f: Found, ns: dict[int, NamespaceFacts], pool: Pool) -> tuple[np.
     return ok, why
 
 
-def _newest(f: Found, ok: np.ndarray) -> np.ndarray:
+def _digest(f: Found, records: np.ndarray) -> np.ndarray:
+    """A 64-bit digest of each record's identity (namespace, rank, key): the key's first word (the key
+    is already a hash) mixed with the namespace id and rank."""
+    return (np.ascontiguousarray(f.keys[records, :8]).view(np.int64).ravel()
+            ^ ((f.ns_id[records] << 48) | (f.rank[records] << 32)))
+
+
+def _newest(f: Found, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Of the records in ``ok``, the newest per (namespace, rank, key) (of equal stamps, the lower
     slot), oldest first (by stamp, then slot: a commit's blocks share a stamp and sit in the order
-    they were stored)."""
+    they were stored); and the candidates by identity digest with the sorted digests, which the plan
+    keeps to find a block a LOOKUP asks for (``AdoptionPlan.asked``)."""
     cand = np.flatnonzero(ok)
     if not len(cand):
-        return cand.astype(np.int64)
+        return cand.astype(np.int64), cand.astype(np.int64), cand.astype(np.int64)
     order = cand[np.lexsort((-f.offset[cand], f.stamp[cand]))]  # the last of each key: newest, lowest slot
     # A key twice is rare (a crash between a block's re-store and its old record's invalidation): find
-    # the candidates by a 64-bit digest of the identity (fast), then compare those few exactly.
-    digest = np.ascontiguousarray(f.keys[order, :8]).view(np.int64).ravel() ^ ((f.ns_id[order] << 48)
-                                                                                | (f.rank[order] << 32))
-    _, inverse, counts = np.unique(digest, return_inverse=True, return_counts=True)
-    maybe = np.flatnonzero(counts[inverse.ravel()] > 1)
+    # the candidates by their digest (fast), then compare those few exactly.
+    digest = _digest(f, order)
+    by = np.argsort(digest, kind="stable")
+    digests = digest[by]
+    twice = np.zeros(len(order), dtype=bool)
+    same = digests[1:] == digests[:-1]
+    twice[1:] |= same
+    twice[:-1] |= same
+    maybe = np.sort(by[twice])
     if not len(maybe):
-        return order
+        return order, order[by], digests
     sub = order[maybe]
     ident = np.concatenate([f.ns_id[sub].astype("<u2").view(np.uint8).reshape(-1, 2),
                             f.rank[sub].astype("<u2").view(np.uint8).reshape(-1, 2), f.keys[sub]], axis=1)
@@ -152,15 +210,15 @@ def _newest(f: Found, ok: np.ndarray) -> np.ndarray:
     drop = np.ones(len(sub), dtype=bool)
     drop[len(sub) - 1 - last] = False
     keep = np.delete(order, maybe[drop])
-    return keep[np.lexsort((f.offset[keep], f.stamp[keep]))]
+    return keep[np.lexsort((f.offset[keep], f.stamp[keep]))], order[by], digests
 
 
 def plan_adoption(f: Found, ns: dict[int, NamespaceFacts], pool: Pool, index: Index) -> AdoptionPlan:
     """Check the sealed records ``f``, make their tables and take their slots in ``pool`` (both empty);
     the entries follow through ``AdoptionPlan.take``."""
     ok, why = _plausible(f, ns, pool)
-    keep = _newest(f, ok)
-    plan = AdoptionPlan(found=f, order=keep, why=why)
+    keep, by_digest, digests = _newest(f, ok)
+    plan = AdoptionPlan(found=f, order=keep, why=why, by_digest=by_digest, digests=digests)
     for n in np.unique(f.ns_id[keep]).tolist():
         facts = ns[n]
         try:
@@ -168,10 +226,13 @@ def plan_adoption(f: Found, ns: dict[int, NamespaceFacts], pool: Pool, index: In
                 t = plan.tables[(n, r)] = index.table(facts.name, r, facts.world_size, rf.slot_bytes, rf.layout,
                                                       facts.replicas)
                 plan.table_ids[t] = n
+            plan.ns_ids[facts.name] = n
         except ValueError:
             plan.why = plan.why or f"namespace {facts.name!r} described twice"
             keep = keep[f.ns_id[keep] != n]
-    plan.order, plan.left = keep, len(keep)
+    plan.order, plan.left, plan.waiting = keep, len(keep), len(keep)
+    plan.done[:] = True  # only what is kept waits (a namespace described twice was dropped above)
+    plan.done[keep] = False
     for sb in np.unique(f.slot_bytes[keep]).tolist():
         sel = keep[f.slot_bytes[keep] == sb]
         pool.adopt_slots(int(sb), np.sort(f.offset[sel]))

@@ -37,6 +37,9 @@ class Volatile:
     def must_check(self, entries: Sequence[Entry]) -> bool:
         return False
 
+    def adopt_asked(self, namespace: str, keys: bytes) -> bool:
+        return False
+
     def corrupt(self, entries: Sequence[Entry]) -> list[int]:
         return []
 

@@ -17,8 +17,9 @@ a pool that lives in a file (kvoffd/cache/pool_file.py), keeping its slot record
 
 ``adopt`` (at start, before the daemon serves) checks the sealed records and takes their slots in
 the pool (kvoffd/cache/adopt.py); once serving, the blocks enter the index a slice per loop turn,
-newest first (``_adopt_slice``), so the first hit comes within a second whatever the pool holds; a
-CLEAR meanwhile drops its namespace's blocks still waiting (``cleared``). Their bytes are verified
+newest first (``_adopt_slice``), and a LOOKUP that misses a block still waiting takes it into the
+index at once (``adopt_asked``), so the first hit comes as soon as the daemon serves whatever the pool
+holds; a CLEAR meanwhile drops its namespace's blocks still waiting (``cleared``). Their bytes are verified
 lazily: the first LOAD of an adopted block checks its crc32 first (the ``--verify`` machinery of
 kvoffd/server/verify.py), and a background pass checks the rest, each slice as it enters the index;
 a mismatch drops that block only (a counted miss). The end of that pass is "full adoption"
@@ -64,6 +65,10 @@ log = logging.getLogger(__name__)
 SEAL_ON_STOP_S = 5.0  # SIGTERM: sealing what is left may take this long (docker stop waits 10 s)
 FLUSH_S = 1.0  # touched stamps and the header's "updated" are written this often
 VERIFY_SLICE = 64  # adopted blocks checked per background task
+# The background pass is crc32-bound (2-3 GB/s a thread on the H200 host): on 8 threads a 64 GiB pool
+# took 3.9-4.6 s, the long pole of a restart's full adoption. It ends by itself, so it may take every
+# core but two (the loop, and the pinning's registrar): 16 at most.
+VERIFY_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) - 2))
 ADOPT_SLICE = 2048  # adopted blocks put into the index per loop turn (~8 ms on the 2-core VM)
 
 
@@ -91,7 +96,7 @@ class Persistence(IndexObserver):
         self._stopping = False
         self._busy = False
         self._thread: threading.Thread | None = None
-        self._verify = ThreadPoolExecutor(verify_threads or max(1, min(8, (os.cpu_count() or 2) // 2)),
+        self._verify = ThreadPoolExecutor(verify_threads or VERIFY_THREADS,
                                           thread_name_prefix="kvoffd-verify")
         self._touched: list[Entry] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -102,8 +107,12 @@ class Persistence(IndexObserver):
         self.adopt_s = 0.0  # checking the records and taking their slots, before serving
         self.indexed_s = 0.0  # from start until the last adopted block is in the index
         self._plan: AdoptionPlan | None = None  # adopted blocks not yet in the index
+        self.adopted_on_demand = 0  # of them, those a LOOKUP asked for before their slice (adopt_asked)
         # KVOFFD_TEST_NO_VERIFY_PASS: no background pass, so a test sees the first LOAD check a block
         self._no_verify_pass = bool(os.environ.get("KVOFFD_TEST_NO_VERIFY_PASS"))
+        # KVOFFD_TEST_NO_ADOPTION_SLICES: adopted blocks enter the index only when a LOOKUP asks for them
+        # (the gate that holds a restarted daemon mid-indexing for as long as a test needs)
+        self._no_slices = bool(os.environ.get("KVOFFD_TEST_NO_ADOPTION_SLICES"))
         self.verified_s = 0.0  # from start to the end of the background pass
         self.verify_failures = 0
         self.sealed = 0
@@ -152,7 +161,30 @@ class Persistence(IndexObserver):
         plan = self._plan
         if plan is None or self._stopping:
             return
-        entries, gone = plan.take(self.index, self.pool, ADOPT_SLICE)
+        self._indexed(*plan.take(self.index, self.pool, ADOPT_SLICE))
+        if plan.left:
+            self._loop.call_soon(self._adopt_slice)
+            return
+        self._plan = None
+        self.indexed_s = time.monotonic() - self._t0
+        log.info("adopted blocks all in the index %.2f s after start", self.indexed_s)
+        self._maybe_verified()
+
+    def adopt_asked(self, namespace: str, keys: bytes) -> bool:
+        """A LOOKUP missed ``keys`` (of ``namespace``) while adoption is still indexing: those of them
+        whose slice is not in yet enter the index now. True if any did (the caller looks up again)."""
+        plan = self._plan
+        if plan is None or self._stopping:
+            return False
+        records = plan.asked(namespace, keys)
+        if not len(records):
+            return False
+        self._indexed(*plan.take_records(self.index, self.pool, records))
+        self.adopted_on_demand += len(records)
+        return True
+
+    def _indexed(self, entries: list[Entry], gone: np.ndarray) -> None:
+        """Adopted blocks just entered the index: their verification queued, the KV events told."""
         self.records.invalidate(gone)
         self.unverified.update(entries)
         if self.on_adopted is not None:
@@ -164,13 +196,6 @@ class Persistence(IndexObserver):
                 part = entries[i:i + VERIFY_SLICE]
                 fut = self._verify.submit(self._recompute, part)
                 fut.add_done_callback(lambda f, part=part: self._post_future(self._verified, part, f))
-        if plan.left:
-            self._loop.call_soon(self._adopt_slice)
-            return
-        self._plan = None
-        self.indexed_s = time.monotonic() - self._t0
-        log.info("adopted blocks all in the index %.2f s after start", self.indexed_s)
-        self._maybe_verified()
 
     def take_adopted(self) -> tuple[list[Entry], dict[str, EventIdentity]]:
         """The adopted entries in the index so far (once: the caller keeps them from here; the later
@@ -214,8 +239,8 @@ class Persistence(IndexObserver):
 
             self._allocator = threading.Thread(target=allocate, name="kvoffd-allocate", daemon=True)
             self._allocator.start()
-        if self._plan is not None:
-            self._adopt_slice()  # the newest blocks before the first request is read
+        if self._plan is not None and not self._no_slices:  # once serving (a lookup takes what it asks at once)
+            loop.call_soon(self._adopt_slice)
         elif not self.unverified:
             self.verified_s = time.monotonic() - self._t0
         self._timer = loop.call_later(FLUSH_S, self._flush)
@@ -410,7 +435,8 @@ class Persistence(IndexObserver):
     def stats(self) -> dict:
         return {"path": self.pf.path, "adopted_blocks": self.adopted, "adopted_bytes": self.adopted_bytes,
                 "adopted_from": self.adopted_from, "adopt_s": round(self.adopt_s, 6),
-                "indexed_s": round(self.indexed_s, 6), "indexing_blocks": self._plan.left if self._plan else 0,
+                "indexed_s": round(self.indexed_s, 6), "indexing_blocks": self._plan.waiting if self._plan else 0,
+                "adopted_on_demand": self.adopted_on_demand,
                 "verified_s": round(self.verified_s, 6), "unverified_blocks": len(self.unverified),
                 "verify_failures": self.verify_failures, "sealed_blocks": self.sealed,
                 "unsealed_blocks": sum(len(b) for b in self._queue)}

@@ -91,6 +91,9 @@ class Jobs(LoadVerify):
         """Answer first, then count and hold: the client waits on the answer, and nothing else runs on
         the loop in between, so no eviction can take a block the answer promised."""
         hits = self.index.lookup(msg.namespace, msg.keys, with_entries=msg.lease_ms > 0)
+        if (hits.n < P.count_keys(msg.keys) and hits.miss_reason is MissReason.ABSENT  # a restart still indexing:
+                and self.persist.adopt_asked(msg.namespace, msg.keys[hits.n * P.KEY_SIZE:])):  # not a miss
+            hits = self.index.lookup(msg.namespace, msg.keys, with_entries=msg.lease_ms > 0)
         if self.tiers.enabled and hits.n < P.count_keys(msg.keys):  # blocks below the pool are hits too:
             hits = self.tiers.extend_lookup(msg.namespace, msg.keys, hits)  # their promotion starts now
         n = hits.n

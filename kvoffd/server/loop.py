@@ -231,7 +231,7 @@ class Server:
         self.persist.start(loop)
         self.start_phases["bind"] = t0 - self._t_built
         self.start_phases["started"] = t_backends - t0
-        self.start_phases["first adoption slice"] = time.monotonic() - t_backends
+        self.start_phases["keeper"] = time.monotonic() - t_backends
         self.tiers.start(loop)
         if self.fd_handover is not None:
             self.fd_handover.start(loop)
