@@ -98,3 +98,28 @@ def test_a_table_built_in_memory_and_saved_is_found_again(tmp_path):
     got = u.lookup(1, k)
     assert (got == pos).all()
     assert (u.recs["slot"][got[got >= 0]] == np.arange(700)[got >= 0]).all()
+
+
+@pytest.mark.parametrize("max_blocks", [8, 1000])
+def test_the_scalar_path_for_a_few_keys_agrees_with_the_vectorised_one(max_blocks):
+    """Lookups of at most FEW keys take a pure-Python path (a LOOKUP's usual miss asks the disk about
+    one key): for keys present, absent, of another table, and sharing a present key's first word only,
+    it must find exactly what the vectorised path finds (8 blocks: two buckets, so a key's two
+    choices often coincide)."""
+    from kvoffd.cache.tiers.table import FEW
+
+    rng = np.random.default_rng(3)
+    t = BlockTable(max_blocks)
+    present = _keys(rng, max_blocks * 3 // 4)
+    pos = t.insert(1, present, np.arange(len(present), dtype=np.uint32), np.zeros(len(present), dtype=np.uint32))
+    assert (pos >= 0).sum() >= len(present) - 1
+    twin = present[:3].copy()
+    twin[:, 3] ^= np.uint64(1)  # the same first words (same buckets, same first-word match), another key
+    probe = np.concatenate([present, _keys(rng, 20), twin])
+    for tid in (1, 2):
+        want = t.lookup(tid, probe)  # more than FEW keys: vectorised
+        assert len(probe) > FEW
+        got = [int(t.lookup(tid, probe[i:i + 1])[0]) for i in range(len(probe))]
+        assert got == want.tolist()
+        assert t.lookup(tid, probe[:FEW]).tolist() == want[:FEW].tolist()
+    assert (want[len(present):] == -1).all() and (t.lookup(1, present)[pos >= 0] == pos[pos >= 0]).all()
