@@ -46,7 +46,7 @@ class AdoptionPlan:
     done: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # per record: not (or no longer) waiting
     ns_ids: dict[str, int] = field(default_factory=dict)  # namespace name -> its id in the records
     by_digest: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # records, by ``digests``
-    digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # their identity digests, sorted
+    digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))  # their identity digests, sorted
 
     def __post_init__(self) -> None:
         self.left = self.waiting = len(self.order)
@@ -81,9 +81,9 @@ class AdoptionPlan:
             return np.zeros(0, dtype=np.int64)
         f = self.found
         q = np.frombuffer(keys, dtype=np.uint8).reshape(-1, 32)
-        words = np.ascontiguousarray(q[:, :8]).view(np.int64).ravel()
+        words = np.ascontiguousarray(q[:, :8]).view(np.uint64).ravel()
         ranks = [r for (n, r) in self.tables if n == n_id]
-        qd = np.concatenate([words ^ ((n_id << 48) | (r << 32)) for r in ranks])
+        qd = np.concatenate([words ^ np.uint64((n_id << 48) | (r << 32)) for r in ranks])
         lo = np.searchsorted(self.digests, qd, "left")
         counts = np.searchsorted(self.digests, qd, "right") - lo
         if not counts.any():
@@ -177,8 +177,8 @@ def _plausible(f: Found, ns: dict[int, NamespaceFacts], pool: Pool) -> tuple[np.
 def _digest(f: Found, records: np.ndarray) -> np.ndarray:
     """A 64-bit digest of each record's identity (namespace, rank, key): the key's first word (the key
     is already a hash) mixed with the namespace id and rank."""
-    return (np.ascontiguousarray(f.keys[records, :8]).view(np.int64).ravel()
-            ^ ((f.ns_id[records] << 48) | (f.rank[records] << 32)))
+    ident = (f.ns_id[records].astype(np.uint64) << np.uint64(48)) | (f.rank[records].astype(np.uint64) << np.uint64(32))
+    return np.ascontiguousarray(f.keys[records, :8]).view(np.uint64).ravel() ^ ident
 
 
 def _newest(f: Found, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -188,7 +188,7 @@ def _newest(f: Found, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     keeps to find a block a LOOKUP asks for (``AdoptionPlan.asked``)."""
     cand = np.flatnonzero(ok)
     if not len(cand):
-        return cand.astype(np.int64), cand.astype(np.int64), cand.astype(np.int64)
+        return cand.astype(np.int64), cand.astype(np.int64), cand.astype(np.uint64)
     order = cand[np.lexsort((-f.offset[cand], f.stamp[cand]))]  # the last of each key: newest, lowest slot
     # A key twice is rare (a crash between a block's re-store and its old record's invalidation): find
     # the candidates by their digest (fast), then compare those few exactly.
