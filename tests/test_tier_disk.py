@@ -331,3 +331,32 @@ def test_two_ranks_come_back_from_disk_together(make_daemon, tmp_path):
     c.close()
     for eng in engs:
         eng.close()
+
+
+def test_a_disk_hit_answered_before_its_promotion_finds_no_slot_fails_cleanly(make_daemon, tmp_path):
+    """The LOOKUP is answered before its promotions take pool slots (``Tiers.promote`` runs after the
+    reply). When no slot can be taken (every pool block leased), the promised blocks are counted
+    (``promotions_no_room``) and the LOAD that follows fails exactly those: a miss for the engine,
+    never a wrong byte; once the lease goes, the same LOOKUP promotes them all."""
+    d = make_daemon(POOL, *_disk(tmp_path))
+    rig = Rig(d)
+    old = _fill_and_spill(rig)
+    hold = chain_keys(128, b"hold")
+    rig.store(hold, base=300)  # the pool now holds only (the resident part of) this chain
+    leaser = d.client(name="leaser")
+    held = leaser.lookup("disk", hold, lease_ms=60_000)
+    assert held.hits >= 100 and held.lease_id, held
+    assert rig.c.stats()["resident_blocks"] == held.hits  # every pool block is leased
+    hits, notice = rig.lookup_load(old, 0)
+    assert hits == len(old)  # answered from the disk index, before any slot was looked for
+    t = rig.tier()
+    no_room = t["promotions_no_room"]
+    assert no_room > 0 and len(set(notice.failed)) == no_room, (t, notice)
+    assert rig.exact(old, 0, notice) == len(old) - no_room
+    assert metric_value(d.metrics(), 'kvoffd_tier_promotions_no_room_total{tier="disk"}') == no_room
+    leaser.release(held.lease_id)
+    hits, notice = rig.lookup_load(old, 0)
+    assert hits == len(old) and notice.ok, (notice, rig.tier())
+    assert rig.exact(old, 0, notice) == len(old) and rig.tier()["promotions_no_room"] == no_room
+    leaser.close()
+    rig.close()

@@ -88,32 +88,39 @@ class Jobs(LoadVerify):
 
     # --- LOOKUP -----------------------------------------------------------------------------------------
     def lookup(self, conn: Conn, msg: P.Lookup) -> P.Message | None:
-        """Answer first, then count and hold: the client waits on the answer, and nothing else runs on
-        the loop in between, so no eviction can take a block the answer promised."""
+        """Answer first, then promote, count and hold: the client waits on the answer, and nothing else
+        runs on the loop in between, so no eviction can take a block the answer promised. Blocks found
+        below the pool are answered as hits before their promotion's per-block work (``Tiers.promote``);
+        one no pool slot can be found for is a failed block of the LOAD that follows (counted), never
+        a wrong byte."""
+        total = P.count_keys(msg.keys)
         hits = self.index.lookup(msg.namespace, msg.keys, with_entries=msg.lease_ms > 0)
-        if (hits.n < P.count_keys(msg.keys) and hits.miss_reason is MissReason.ABSENT  # a restart still indexing:
-                and self.persist.adopt_asked(msg.namespace, msg.keys[hits.n * P.KEY_SIZE:])):  # not a miss
+        if (hits.n < total and hits.miss_reason is MissReason.ABSENT  # a restart still indexing: not a miss
+                and self.persist.adopt_asked(msg.namespace, msg.keys[hits.n * P.KEY_SIZE:])):
             hits = self.index.lookup(msg.namespace, msg.keys, with_entries=msg.lease_ms > 0)
-        if self.tiers.enabled and hits.n < P.count_keys(msg.keys):  # blocks below the pool are hits too:
-            hits = self.tiers.extend_lookup(msg.namespace, msg.keys, hits)  # their promotion starts now
-        n = hits.n
-        lease_id = held = 0
+        below = None
+        if self.tiers.enabled and hits.n < total:  # blocks below the pool are hits too
+            below = self.tiers.find_below(msg.namespace, msg.keys, hits)
+        n = below.n if below is not None else hits.n
+        lease_id = 0
         if n and msg.lease_ms:
-            held = hits.held_entries
-            self.sessions.check_lease(conn, held, msg.seq)
+            self.sessions.check_lease(conn, n * hits.world_size, msg.seq)
             lease_id = self.sessions.next_lease_id()
         self.reply(conn.ident, P.LookupResult(seq=msg.seq, hits=n, lease_id=lease_id, world_size=hits.world_size))
+        if below is not None:
+            hits = self.tiers.promote(below)  # their promotion starts now
         if lease_id:
-            self.index.hold(hits)
+            held = self.index.hold(hits)
             self.sessions.add_lease(conn, Lease(lease_id, conn.ident, time.monotonic() + msg.lease_ms / 1000,
                                                 hits.by_rank, msg.namespace), held)
         counts = self.metrics.lookup
         counts.lookups += 1
         counts.hit_blocks += n
-        missed = P.count_keys(msg.keys) - n
+        missed = total - n
         if missed:
             counts.miss_blocks += missed
-            self.metrics.misses.labels(hits.miss_reason.value).inc(missed)
+            reason = hits.miss_reason if hits.n == n else MissReason.ABSENT
+            self.metrics.misses.labels((reason or MissReason.ABSENT).value).inc(missed)
         return None
 
     # --- checks shared by STORE and LOAD ----------------------------------------------------------------

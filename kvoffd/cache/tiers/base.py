@@ -81,6 +81,7 @@ class TierStats:
     # The spill path's own figures (kvoffd/cache/tiers/manager.py fills them; 0 for a tier on its own):
     staged_hits: int = 0  # promotions served from a spill still in flight (its pool slot), no read
     spill_copies: int = 0  # evicted blocks copied out on the loop (a STORE larger than the reserve kept ahead)
+    promotions_no_room: int = 0  # blocks a LOOKUP answered as hits for which no pool slot was found after
     spill_deferred_bytes: int = 0  # pool bytes held out of the pool now until their spill has read them
     notes: dict[str, str] = field(default_factory=dict)  # e.g. direct_io: "off (tmpfs)"
 

@@ -62,6 +62,28 @@ class _Spill:
     copied: int = 0  # bytes in a staging copy (the fallback), counted against the budget
 
 
+@dataclass
+class _Walk:
+    """One rank's leading keys past the pool's hits (``Tiers._walk``): its entry (pool or promotion under
+    way) or None for a tier block, and the positions of the tier blocks to promote."""
+
+    table: Table
+    lead: list[Entry | None]
+    wanted: list[int]
+
+
+@dataclass
+class Below:
+    """What a LOOKUP found below the pool's leading hits (``Tiers.find_below``), nothing taken yet:
+    ``n`` leading keys in all if every promotion gets a pool slot, each rank's walk, the pool's hits."""
+
+    namespace: str
+    keys: bytes
+    hits: Hits
+    n: int
+    walks: list[_Walk]
+
+
 class Tiers(IndexObserver):
     def __init__(self, index: Index, tiers: Sequence[Tier], verify: bool = False,
                  spill_buffer_bytes: int = SPILL_BUFFER_BYTES):
@@ -77,6 +99,7 @@ class Tiers(IndexObserver):
         self._held: list[_Spill] | None = None  # spills begun during a LOOKUP's promotions, written after them
         self._staged: dict[tuple[Table, bytes], memoryview] = {}  # spilled, write not done: its pool slot
         self.staged_hits = 0
+        self.no_room = 0  # blocks a LOOKUP answered as hits that no pool slot could be found for
         self.hits: dict[str, int] = {t.name: 0 for t in self.tiers}
         self.spill_busy = 0
         self._clearing_all = False  # inside ``clearing_all``
@@ -223,15 +246,21 @@ class Tiers(IndexObserver):
 
     # --- lookups and loads ------------------------------------------------------------------------
     def extend_lookup(self, namespace: str, keys: bytes, hits: Hits) -> Hits:
-        """The LOOKUP's hits past the pool's ``hits.n`` leading ones: keys every rank holds in the pool,
-        in a promotion under way, or in a tier. The tier's blocks get pool slots and their reads start
-        now. Returns the new hits: their count, the entries by rank (pool ones and pending promotions,
-        for a lease to hold) and the first miss's reason."""
+        """The LOOKUP's hits past the pool's ``hits.n`` leading ones, promotions started: ``find_below``
+        and ``promote`` in one (the server answers in between)."""
+        below = self.find_below(namespace, keys, hits)
+        return hits if below is None else self.promote(below)
+
+    def find_below(self, namespace: str, keys: bytes, hits: Hits) -> Below | None:
+        """What follows the pool's ``hits.n`` leading keys: keys every rank holds in the pool, in a
+        promotion under way, or in a tier. Nothing is taken or started yet: the LOOKUP can be answered
+        with ``n`` before ``promote`` does the per-block work (pool slots, evictions, reads: 4-9 us a
+        block on the loop). None when nothing past the pool's hits is found."""
         ns = self.index.namespaces.get(namespace)
         total = len(keys) // _K
-        n, by_rank = hits.n, hits.by_rank
+        n = hits.n
         if not self.tiers or ns is None or n >= total or len(ns.tables) < ns.world_size:
-            return hits
+            return None
         rest = keys[n * _K:]
         limit = total - n
         walks = []
@@ -239,14 +268,28 @@ class Tiers(IndexObserver):
             t = ns.tables[r]
             lead, wanted = self._walk(t, rest, limit)
             limit = len(lead)
-            walks.append((t, lead, wanted))
+            walks.append(_Walk(t, lead, wanted))
             if not limit:
-                return hits
+                return None
+        return Below(namespace, keys, hits, n + limit, walks)
+
+    def promote(self, below: Below) -> Hits:
+        """Pool slots and reads for ``below``'s tier blocks. Returns the hits: their count (fewer than
+        ``below.n`` when the pool had no room for all: those are counted, and a LOAD of them fails,
+        so the engine recomputes them), the entries by rank (pool ones and pending promotions, for a
+        lease to hold) and the first miss's reason."""
+        namespace, keys, hits = below.namespace, below.keys, below.hits
+        ns = self.index.namespaces[namespace]
+        total = len(keys) // _K
+        n, by_rank = hits.n, hits.by_rank
+        rest = keys[n * _K:]
+        walks = below.walks
+        limit = below.n - n
         if n and not by_rank:  # no lease asked: the pool's hits, to hold while the promotions evict
             by_rank = {r: [ns.tables[r].visible[keys[i * _K:(i + 1) * _K]] for i in range(n)]
                        for r in range(ns.world_size)}
         keep = {id(e) for e in self._lead_entries(by_rank)}
-        pinned = [e for t, lead, _ in walks for e in lead if e is not None and id(e) not in keep]
+        pinned = [e for w in walks for e in w.lead if e is not None and id(e) not in keep]
         pinned += self._lead_entries(by_rank)
         # what this answer promises must survive the evictions the promotions cause
         self.index.hold(Hits(len(pinned), {0: pinned}, None, ns.world_size))
@@ -255,16 +298,17 @@ class Tiers(IndexObserver):
         # keeps its slot from reuse).
         self._held = []
         try:
-            for t, lead, wanted in walks:
-                limit = min(limit, self._promote(t, rest, lead, wanted, limit))
+            for w in walks:
+                limit = min(limit, self._promote(w.table, rest, w.lead, w.wanted, limit))
         finally:
             held, self._held = self._held, None
             self.index.release(pinned)
             for sp in held:
                 self._write(sp)
+        self.no_room += below.n - n - limit
         if not limit:
             return hits
-        out = {r: list(by_rank.get(r, ()))[:n] + walks[r][1][:limit] for r in range(ns.world_size)}
+        out = {r: list(by_rank.get(r, ()))[:n] + walks[r].lead[:limit] for r in range(ns.world_size)}
         m = n + limit
         reason = None
         if m < total:
@@ -394,6 +438,7 @@ class Tiers(IndexObserver):
                 st.spills_dropped[SpillResult.BUSY.value] = self.spill_busy
             st.staged_hits = self.staged_hits
             st.spill_copies = self.spill_copies  # the fallback that copies on the loop
+            st.promotions_no_room = self.no_room
             st.spill_deferred_bytes = self.index.deferred_bytes  # pool slots spills still read
             out.append(st)
         return out
