@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import msgpack
@@ -94,6 +95,31 @@ def _write_hits(directory: str, t: BlockTable, keys: np.ndarray, pos: np.ndarray
     t.recs["crc"][pos] = crcs
 
 
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()  # fields from the 3rd (state) on
+
+
+def _cpu_s(pid: int) -> float:
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _major_faults(pid: int) -> int:
+    return int(_stat(pid)[9])
+
+
+def _wait_idle(pid: int, busy: float = 0.05, window: float = 0.5, timeout: float = 120.0) -> float:
+    """Seconds until the process used less than ``busy`` of a core over ``window`` (its start-up work done)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        a = _cpu_s(pid)
+        time.sleep(window)
+        if _cpu_s(pid) - a < busy * window:
+            break
+    return time.monotonic() - t0
+
+
 def _wait_promoted(c, n: int, timeout: float = 60.0) -> None:
     """Until the disk tier has finished ``n`` promotions (read, or failed) in all."""
     deadline = time.monotonic() + timeout
@@ -113,12 +139,17 @@ def percentiles(xs: list[float]) -> tuple[float, float]:
 def measure(n: int, base: str, iters: int, baseline_kb: int) -> dict:
     directory = os.path.join(base, f"tier-{n}")
     t0 = time.monotonic()
-    hit_keys, indexed = build(directory, n)
+    # Built in a child process: the bench that measures never held the table's gigabytes (at 100M the
+    # measuring process's heap and mappings would otherwise be 6 GB larger than a client's).
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+        hit_keys, indexed = ex.submit(build, directory, n).result()
     built_s = time.monotonic() - t0
+    os.sync()  # the build's writes (the index, the hit blocks) are not left to write back while it measures
     t0 = time.monotonic()
     d = start_daemon(f"ipc://{base}/d{n}.sock", "512MiB", "--log-level", "warning", "--backend", "cpu",
                      "--disk-path", directory, "--disk-size", str(n * SLOT), connect_s=60 + n / 1e6 * 6)
     start_s = time.monotonic() - t0  # the daemon reads and adopts the whole index before it answers
+    settle_s = _wait_idle(d.proc.pid)  # what it still does after answering is not what a LOOKUP costs
     eng = ShmEngine(1024, SLOT, layers=2, tag="index-scale")
     try:
         c = d.client(name="index-scale", timeout_s=60.0)
@@ -133,6 +164,7 @@ def measure(n: int, base: str, iters: int, baseline_kb: int) -> dict:
         floor_sock.connect(echo_addr)
         rows = {}
         used = promoted = 0
+        faults0 = _major_faults(d.proc.pid)
         if (iters + 20) * (1 + 64 + 1024) > len(hit_keys):
             raise SystemExit(f"--iters {iters} asks more disk hits than the {len(hit_keys)} real blocks written")
         for k in (1, 64, 1024):
@@ -163,11 +195,14 @@ def measure(n: int, base: str, iters: int, baseline_kb: int) -> dict:
                 l50, l99 = percentiles(lat)
                 rows[f"{kind}_{k}"] = {"floor_p50_us": f50 * 1e6, "p50_us": l50 * 1e6, "p99_us": l99 * 1e6,
                                        "ratio": l50 / f50}
+        major_faults = _major_faults(d.proc.pid) - faults0  # pages of the index read back while asked
         floor_sock.send(msgpack.packb({"op": "stop", "seq": 0}))
         floor_sock.recv()
         floor_sock.close(0)
         echo.join(5)
         return {"blocks": n, "indexed": indexed, "build_s": round(built_s, 1), "start_s": round(start_s, 1),
+                "settle_s": round(settle_s, 1), "major_faults": major_faults,
+                "index_locked": tier["notes"].get(f"index_locked_{SLOT}", ""),
                 "index_bytes": tier["index_bytes"],
                 "index_bytes_per_block": tier["index_bytes"] / n,
                 "rss_bytes_per_block": (rss - baseline_kb) * 1024 / n, "lookups": rows}
@@ -200,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             print(f"{n:>11,} blocks: index {r['index_bytes_per_block']:.1f} B/block (file + slot arrays), "
                   f"daemon RSS +{r['rss_bytes_per_block']:.1f} B/block; built in {r['build_s']} s, daemon up in "
-                  f"{r['start_s']} s", flush=True)
+                  f"{r['start_s']} s, idle {r['settle_s']} s later; index locked: {r['index_locked'] or '?'}, "
+                  f"{r['major_faults']} major faults while asked", flush=True)
             for key, row in r["lookups"].items():
                 print(f"    LOOKUP {key:>14}: p50 {row['p50_us']:7.1f} us  p99 {row['p99_us']:7.1f} us  "
                       f"floor {row['floor_p50_us']:6.1f} us  ratio {row['ratio']:.2f}", flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import resource
 import shutil
 import signal
@@ -359,4 +360,27 @@ def test_a_disk_hit_answered_before_its_promotion_finds_no_slot_fails_cleanly(ma
     assert hits == len(old) and notice.ok, (notice, rig.tier())
     assert rig.exact(old, 0, notice) == len(old) and rig.tier()["promotions_no_room"] == no_room
     leaser.close()
+    rig.close()
+
+
+def test_the_disk_index_is_locked_in_memory(make_daemon, tmp_path):
+    """The index file's pages are mlocked (BlockTable.lock_in_memory, in a thread): the kernel may not
+    drop them, so a LOOKUP never waits on the loop for a page of the index to be read back. Checked in
+    the daemon's own /proc/PID/smaps: the mapping of index-65536.kvx is locked whole."""
+    d = make_daemon(POOL, *_disk(tmp_path))
+    rig = Rig(d)
+    _fill_and_spill(rig)
+    assert wait_until(lambda: rig.tier()["notes"].get(f"index_locked_{SLOT}") == "yes", 10), rig.tier()["notes"]
+    index = str(tmp_path / "disk" / f"index-{SLOT}.kvx")
+    with open(f"/proc/{d.proc.pid}/smaps") as f:
+        maps = f.read().split("\n")
+    at = next(i for i, line in enumerate(maps) if line.endswith(index))
+    fields = {}
+    for line in maps[at + 1:]:
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # the next mapping
+            break
+        key, _, value = line.partition(":")
+        fields[key] = value
+    size_kb, locked_kb = int(fields["Size"].split()[0]), int(fields["Locked"].split()[0])
+    assert locked_kb == size_kb > 0, fields
     rig.close()

@@ -32,6 +32,7 @@ import fcntl
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -109,6 +110,8 @@ class DiskTier:
         self._load_tables()
         self._classes: dict[int, _SizeClass] = {}
         self._broken: dict[int, str] = {}  # slot size -> why it cannot be opened
+        self._index_locked: dict[int, str] = {}  # slot size -> "yes", or "no (why)" (BlockTable.lock_in_memory)
+        self._lock_warned = False
         self._io = IoPool(threads, "kvoffd-disk")
         self._loop: asyncio.AbstractEventLoop | None = None
         self.st = TierStats(self.name, capacity_bytes=size)
@@ -181,7 +184,19 @@ class DiskTier:
                        np.zeros(nslots, dtype=np.uint8), np.zeros(nslots, dtype=np.uint16), ghost)
         self._adopt(c)
         self._classes[slot_bytes] = c
+        threading.Thread(target=self._lock_index, args=(slot_bytes, table), name="kvoffd-index-lock",
+                         daemon=True).start()
         return c
+
+    def _lock_index(self, slot_bytes: int, table: BlockTable) -> None:
+        """``BlockTable.lock_in_memory`` in a thread (it reads every page of the index: seconds at 100M);
+        the outcome goes to the tier's notes, a failure to the log once."""
+        why = table.lock_in_memory()
+        self._index_locked[slot_bytes] = f"no ({why})" if why else "yes"
+        if why and not self._lock_warned:
+            self._lock_warned = True
+            log.warning("disk tier %s: its index is not locked in memory, %s: under memory pressure a LOOKUP "
+                        "may wait for a page of it to be read back", self.path, why)
 
     def _adopt(self, c: _SizeClass) -> None:
         """The records found at start: each live one owns its slot; records of unknown tables, slots
@@ -498,6 +513,7 @@ class DiskTier:
                              for c in self._classes.values())
         st.notes = {"path": self.path, "policy": self.policy, "direct_io": "off: " + self._direct_note if self._direct_note else "on"}
         st.notes.update({f"broken_{k}": v for k, v in self._broken.items()})
+        st.notes.update({f"index_locked_{k}": v for k, v in self._index_locked.items()})
         return st
 
     def close(self) -> None:

@@ -330,6 +330,8 @@ class Tiers(IndexObserver):
                 and not self.tiers[0].contains(self._ref(t), rest[:_K])[0]):
             return [], []  # the usual miss (a new prompt): one key asked, not all of them
         on = self.tiers[0].contains(self._ref(t), rest[:limit * _K]).tolist()
+        if all(on) and list(map(get, [rest[i:i + _K] for i in range(0, limit * _K, _K)])).count(None) == limit:
+            return [None] * limit, list(range(limit))  # the usual disk hit: all on disk, none in the pool
         lead: list[Entry | None] = []
         wanted: list[int] = []
         for i in range(limit):
