@@ -109,13 +109,22 @@ def _major_faults(pid: int) -> int:
     return int(_stat(pid)[9])
 
 
-def _wait_idle(pid: int, busy: float = 0.05, window: float = 0.5, timeout: float = 120.0) -> float:
-    """Seconds until the process used less than ``busy`` of a core over ``window`` (its start-up work done)."""
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent not idle (user, system, irq...), from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+def _wait_idle(pid: int, busy: float = 0.1, window: float = 0.5, timeout: float = 120.0) -> float:
+    """Seconds until the daemon and the whole machine used less than ``busy`` of a core over ``window``:
+    the daemon's start-up work is done, and so is the kernel's after the build (at 100M it frees and
+    writes gigabytes: kswapd, kcompactd and the flusher run for a while)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        a = _cpu_s(pid)
+        a, m = _cpu_s(pid), _machine_busy_s()
         time.sleep(window)
-        if _cpu_s(pid) - a < busy * window:
+        if _cpu_s(pid) - a < busy * window and _machine_busy_s() - m < busy * window:
             break
     return time.monotonic() - t0
 

@@ -451,6 +451,7 @@ def replay_daemon(trace: Trace, geo: PoolGeometry, keys: dict[int, bytes], verif
                                                                        "spills", "evictions", "resident_blocks",
                                                                        "staged_hits", "spill_copies")})
                 counters["disk_spills_dropped"] = sum(tier.get("spills_dropped", {}).values())
+                counters["disk_spills_dropped_by_reason"] = dict(tier.get("spills_dropped", {}))
         t.stored, t.noop, t.evicted = counters["stored_blocks"], counters["store_noop_blocks"], \
             counters["evicted_blocks"]
         client.unregister(ENGINE_ID)
@@ -620,7 +621,8 @@ def run(trace: Trace, capacities: Sequence[int], block_bytes: int, verify: bool 
             f"optimum {pol['optimum'][-1]:.2%} ({d.seconds:.1f} s replay)"
             + (f"; with {disk_blocks} disk blocks: {pol['daemon'][-1] / max(unb.block_ratio(trace), 1e-12):.1%} of "
                f"unbounded ({unb.block_ratio(trace):.2%}), {d.counters.get('disk_hits', 0)} disk hits, "
-               f"{d.counters.get('disk_spills', 0)} spills ({d.counters.get('disk_spills_dropped', 0)} dropped), "
+               f"{d.counters.get('disk_spills', 0)} spills ({d.counters.get('disk_spills_dropped', 0)} dropped: "
+               f"{d.counters.get('disk_spills_dropped_by_reason', {})}), "
                f"{d.counters.get('disk_evictions', 0)} disk evictions, {d.counters.get('disk_staged_hits', 0)} "
                f"staged hits" if disk_blocks else "")
             + ("" if not bad else f"  MISMATCH: {'; '.join(bad)}"))

@@ -99,7 +99,7 @@ class Tiers(IndexObserver):
         self._held: list[_Spill] | None = None  # spills begun during a LOOKUP's promotions, written after them
         self._staged: dict[tuple[Table, bytes], memoryview] = {}  # spilled, write not done: its pool slot
         self.staged_hits = 0
-        self.no_room = 0  # blocks a LOOKUP answered as hits that no pool slot could be found for
+        self.no_room = 0  # blocks a LOOKUP answered before their promotion that no pool slot was found for
         self.hits: dict[str, int] = {t.name: 0 for t in self.tiers}
         self.spill_busy = 0
         self._clearing_all = False  # inside ``clearing_all``
@@ -273,11 +273,23 @@ class Tiers(IndexObserver):
                 return None
         return Below(namespace, keys, hits, n + limit, walks)
 
-    def promote(self, below: Below) -> Hits:
+    def fits(self, below: Below) -> bool:
+        """Whether ``below``'s promotions can all take free pool slots, evicting nothing: then none can
+        fall short, and the LOOKUP may be answered before ``promote`` runs. Otherwise (a prefix longer
+        than what is free, most of all one longer than the pool) the promotions go first and the
+        answer counts what got a slot."""
+        need: dict[int, int] = {}
+        for w in below.walks:
+            need[w.table.slot_bytes] = need.get(w.table.slot_bytes, 0) + len(w.wanted)
+        pool = self.index.pool
+        return all(pool.spare_slots(size, n) >= n for size, n in need.items() if n)
+
+    def promote(self, below: Below, answered: bool = False) -> Hits:
         """Pool slots and reads for ``below``'s tier blocks. Returns the hits: their count (fewer than
-        ``below.n`` when the pool had no room for all: those are counted, and a LOAD of them fails,
-        so the engine recomputes them), the entries by rank (pool ones and pending promotions, for a
-        lease to hold) and the first miss's reason."""
+        ``below.n`` when the pool had no room for all), the entries by rank (pool ones and pending
+        promotions, for a lease to hold) and the first miss's reason. Blocks an answer already
+        promised but no slot was found for are counted in ``no_room`` (``fits`` keeps that from
+        happening: the LOAD would fail them)."""
         namespace, keys, hits = below.namespace, below.keys, below.hits
         ns = self.index.namespaces[namespace]
         total = len(keys) // _K
@@ -305,7 +317,8 @@ class Tiers(IndexObserver):
             self.index.release(pinned)
             for sp in held:
                 self._write(sp)
-        self.no_room += below.n - n - limit
+        if answered:
+            self.no_room += below.n - n - limit
         if not limit:
             return hits
         out = {r: list(by_rank.get(r, ()))[:n] + walks[r].lead[:limit] for r in range(ns.world_size)}
