@@ -175,7 +175,7 @@ def test_a_block_asked_for_before_its_slice_enters_at_once_and_only_once():
     assert plan.waiting == 13 and index.lookup("m", keys[0]).n == 0
     f = plan.found
     got = plan.asked("m", keys[0] + keys[1] + chain_keys(1, b"never")[0])
-    assert sorted(zip(f.rank[got].tolist(), [bytes(k) for k in f.keys[got]])) == [
+    assert sorted(zip(f.rank[got].tolist(), [bytes(k) for k in f.keys[got]], strict=True)) == [
         (0, keys[0]), (0, keys[1]), (1, keys[0]), (1, keys[1])]  # both ranks, not namespace "o"
     entries, gone = plan.take_records(index, pool, got)
     assert len(entries) == 4 and not len(gone) and plan.waiting == 9
