@@ -82,7 +82,8 @@ _TIER_COUNTERS = (  # TierStats field, metric name, help
     ("spill_copies", "kvoffd_tier_spill_copies", "Evicted blocks copied out on the event loop before their "
      "spill (a STORE needing more slots than the reserve evicted ahead)"),
     ("promotions_no_room", "kvoffd_tier_promotions_no_room", "Blocks a LOOKUP answered as hits in this tier "
-     "for which no pool slot could be taken after the answer (every victim held): the LOAD fails them"),
+     "before their promotion for which no pool slot was then found (the LOAD fails them); the daemon answers "
+     "first only when free slots take every promotion, so this stays 0"),
 )
 _TIER_GAUGES = (
     ("resident_bytes", "kvoffd_tier_resident_bytes", "Bytes of blocks held by this tier"),
