@@ -48,6 +48,7 @@ from reliability_util import ShmEngine, rss_kb  # noqa: E402
 
 from kvoffd.cache.tiers.diskio import block_crc  # noqa: E402
 from kvoffd.cache.tiers.table import BlockTable  # noqa: E402
+from kvoffd.procfs import cpu_seconds, major_faults  # noqa: E402
 from kvoffd_client import protocol as P  # noqa: E402
 
 SLOT = 4096
@@ -95,20 +96,6 @@ def _write_hits(directory: str, t: BlockTable, keys: np.ndarray, pos: np.ndarray
     t.recs["crc"][pos] = crcs
 
 
-def _stat(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()  # fields from the 3rd (state) on
-
-
-def _cpu_s(pid: int) -> float:
-    fields = _stat(pid)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def _major_faults(pid: int) -> int:
-    return int(_stat(pid)[9])
-
-
 def _machine_busy_s() -> float:
     """CPU seconds the whole machine has spent not idle (user, system, irq...), from /proc/stat."""
     with open("/proc/stat") as f:
@@ -122,9 +109,9 @@ def _wait_idle(pid: int, busy: float = 0.1, window: float = 0.5, timeout: float 
     writes gigabytes: kswapd, kcompactd and the flusher run for a while)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        a, m = _cpu_s(pid), _machine_busy_s()
+        a, m = cpu_seconds(pid), _machine_busy_s()
         time.sleep(window)
-        if _cpu_s(pid) - a < busy * window and _machine_busy_s() - m < busy * window:
+        if cpu_seconds(pid) - a < busy * window and _machine_busy_s() - m < busy * window:
             break
     return time.monotonic() - t0
 
@@ -173,7 +160,7 @@ def measure(n: int, base: str, iters: int, baseline_kb: int) -> dict:
         floor_sock.connect(echo_addr)
         rows = {}
         used = promoted = 0
-        faults0 = _major_faults(d.proc.pid)
+        faults0 = major_faults(d.proc.pid)
         if (iters + 20) * (1 + 64 + 1024) > len(hit_keys):
             raise SystemExit(f"--iters {iters} asks more disk hits than the {len(hit_keys)} real blocks written")
         # the misses once more at the end: at 100M on the 2-core VM the first sets measured after the
@@ -208,13 +195,13 @@ def measure(n: int, base: str, iters: int, baseline_kb: int) -> dict:
             l50, l99 = percentiles(lat)
             rows[label] = {"floor_p50_us": f50 * 1e6, "p50_us": l50 * 1e6, "p99_us": l99 * 1e6,
                            "ratio": l50 / f50}
-        major_faults = _major_faults(d.proc.pid) - faults0  # pages of the index read back while asked
+        faults = major_faults(d.proc.pid) - faults0  # pages of the index read back while asked
         floor_sock.send(msgpack.packb({"op": "stop", "seq": 0}))
         floor_sock.recv()
         floor_sock.close(0)
         echo.join(5)
         return {"blocks": n, "indexed": indexed, "build_s": round(built_s, 1), "start_s": round(start_s, 1),
-                "settle_s": round(settle_s, 1), "major_faults": major_faults,
+                "settle_s": round(settle_s, 1), "major_faults": faults,
                 "index_locked": tier["notes"].get(f"index_locked_{SLOT}", ""),
                 "index_bytes": tier["index_bytes"],
                 "index_bytes_per_block": tier["index_bytes"] / n,

@@ -55,7 +55,7 @@ def _start_cuda_driver() -> None:
         try:
             cuda_driver.driver().use_device(0)
         except (cuda_driver.CudaUnavailable, cuda_driver.CudaError):
-            pass
+            pass  # kept by cuda_driver (or met again at use_device): the CUDA backend reports it at start
 
     threading.Thread(target=init, name="kvoffd-cuda-init", daemon=True).start()
 

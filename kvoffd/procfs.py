@@ -3,9 +3,11 @@ and parentheses)."""
 
 from __future__ import annotations
 
+import os
+
 from kvoffd_client.protocol import start_ticks  # HELLO's identity field is defined there
 
-__all__ = ["is_zombie", "start_ticks"]
+__all__ = ["cpu_seconds", "is_zombie", "major_faults", "start_ticks"]
 
 
 def _fields(pid: int) -> list[bytes] | None:
@@ -23,3 +25,15 @@ def is_zombie(pid: int) -> bool:
     """Exited but not yet reaped by its parent: its memory is gone, though the pid still answers kill(0)."""
     fields = _fields(pid)
     return fields is not None and fields[0] in (b"Z", b"X")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system time the process has used (fields 14 and 15); 0 where unreadable."""
+    fields = _fields(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
+def major_faults(pid: int) -> int:
+    """Page faults that had to read from storage (field 12); 0 where unreadable."""
+    fields = _fields(pid)
+    return int(fields[9]) if fields else 0

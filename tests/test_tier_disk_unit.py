@@ -28,15 +28,19 @@ def _blocks(lo: int, n: int) -> tuple[bytes, list[memoryview], list[bytes]]:
     return b"".join(keys), [view[j * SLOT:(j + 1) * SLOT] for j in range(n)], [bytes(arr[j]) for j in range(n)]
 
 
+def _dest(n: int) -> list[memoryview]:
+    """``n`` slot-sized views of a fresh anonymous mapping: where a test reads blocks back to."""
+    view = memoryview(mmap.mmap(-1, n * SLOT))
+    return [view[j * SLOT:(j + 1) * SLOT] for j in range(n)]
+
+
 async def _pressure(path: str) -> None:
     tier = DiskTier(path, 64 * SLOT, threads=2)  # 64 slots
     tier.start(asyncio.get_running_loop())
     try:
         keys, src, want = _blocks(0, 64)
         assert all(r is SpillResult.WRITTEN for r in await tier.write(REF, keys, src))
-        dst0 = mmap.mmap(-1, 64 * SLOT)
-        v0 = memoryview(dst0)
-        assert (await tier.read(REF, keys, [v0[j * SLOT:(j + 1) * SLOT] for j in range(64)])).all()
+        assert (await tier.read(REF, keys, _dest(64))).all()
         # every block just read (a use): the next sweep passes all of them once and must wrap around
         keys2, src2, want2 = _blocks(64, 48)
         res = await tier.write(REF, keys2, src2)
@@ -47,12 +51,11 @@ async def _pressure(path: str) -> None:
         for k_all, w_all in ((keys, want), (keys2, want2)):
             held = tier.contains(REF, k_all)
             n = len(w_all)
-            dst = mmap.mmap(-1, n * SLOT)
-            dv = memoryview(dst)
-            ok = await tier.read(REF, k_all, [dv[j * SLOT:(j + 1) * SLOT] for j in range(n)])
+            dv = _dest(n)
+            ok = await tier.read(REF, k_all, dv)
             assert (ok == held).all()
             for j in np.flatnonzero(ok).tolist():
-                assert bytes(dv[j * SLOT:(j + 1) * SLOT]) == w_all[j]
+                assert bytes(dv[j]) == w_all[j]
         st = tier.stats()
         assert st.checksum_failures == 0 and st.evictions == 48 and st.resident_blocks == 64
     finally:
@@ -161,11 +164,10 @@ async def _gated(path: str, budget_blocks: int) -> None:
         assert not index.deferred and index.deferred_bytes == 0 and not tiers._staged
         wanted = b"".join(keys[:4])
         assert tier.contains(tiers._ref(t), wanted).all()
-        dst = mmap.mmap(-1, 4 * SLOT)
-        dv = memoryview(dst)
-        assert (await tier.read(tiers._ref(t), wanted, [dv[j * SLOT:(j + 1) * SLOT] for j in range(4)])).all()
+        dv = _dest(4)
+        assert (await tier.read(tiers._ref(t), wanted, dv)).all()
         for j, k in enumerate(keys[:4]):
-            assert bytes(dv[j * SLOT:(j + 1) * SLOT]) == pattern[k]
+            assert bytes(dv[j]) == pattern[k]
         free = index.pool.alloc(SLOT, 128)  # given back once written: the pool hands them out again
         assert set(deferred) <= set(free)
         index.pool.free(SLOT, free)
@@ -275,17 +277,16 @@ async def _all_hot(path: str) -> None:
     try:
         keys, src, _ = _blocks(0, 64)
         assert all(r is SpillResult.WRITTEN for r in await tier.write(REF, keys, src))
-        dst = mmap.mmap(-1, 64 * SLOT)
-        dv = memoryview(dst)
+        dv = _dest(64)
         for _ in range(3):  # three reads each: every count at REF_MAX
-            assert (await tier.read(REF, keys, [dv[j * SLOT:(j + 1) * SLOT] for j in range(64)])).all()
+            assert (await tier.read(REF, keys, dv)).all()
         assert (tier._classes[SLOT].ref == 3).all()
         keys2, src2, want2 = _blocks(64, 8)
         res = await tier.write(REF, keys2, src2)
         assert all(r is SpillResult.WRITTEN for r in res), res  # evicts, never "full" while slots exist
         assert tier.stats().evictions == 8 and tier.stats().resident_blocks == 64
-        ok = await tier.read(REF, keys2, [dv[j * SLOT:(j + 1) * SLOT] for j in range(8)])
-        assert ok.all() and all(bytes(dv[j * SLOT:(j + 1) * SLOT]) == want2[j] for j in range(8))
+        ok = await tier.read(REF, keys2, dv[:8])
+        assert ok.all() and all(bytes(dv[j]) == want2[j] for j in range(8))
     finally:
         tier.close()
 

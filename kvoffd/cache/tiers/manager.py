@@ -343,13 +343,13 @@ class Tiers(IndexObserver):
                 and not self.tiers[0].contains(self._ref(t), rest[:_K])[0]):
             return [], []  # the usual miss (a new prompt): one key asked, not all of them
         on = self.tiers[0].contains(self._ref(t), rest[:limit * _K]).tolist()
-        if all(on) and list(map(get, [rest[i:i + _K] for i in range(0, limit * _K, _K)])).count(None) == limit:
+        keys = [rest[i:i + _K] for i in range(0, limit * _K, _K)]
+        ents = list(map(get, keys))
+        if all(on) and ents.count(None) == limit:
             return [None] * limit, list(range(limit))  # the usual disk hit: all on disk, none in the pool
         lead: list[Entry | None] = []
         wanted: list[int] = []
-        for i in range(limit):
-            k = rest[i * _K:(i + 1) * _K]
-            e = get(k)
+        for i, (k, e) in enumerate(zip(keys, ents, strict=True)):
             if e is not None:
                 if e.ready or e in self._promoting:
                     lead.append(e)
