@@ -11,8 +11,8 @@ $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 
-# Editable install, redone when pyproject.toml changes.
-$(VENV)/.stamp-install: pyproject.toml | $(VPY)
+# Editable install, redone when pyproject.toml or the compiled kernel (setup.py) changes.
+$(VENV)/.stamp-install: pyproject.toml setup.py kvoffd/cache/tiers/_probe.c | $(VPY)
 	$(VPY) -m pip install -q -e .
 	touch $@
 

@@ -82,8 +82,9 @@ _TIER_COUNTERS = (  # TierStats field, metric name, help
     ("spill_copies", "kvoffd_tier_spill_copies", "Evicted blocks copied out on the event loop before their "
      "spill (a STORE needing more slots than the reserve evicted ahead)"),
     ("promotions_no_room", "kvoffd_tier_promotions_no_room", "Blocks a LOOKUP answered as hits in this tier "
-     "before their promotion for which no pool slot was then found (the LOAD fails them); the daemon answers "
-     "first only when free slots take every promotion, so this stays 0"),
+     "before their promotion that were then not promoted: no pool slot was found, or the tier's fingerprint "
+     "matched a block it does not hold (the LOAD fails them); the daemon answers first only when the pool "
+     "surely has the slots, and a false match is about 16 in 2^31 absent keys, so this stays 0"),
 )
 _TIER_GAUGES = (
     ("resident_bytes", "kvoffd_tier_resident_bytes", "Bytes of blocks held by this tier"),

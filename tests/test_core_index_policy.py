@@ -123,6 +123,18 @@ def check_consistent(index: Index) -> None:
     assert index.resident == ready
 
 
+def check_refs(index: Index, in_flight: list[StorePlan], leases: list[list[Entry]]) -> None:
+    """``Index.refs_taken`` is every ref held now: on the tables' entries and on unlinked ones that a
+    store in flight or a lease still holds (``Tiers.fits`` bounds the evictable blocks with it)."""
+    seen = {id(e): e for ns in index.namespaces.values() for t in ns.tables.values() for e in t.entries.values()}
+    seen.update((id(e), e) for p in in_flight for e in p.entries)
+    seen.update((id(e), e) for lease in leases for e in lease)
+    assert index.refs_taken == sum(e.refs for e in seen.values())
+    for size in index._policies:
+        unheld = sum(1 for e in seen.values() if e.in_lru and not e.refs and e.table.slot_bytes == size)
+        assert index.evictable(size) <= unheld  # a lower bound: never more than eviction could free
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_operations_keep_the_policy_consistent(seed, caplog):
     """Stores (some aborted, some cleared while in flight), leased lookups, loads, discards, CLEARs and
@@ -167,11 +179,13 @@ def test_random_operations_keep_the_policy_consistent(seed, caplog):
         elif op < 0.95:
             pool_of[ns] = rng.choice([24, 96, 400])  # shift demand between the slot sizes: reclamation
         check_consistent(index)
+        check_refs(index, in_flight, leases)
     for job in in_flight:
         index.complete_store(job, True)
     for lease in leases:
         index.release(lease)
     check_consistent(index)
+    assert index.refs_taken == 0
     assert index.reclaim_evictions > 0 and index.evictions > index.reclaim_evictions and index.refused > 0
     assert not [r for r in caplog.records if "does not hold" in r.getMessage()]
     for pol in index._policies.values():  # every victim left is a block the index holds
@@ -179,6 +193,25 @@ def test_random_operations_keep_the_policy_consistent(seed, caplog):
         while (v := pol.victim()) is not None:
             tbl, k = v
             assert k in tbl.visible and tbl.entries[k].in_lru
+
+
+@pytest.mark.parametrize("policy", ["lru", DEFAULT_POLICY])
+def test_evictable_counts_the_unheld_ready_blocks_at_most(policy):
+    """A full pool of 16 blocks: all 16 evictable; with 10 held by a lease, at most 6, and evicting for
+    6 slots does give 6; released, 16 again."""
+    index, t = small_index(16, policy)
+    keys = [key(i) for i in range(16)]
+    for _ in range(2):  # the doorkeeper admits a block on its second request
+        load(index, keys)
+        store(index, t, keys)
+    assert index.resident == 16 and index.pool.spare_slots(SLOT, 16) == 0
+    assert index.evictable(SLOT) == 16
+    hits = index.lookup(NS, b"".join(keys[:10]), with_entries=True)
+    index.hold(hits)
+    assert index.evictable(SLOT) == 6
+    assert index.evict(SLOT, 16) == 6  # the bound is met: what it promised, eviction frees
+    index.release(hits.by_rank[0])
+    assert index.evictable(SLOT) == 10 and index.refs_taken == 0
 
 
 def test_clear_all_is_one_pass_and_forgets_namespaces_no_engine_uses():

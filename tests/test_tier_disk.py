@@ -334,12 +334,13 @@ def test_two_ranks_come_back_from_disk_together(make_daemon, tmp_path):
         eng.close()
 
 
-def test_a_disk_hit_is_answered_before_its_promotion_only_when_free_slots_take_it(make_daemon, tmp_path):
-    """A LOOKUP's disk blocks are answered before their promotions when free pool slots take them all
-    (``Tiers.fits``: nothing can fall short). When they do not (every pool block leased here), the
-    promotions go first and the answer counts only the blocks that got a slot: the LOAD of what was
-    answered succeeds whole, byte-exact, and no promise is broken (``promotions_no_room`` stays 0).
-    Once the lease goes, the same LOOKUP gets them all."""
+def test_a_disk_hit_is_answered_before_its_promotion_only_when_the_pool_surely_has_room(make_daemon, tmp_path):
+    """A LOOKUP's disk blocks are answered before their promotions when the pool surely gives them all
+    slots, free or evictable (``Tiers.fits``, ``Index.evictable``: nothing can fall short). When it does
+    not (every pool block leased here), the promotions go first and the answer counts only the blocks
+    that got a slot: the LOAD of what was answered succeeds whole, byte-exact, and no promise is broken
+    (``promotions_no_room`` stays 0). Once the lease goes, the same LOOKUP gets them all: the full
+    pool's blocks are evictable now."""
     d = make_daemon(POOL, *_disk(tmp_path))
     rig = Rig(d)
     old = _fill_and_spill(rig)

@@ -296,3 +296,59 @@ def test_a_spill_into_a_disk_whose_every_block_is_hot_evicts_rather_than_drops(t
     such a disk to free a slot. A spill must then evict (within those passes), not be dropped as
     ``full`` as it was when the hand stopped after two."""
     asyncio.run(_all_hot(str(tmp_path / "d")))
+
+
+async def _counted(path: str, seed: int) -> None:
+    """A random mix of blocks on disk, ready in the pool and being stored (pending): ``find_below``'s
+    count (the tier's fingerprint probe, the pool's entries asked only where needed) must be the exact
+    rule's, and ``promote`` (which walks exactly) must keep it whole with room to spare."""
+    import random
+
+    from kvoffd.cache.index import Index
+    from kvoffd.cache.pool import Pool
+    from kvoffd.cache.tiers.manager import Tiers
+
+    rng = random.Random(seed)
+    index = Index(Pool(256 * SLOT, chunk_bytes=256 * SLOT), "lru")
+    tier = DiskTier(path, 256 * SLOT, threads=2)
+    tier.start(asyncio.get_running_loop())
+    tiers = Tiers(index, [tier])
+    t = index.table("unit", 0, 1, SLOT, (SLOT,))
+    try:
+        keys = [hashlib.sha256(b"c%d-%d" % (seed, i)).digest() for i in range(48)]
+        # "both": ready in the pool and on disk; "stored": on disk and being stored again (pending)
+        state = [rng.choice(["disk", "disk", "disk", "ready", "pending", "both", "stored", "none"]) for _ in keys]
+        on_disk = [k for k, s in zip(keys, state, strict=True) if s in ("disk", "both", "stored")]
+        if on_disk:
+            blob, src, _ = _blocks(1000 * seed, len(on_disk))
+            res = await tier.write(REF, b"".join(on_disk), src)
+            assert all(r is SpillResult.WRITTEN for r in res)
+        _fill(index, t, [k for k, s in zip(keys, state, strict=True) if s in ("ready", "both")])
+        pending = index.prepare_store(t, [k for k, s in zip(keys, state, strict=True) if s in ("pending", "stored")])
+        index.add_pending(pending)
+        for lo, w in [(lo, w) for lo in range(0, len(keys), 3) for w in (2, 6, 48)]:
+            asked = b"".join(keys[lo:lo + w])
+            hits = index.lookup("unit", asked)
+            exact = 0  # a ready entry, or no entry and the block on disk; a pending one ends the run
+            for s in state[lo:lo + w]:
+                if s not in ("disk", "ready", "both"):
+                    break
+                exact += 1
+            below = tiers.find_below("unit", asked, hits)
+            got = hits.n if below is None else below.n
+            assert got == exact, (lo, state[lo:lo + exact + 2], got, exact)
+            if below is not None and tiers.fits(below):
+                assert tiers.promote(below, answered=True).n == exact
+                await asyncio.gather(*tiers.promotions(t, keys[lo:lo + exact]))
+                await asyncio.sleep(0)  # the promotions' commit (a callback)
+                state[lo:lo + exact] = ["ready" if s == "disk" else s for s in state[lo:lo + exact]]
+        assert tiers.no_room == 0
+        index.complete_store(pending, True)
+        assert index.refs_taken == 0  # every ref taken (stores, promotions) was given back
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_lookups_count_below_the_pool_follows_the_exact_rule(tmp_path, seed):
+    asyncio.run(_counted(str(tmp_path / "disk"), seed))

@@ -4,11 +4,15 @@ size imports what fits, and a table filled to its capacity places (nearly) every
 
 from __future__ import annotations
 
+import shutil
+import sysconfig
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvoffd.cache.tiers import table as table_module
 from kvoffd.cache.tiers.table import LOAD_FACTOR, RECORD, BlockTable, keys_u64
 
 
@@ -81,9 +85,10 @@ def test_a_full_table_places_nearly_every_block():
 
 
 def test_memory_per_block_is_below_100_bytes():
+    """Records and fingerprints, plus the disk tier's 7 bytes of slot arrays and 2.5 of ghost filters."""
     t = BlockTable(1_000_000)
-    per = t.nbytes / 1_000_000
-    assert per == pytest.approx(RECORD.itemsize / LOAD_FACTOR, rel=0.01) and per + 7 <= 100
+    per = t.memory_bytes / 1_000_000
+    assert per == pytest.approx((RECORD.itemsize + 4) / LOAD_FACTOR, rel=0.01) and per + 7 + 2.5 <= 100
 
 
 def test_a_table_built_in_memory_and_saved_is_found_again(tmp_path):
@@ -100,26 +105,80 @@ def test_a_table_built_in_memory_and_saved_is_found_again(tmp_path):
     assert (u.recs["slot"][got[got >= 0]] == np.arange(700)[got >= 0]).all()
 
 
-@pytest.mark.parametrize("max_blocks", [8, 1000])
-def test_the_scalar_path_for_a_few_keys_agrees_with_the_vectorised_one(max_blocks):
-    """Lookups of at most FEW keys take a pure-Python path (a LOOKUP's usual miss asks the disk about
-    one key): for keys present, absent, of another table, and sharing a present key's first word only,
-    it must find exactly what the vectorised path finds (8 blocks: two buckets, so a key's two
-    choices often coincide)."""
-    from kvoffd.cache.tiers.table import FEW
+@pytest.fixture(params=["c", "numpy"])
+def kernel(request, monkeypatch):
+    """The table's compiled kernel (kvoffd/cache/tiers/_probe.c), or the numpy path it replaces: both
+    must give the same answers (the numpy one serves where the kernel is not built)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(table_module, "_probe", None)
+    elif table_module._probe is None:
+        pytest.skip("the compiled kernel is not built here (setup.py: no C compiler?)")
+    return request.param
 
+
+def test_the_compiled_kernel_is_built_where_there_is_a_compiler():
+    """``make`` builds it (pip install -e .); a machine with a C compiler that lacks it has a broken
+    install, and would answer LOOKUPs of disk hits several times slower (docs/benchmarks.md)."""
+    if shutil.which("cc") is None or not sysconfig.get_config_var("INCLUDEPY"):
+        pytest.skip("no C compiler here: the numpy path serves")
+    assert table_module.KERNEL == "c"
+
+
+@pytest.mark.parametrize("max_blocks", [8, 1000])
+def test_lookup_find_and_probe_agree_with_a_model(kernel, max_blocks):
+    """``lookup`` (batched), ``find`` (a few keys, their binary) and ``probe`` (how many leading keys may
+    be held) against what was inserted: for keys present, absent, of another table, and sharing a
+    present key's first three words (its buckets and fingerprint: the record decides), with each
+    kernel (8 blocks: two buckets, so a key's two choices often coincide)."""
     rng = np.random.default_rng(3)
     t = BlockTable(max_blocks)
     present = _keys(rng, max_blocks * 3 // 4)
     pos = t.insert(1, present, np.arange(len(present), dtype=np.uint32), np.zeros(len(present), dtype=np.uint32))
-    assert (pos >= 0).sum() >= len(present) - 1
+    held = pos >= 0
+    assert held.sum() >= len(present) - 1
     twin = present[:3].copy()
-    twin[:, 3] ^= np.uint64(1)  # the same first words (same buckets, same first-word match), another key
-    probe = np.concatenate([present, _keys(rng, 20), twin])
+    twin[:, 3] ^= np.uint64(1)  # same buckets, same fingerprint, another key
+    absent = _keys(rng, 20)
+    asked = np.concatenate([present, absent, twin])
     for tid in (1, 2):
-        want = t.lookup(tid, probe)  # more than FEW keys: vectorised
-        assert len(probe) > FEW
-        got = [int(t.lookup(tid, probe[i:i + 1])[0]) for i in range(len(probe))]
-        assert got == want.tolist()
-        assert t.lookup(tid, probe[:FEW]).tolist() == want[:FEW].tolist()
-    assert (want[len(present):] == -1).all() and (t.lookup(1, present)[pos >= 0] == pos[pos >= 0]).all()
+        want = np.full(len(asked), -1, dtype=np.int64)
+        if tid == 1:
+            want[:len(present)] = pos
+        got = t.lookup(tid, asked)
+        assert got.tolist() == want.tolist()
+        assert t.find(tid, asked.tobytes()) == want.tolist()
+        assert [int(t.lookup(tid, asked[i:i + 1])[0]) for i in range(len(asked))] == want.tolist()
+        blob = asked.tobytes()
+        for lo in (0, len(present) - 2, len(present)):  # from a held run, across its end, from an absent key
+            lead = t.probe(tid, blob[lo * 32:])
+            exact = next((i for i, p in enumerate(want[lo:].tolist()) if p < 0), len(asked) - lo)
+            assert lead >= exact  # never short of the held ones
+            assert lead <= exact + 3  # only the twins may pass for held (their fingerprint is a held key's)
+    assert t.probe(1, present[held].tobytes()) == int(held.sum())
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31), st.integers(1, 300))
+def test_the_kernels_agree_after_random_inserts_and_removals(seed, n):
+    """The compiled kernel and the numpy path give the same positions for the same table, after inserts
+    and removals in two tables (the kernel reads the fingerprints numpy maintains)."""
+    if table_module._probe is None:
+        pytest.skip("the compiled kernel is not built here")
+    rng = np.random.default_rng(seed)
+    t = BlockTable(400)
+    k = _keys(rng, n)
+    t.insert(1, k[: n // 2], np.arange(n // 2, dtype=np.uint32), np.zeros(n // 2, dtype=np.uint32))
+    t.insert(2, k[n // 2:], np.arange(n - n // 2, dtype=np.uint32), np.zeros(n - n // 2, dtype=np.uint32))
+    gone = t.lookup(1, k[: n // 4])
+    t.remove(gone[gone >= 0])
+    asked = np.concatenate([k, _keys(rng, 16)])
+    for tid in (1, 2):
+        c = t.lookup(tid, asked)
+        kern, table_module._probe = table_module._probe, None
+        try:
+            ref = t.lookup(tid, asked)
+            ref_lead = t.probe(tid, asked.tobytes())
+        finally:
+            table_module._probe = kern
+        assert c.tolist() == ref.tolist()
+        assert t.probe(tid, asked.tobytes()) == ref_lead

@@ -69,6 +69,7 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
         self._slot_entry: dict[int, Entry] = {}  # slot -> the entry holding it (until the slot is freed)
         self._drain: _Drain | None = None
         self.resident = 0  # ready entries
+        self.refs_taken = 0  # refs held on entries now (leases, loads, stores and promotions in flight)
         self.evictions = 0  # all evicted entries, including reclaim_evictions
         self.reclaim_evictions = 0  # evicted to hand their chunk to another slot size
         self.refused = 0  # new blocks the admission policy refused (never copied)
@@ -173,14 +174,17 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
             for e in entries:
                 e.refs += 1
             held += len(entries)
+        self.refs_taken += held
         return held
 
     def release(self, entries: Iterable[Entry]) -> None:
         """Drop one ref of each entry (a LOAD ended, a lease was dropped): the one place a ref drops.
         An entry left unheld goes back to its LRU as just used, or frees its slot if it was unlinked."""
         policies = self._policies
+        dropped = 0
         for e in entries:
             e.refs -= 1
+            dropped += 1
             if e.refs:
                 continue
             if e.dead:
@@ -195,6 +199,15 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
                 else:
                     lru[e] = None
                     e.in_lru = True
+        self.refs_taken -= dropped
+
+    def evictable(self, slot_bytes: int) -> int:
+        """At least how many slots of this size evicting could free now: the ready blocks the policy
+        may evict, less every ref taken in the pool (a held block is skipped, so each ref may keep one
+        from eviction; counted over all sizes and once per ref: never too many). For ``Tiers.fits``."""
+        pol = self._policies.get(slot_bytes)
+        tracked = len(pol) if pol is not None else len(self._lru.get(slot_bytes, ()))
+        return max(0, min(tracked, self.resident) - self.refs_taken)
 
     def prepare_load(self, table: Table, keys: list[bytes]) -> LoadPlan:
         """The entries a LOAD reads, each holding a ref until ``release`` (the copy's end)."""
@@ -210,6 +223,7 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
                 e.refs += 1
                 entries.append(e)
                 found.append(i)
+        self.refs_taken += len(entries)
         return LoadPlan(entries, found, missing)
 
     # --- stores -------------------------------------------------------------------------------------------
@@ -306,6 +320,7 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
         out = [Entry(keys[i], table, s, 1) for i, s in zip(plan.copy_idx, slots, strict=True)]
         table.entries.update(zip([e.key for e in out], out, strict=True))
         self._slot_entry.update(zip(slots, out, strict=True))
+        self.refs_taken += len(out)
         plan.entries = out
         return out
 
@@ -340,6 +355,7 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
         now = time.time()
         shown: list[Entry] = []
         pol = self._policies.get(entries[0].table.slot_bytes) if entries else None
+        inlined = len(entries) if pol is not None else 0  # refs dropped here, not by ``release``
         for e in entries if pol is not None else ():
             if e.dead:  # cleared while copied: admitted, never placed
                 self._release_admission(pol, e)
@@ -361,10 +377,12 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
                 shown.append(e)
             if e.refs == 1 and not e.dead:  # the usual case, inlined: only the store held it
                 e.refs = 0
+                inlined += 1
                 self._lru[e.table.slot_bytes][e] = None
                 e.in_lru = True
             else:
                 self.release((e,))
+        self.refs_taken -= inlined
         if shown:  # the runs, one per table (a STORE writes one table; this runs before any lookup)
             tables = {e.table for e in shown}
             for t in tables:

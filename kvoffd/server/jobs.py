@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
@@ -91,8 +92,8 @@ class Jobs(LoadVerify):
         """Answer first, then promote, count and hold: the client waits on the answer, and nothing else
         runs on the loop in between, so no eviction can take a block the answer promised. Blocks found
         below the pool are answered as hits before their promotion's per-block work (``Tiers.promote``)
-        when free pool slots take them all (``Tiers.fits``); otherwise they are promoted first (the
-        evictions may fall short) and the answer counts those that got a slot."""
+        when the pool surely has slots for them all, free or evictable (``Tiers.fits``); otherwise they
+        are promoted first (the evictions may fall short) and the answer counts those that got a slot."""
         total = P.count_keys(msg.keys)
         hits = self.index.lookup(msg.namespace, msg.keys, with_entries=msg.lease_ms > 0)
         if (hits.n < total and hits.miss_reason is MissReason.ABSENT  # a restart still indexing: not a miss
@@ -101,7 +102,7 @@ class Jobs(LoadVerify):
         below = None
         if self.tiers.enabled and hits.n < total:  # blocks below the pool are hits too
             below = self.tiers.find_below(msg.namespace, msg.keys, hits)
-            if below is not None and not self.tiers.fits(below):  # slots to evict for: promote, then answer
+            if below is not None and not self.tiers.fits(below):  # room not sure: promote, then answer
                 hits, below = self.tiers.promote(below), None
         n = below.n if below is not None else hits.n
         lease_id = 0
@@ -110,7 +111,11 @@ class Jobs(LoadVerify):
             lease_id = self.sessions.next_lease_id()
         self.reply(conn.ident, P.LookupResult(seq=msg.seq, hits=n, lease_id=lease_id, world_size=hits.world_size))
         if below is not None:
-            hits = self.tiers.promote(below, answered=True)  # free slots take them all: nothing falls short
+            # The answer is queued for libzmq's I/O thread, which the send just woke, often on this core;
+            # the promotion's per-block work (4-9 us a block) would run ahead of it. One yield lets it
+            # go out first: a 1,024-block disk hit came back 130 us sooner on the 2-core VM.
+            os.sched_yield()
+            hits = self.tiers.promote(below, answered=True)  # they surely get slots: nothing falls short
         if lease_id:
             held = self.index.hold(hits)
             self.sessions.add_lease(conn, Lease(lease_id, conn.ident, time.monotonic() + msg.lease_ms / 1000,

@@ -81,7 +81,7 @@ class TierStats:
     # The spill path's own figures (kvoffd/cache/tiers/manager.py fills them; 0 for a tier on its own):
     staged_hits: int = 0  # promotions served from a spill still in flight (its pool slot), no read
     spill_copies: int = 0  # evicted blocks copied out on the loop (a STORE larger than the reserve kept ahead)
-    promotions_no_room: int = 0  # blocks a LOOKUP answered as hits for which no pool slot was found after
+    promotions_no_room: int = 0  # blocks a LOOKUP answered as hits that were then not promoted (no slot, a false probe)
     spill_deferred_bytes: int = 0  # pool bytes held out of the pool now until their spill has read them
     notes: dict[str, str] = field(default_factory=dict)  # e.g. direct_io: "off (tmpfs)"
 
@@ -127,6 +127,12 @@ class Tier(Protocol):
         """A bool per 32-byte key of the binary ``keys``: held here now (vectorised; no I/O).
         ``touch``: the blocks were used above (evicted from the pool again): a hint for the tier's
         replacement policy. A read is a use by itself."""
+
+    def probe(self, table: TableRef, keys: bytes) -> int:
+        """How many of the leading 32-byte keys of ``keys`` may be held here: never fewer than are held,
+        rarely more (a filter's false positive). What a LOOKUP is answered on, so it must be cheap (no
+        I/O, no round trip: a remote tier keeps a local filter of what it wrote, or answers from
+        ``contains``); the exact ``contains`` and the ``read`` follow, and a false "yes" costs a miss."""
 
     def read(self, table: TableRef, keys: bytes, dest: Sequence[memoryview]) -> asyncio.Future:
         """Fill ``dest[i]`` with block ``i``'s bytes; resolves to a bool array (True: verified). Reads

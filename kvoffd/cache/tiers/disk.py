@@ -43,7 +43,7 @@ from kvoffd.cache.tiers import diskio
 from kvoffd.cache.tiers.base import SpillResult, TableRef, TierStats
 from kvoffd.cache.tiers.ghost import GhostFilter
 from kvoffd.cache.tiers.iopool import READ, WRITE, IoPool
-from kvoffd.cache.tiers.table import BlockTable, keys_u64
+from kvoffd.cache.tiers.table import FEW, KERNEL, BlockTable, keys_u64
 from kvoffd.events.wire import MEDIUM_DISK
 
 log = logging.getLogger(__name__)
@@ -302,15 +302,27 @@ class DiskTier:
         c = self._cls(ref.slot_bytes) if tid else None
         if c is None:
             return None, 0, np.full(len(keys) // _KEY, -1, dtype=np.int64)
+        if len(keys) <= FEW * _KEY:  # the usual miss: one key, no numpy until the answer
+            return c, tid, np.array(c.table.find(tid, keys), dtype=np.int64)
         return c, tid, c.table.lookup(tid, keys_u64(keys))
 
     def contains(self, table: TableRef, keys: bytes, touch: bool = False) -> np.ndarray:
+        if not touch and len(keys) <= FEW * _KEY:  # the usual miss: one key, one numpy call
+            tid = self._tid(table, create=False)
+            c = self._cls(table.slot_bytes) if tid else None
+            return np.array([p >= 0 for p in c.table.find(tid, keys)] if c is not None else
+                            [False] * (len(keys) // _KEY), dtype=bool)
         c, _, pos = self._find(table, keys)
         found = pos >= 0
         if touch and c is not None and found.any():  # used again above: CLOCK keeps it longer
             s = c.table.recs["slot"][pos[found]]
             c.ref[s] = np.minimum(c.ref[s], REF_MAX - 1) + 1
         return found
+
+    def probe(self, table: TableRef, keys: bytes) -> int:
+        tid = self._tid(table, create=False)
+        c = self._cls(table.slot_bytes) if tid else None
+        return c.table.probe(tid, keys) if c is not None else 0
 
     def read(self, table: TableRef, keys: bytes, dest: Sequence[memoryview]) -> asyncio.Future:
         fut = self._loop.create_future()
@@ -514,9 +526,10 @@ class DiskTier:
         st = self.st
         st.resident_blocks = sum(c.table.used for c in self._classes.values())
         st.resident_bytes = sum(c.table.used * c.slot_bytes for c in self._classes.values())
-        st.index_bytes = sum(c.table.nbytes + c.nslots * 7 + (c.ghost.nbytes if c.ghost else 0)
+        st.index_bytes = sum(c.table.memory_bytes + c.nslots * 7 + (c.ghost.nbytes if c.ghost else 0)
                              for c in self._classes.values())
-        st.notes = {"path": self.path, "policy": self.policy, "direct_io": "off: " + self._direct_note if self._direct_note else "on"}
+        st.notes = {"path": self.path, "policy": self.policy, "index_kernel": KERNEL,
+                    "direct_io": "off: " + self._direct_note if self._direct_note else "on"}
         st.notes.update({f"broken_{k}": v for k, v in self._broken.items()})
         st.notes.update({f"index_locked_{k}": v for k, v in self._index_locked.items()})
         return st

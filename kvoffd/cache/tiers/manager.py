@@ -37,9 +37,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kvoffd.cache.deferral import AHEAD_SHARE
 from kvoffd.cache.index import Entry, Hits, Index, IndexObserver, StorePlan, Table
 from kvoffd.cache.tiers.base import SpillResult, TableRef, Tier, TierEvents, TierStats
-from kvoffd_client.protocol import KEY_SIZE, MissReason
+from kvoffd_client.protocol import KEY_SIZE, MissReason, split_keys
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,11 @@ class _Spill:
 
 @dataclass
 class _Walk:
-    """One rank's leading keys past the pool's hits (``Tiers._walk``): its entry (pool or promotion under
-    way) or None for a tier block, and the positions of the tier blocks to promote."""
+    """One rank's leading keys past the pool's hits, exactly (``Tiers._walk``): its entry (pool or
+    promotion under way) or None for a tier block, and the positions of the tier blocks to promote."""
 
     table: Table
+    keys: list[bytes]  # the leading keys walked
     lead: list[Entry | None]
     wanted: list[int]
 
@@ -75,13 +77,14 @@ class _Walk:
 @dataclass
 class Below:
     """What a LOOKUP found below the pool's leading hits (``Tiers.find_below``), nothing taken yet:
-    ``n`` leading keys in all if every promotion gets a pool slot, each rank's walk, the pool's hits."""
+    ``n`` leading keys in all if every promotion gets a pool slot (the answer), the pool's hits, and
+    each rank's table."""
 
     namespace: str
     keys: bytes
     hits: Hits
     n: int
-    walks: list[_Walk]
+    tables: list[Table]
 
 
 class Tiers(IndexObserver):
@@ -255,7 +258,15 @@ class Tiers(IndexObserver):
         """What follows the pool's ``hits.n`` leading keys: keys every rank holds in the pool, in a
         promotion under way, or in a tier. Nothing is taken or started yet: the LOOKUP can be answered
         with ``n`` before ``promote`` does the per-block work (pool slots, evictions, reads: 4-9 us a
-        block on the loop). None when nothing past the pool's hits is found."""
+        block on the loop). None when nothing past the pool's hits is found.
+
+        The count is the tier's ``probe`` (the disk tier's fingerprints, "maybe held", one call of its
+        compiled kernel) and, where the table has entries not ready yet, the pool's entries: for 1,024
+        keys 28 us hot and ~100 us cold on the 2-core VM, where the exact walk before the answer cost
+        1-2 ms (bench/index_scale.py). ``promote`` walks the keys exactly before it takes anything: a
+        key the probe took for held (about 16 in 2^31 absent keys) ends the promotion there and is
+        counted with ``no_room``: a shorter hit than answered, so a LOAD that fails that block, a
+        miss, never a wrong byte."""
         ns = self.index.namespaces.get(namespace)
         total = len(keys) // _K
         n = hits.n
@@ -263,40 +274,54 @@ class Tiers(IndexObserver):
             return None
         rest = keys[n * _K:]
         limit = total - n
-        walks = []
+        tables = []
         for r in range(ns.world_size):
             t = ns.tables[r]
-            lead, wanted = self._walk(t, rest, limit)
-            limit = len(lead)
-            walks.append(_Walk(t, lead, wanted))
+            limit = self._count(t, rest, limit)
+            tables.append(t)
             if not limit:
                 return None
-        return Below(namespace, keys, hits, n + limit, walks)
+        return Below(namespace, keys, hits, n + limit, tables)
 
     def fits(self, below: Below) -> bool:
-        """Whether ``below``'s promotions can all take free pool slots, evicting nothing: then none can
-        fall short, and the LOOKUP may be answered before ``promote`` runs. Otherwise (a prefix longer
-        than what is free, most of all one longer than the pool) the promotions go first and the
-        answer counts what got a slot."""
+        """Whether ``below``'s promotions surely all get pool slots: then none can fall short, and the
+        LOOKUP may be answered before ``promote`` runs. Otherwise (a prefix longer than the pool can
+        give, held blocks filling it) the promotions go first and the answer counts what got a slot.
+
+        Surely: the slots free now, plus the ready blocks the policy may evict less every ref taken
+        in the pool (``Index.evictable``: a held block is never evicted) and the blocks this answer
+        itself pins, cover every key past the pool's hits. A full pool passes; one whose blocks are
+        mostly leased does not."""
         need: dict[int, int] = {}
-        for w in below.walks:
-            need[w.table.slot_bytes] = need.get(w.table.slot_bytes, 0) + len(w.wanted)
-        pool = self.index.pool
-        return all(pool.spare_slots(size, n) >= n for size, n in need.items() if n)
+        ahead: dict[int, int] = {}
+        per_rank = below.n - below.hits.n  # at most this many promotions per rank (some may be in the pool)
+        index = self.index
+        for i, t in enumerate(below.tables):
+            size = t.slot_bytes
+            need[size] = need.get(size, 0) + per_rank
+            if i:  # each rank's store evicts ahead for the next (deferred slots: not free at once)
+                ahead[size] = ahead.get(size, 0) + min(per_rank, index.pool.slots_share(size) // AHEAD_SHARE)
+        pinned = (below.hits.n + per_rank) * len(below.tables)
+        return all(index.pool.spare_slots(size, k) + index.evictable(size) - pinned - ahead.get(size, 0) >= k
+                   for size, k in need.items())
 
     def promote(self, below: Below, answered: bool = False) -> Hits:
         """Pool slots and reads for ``below``'s tier blocks. Returns the hits: their count (fewer than
-        ``below.n`` when the pool had no room for all), the entries by rank (pool ones and pending
-        promotions, for a lease to hold) and the first miss's reason. Blocks an answer already
-        promised but no slot was found for are counted in ``no_room`` (``fits`` keeps that from
-        happening: the LOAD would fail them)."""
+        ``below.n`` when the pool had no room for all, or the exact walk found fewer), the entries by
+        rank (pool ones and pending promotions, for a lease to hold) and the first miss's reason. Blocks
+        an answer already promised that were not promoted are counted in ``no_room`` (``fits`` keeps
+        that from happening for want of room: the LOAD would fail them)."""
         namespace, keys, hits = below.namespace, below.keys, below.hits
         ns = self.index.namespaces[namespace]
         total = len(keys) // _K
         n, by_rank = hits.n, hits.by_rank
         rest = keys[n * _K:]
-        walks = below.walks
         limit = below.n - n
+        walks = []
+        for t in below.tables:
+            w = self._walk(t, rest, limit)
+            limit = len(w.lead)
+            walks.append(w)
         if n and not by_rank:  # no lease asked: the pool's hits, to hold while the promotions evict
             by_rank = {r: [ns.tables[r].visible[keys[i * _K:(i + 1) * _K]] for i in range(n)]
                        for r in range(ns.world_size)}
@@ -311,7 +336,7 @@ class Tiers(IndexObserver):
         self._held = []
         try:
             for w in walks:
-                limit = min(limit, self._promote(w.table, rest, w.lead, w.wanted, limit))
+                limit = min(limit, self._promote(w, limit))
         finally:
             held, self._held = self._held, None
             self.index.release(pinned)
@@ -334,19 +359,55 @@ class Tiers(IndexObserver):
     def _lead_entries(by_rank: dict[int, list[Entry]]) -> list[Entry]:
         return [e for es in by_rank.values() for e in es]
 
-    def _walk(self, t: Table, rest: bytes, limit: int) -> tuple[list, list[int]]:
-        """The leading keys of ``rest`` this rank can serve: its entry (pool or promotion under way) or
-        None for a tier block, and the positions of the tier blocks to promote."""
+    def _count(self, t: Table, rest: bytes, limit: int) -> int:
+        """How many leading keys of ``rest`` (at most ``limit``) this rank can serve: each a pool entry
+        that is ready or being promoted, or else a block the tier may hold or a spill still in flight
+        (``find_below`` says why "may"). The first key is asked exactly, alone: the usual miss (a new
+        prompt) costs one lookup of one key."""
         get = t.entries.get
         staged = self._staged
-        if (get(rest[:_K]) is None and (t, rest[:_K]) not in staged
-                and not self.tiers[0].contains(self._ref(t), rest[:_K])[0]):
-            return [], []  # the usual miss (a new prompt): one key asked, not all of them
-        on = self.tiers[0].contains(self._ref(t), rest[:limit * _K]).tolist()
-        keys = [rest[i:i + _K] for i in range(0, limit * _K, _K)]
+        promoting = self._promoting
+        tier, ref = self.tiers[0], self._ref(t)
+        first = rest[:_K]
+        e = get(first)
+        if e is not None:
+            if not (e.ready or e in promoting):
+                return 0  # being stored by a STORE: not readable yet
+        elif (t, first) not in staged and not tier.contains(ref, first)[0]:
+            return 0
+        if limit == 1:
+            return 1
+        lead = 1 + tier.probe(ref, rest[_K:limit * _K])
+        if lead == limit and len(t.entries) == len(t.visible):
+            return limit  # the usual disk hit: all below, and every pool entry ready (a hit either way)
+        # Some key is not below, or a key may be in the pool but not ready: the pool's entries decide,
+        # a spill in flight serves, and past a key the tier lacks it is asked again from the next one.
+        keys = split_keys(rest[:limit * _K])
         ents = list(map(get, keys))
-        if all(on) and ents.count(None) == limit:
-            return [None] * limit, list(range(limit))  # the usual disk hit: all on disk, none in the pool
+        below = lead  # keys [i, below) may be held by the tier
+        i = 1
+        while i < limit:
+            e = ents[i]
+            if e is not None:
+                if not (e.ready or e in promoting):
+                    break  # being stored by a STORE: not readable yet
+            elif i >= below and (t, keys[i]) not in staged:
+                below = i + tier.probe(ref, rest[i * _K:limit * _K])
+                if below == i:
+                    break
+            i += 1
+        return i
+
+    def _walk(self, t: Table, rest: bytes, limit: int) -> _Walk:
+        """The leading keys of ``rest`` (at most ``limit``) this rank serves, exactly: its entry (pool or
+        promotion under way) or None for a tier block, and the positions of the tier blocks to promote."""
+        get = t.entries.get
+        staged = self._staged
+        keys = split_keys(rest[:limit * _K])
+        on = self.tiers[0].contains(self._ref(t), rest[:limit * _K]).tolist()
+        ents = list(map(get, keys))
+        if all(on) and ents.count(None) == limit:  # the usual disk hit: all on disk, none in the pool
+            return _Walk(t, keys, [None] * limit, list(range(limit)))
         lead: list[Entry | None] = []
         wanted: list[int] = []
         for i, (k, e) in enumerate(zip(keys, ents, strict=True)):
@@ -359,15 +420,16 @@ class Tiers(IndexObserver):
                 break
             lead.append(None)
             wanted.append(i)
-        return lead, wanted
+        return _Walk(t, keys, lead, wanted)
 
-    def _promote(self, t: Table, rest: bytes, lead: list, wanted: list[int], limit: int) -> int:
+    def _promote(self, w: _Walk, limit: int) -> int:
         """Pool slots and reads for this rank's tier blocks among the first ``limit``; returns how many
         leading keys stay hits (fewer when the pool had no room for all)."""
-        wanted = [i for i in wanted if i < limit]
+        t, lead = w.table, w.lead
+        wanted = [i for i in w.wanted if i < limit]
         if not wanted:
             return limit
-        keys = [rest[i * _K:(i + 1) * _K] for i in wanted]
+        keys = [w.keys[i] for i in wanted]
         plan = self.index.prepare_store(t, keys, admit=False)
         if plan.dropped:
             limit = min(limit, wanted[plan.dropped[0]])

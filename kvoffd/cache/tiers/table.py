@@ -11,21 +11,36 @@ key words, mixed with the table id, pick them: the key is already a hash) and go
 one. With two choices a bucket overflows about never at this load factor; if both are full the
 insert says so (-1) and the caller drops that block. There is no probing and so no tombstone: a
 removal just empties its record, and nothing ever needs a rebuild (a rebuild would be an O(capacity)
-stall of the event loop). ``lookup`` and ``insert`` take whole batches: a LOOKUP of 1,024 keys is a
-few numpy gathers over their 2 x 8 candidate records, not 1,024 Python probes.
+stall of the event loop). ``lookup``, ``probe`` and ``insert`` take whole batches: a LOOKUP of 1,024
+keys is a dozen numpy calls over their 2 x 8 candidates, not 1,024 Python probes.
+
+Beside the file, in memory only, each record position has a 32-bit fingerprint of its (table id,
+key) (31 bits, odd; 0 = empty), rebuilt from the records when the table is opened. ``lookup`` reads
+the fingerprints of its keys' two buckets (2 x 32 bytes, one ``numpy.take`` of contiguous rows) and then the one record
+each match names, instead of gathering the 16 candidate records' fields (44-byte strides over a file
+mapping of 4 KiB pages): 1,024 keys of a 1M-block table took 750 us that way on the 2-core VM, 250 us
+now. ``probe`` stops at the fingerprints: "maybe held", never a false "no", a false "yes" for about 16
+in 2^31 absent keys; a LOOKUP of a disk hit is answered on it (kvoffd/cache/tiers/manager.py says
+why that is safe). 6.7 bytes per block; a collision in ``lookup`` sends that key down the exact
+scalar probe.
 
 Crash safety: a record is published by writing its ``tid`` last (0 = empty); a torn record (SIGKILL
 between the field stores) is either invisible or names a slot whose bytes fail the checksum, which
-covers the key as well as the data (``kvoffd/cache/tiers/disk.py``).
+covers the key as well as the data (``kvoffd/cache/tiers/disk.py``). The fingerprints are derived data
+and never reach the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import math
 import mmap
 import os
+import struct
+import sys
+from array import array
 
 import numpy as np
 
@@ -40,14 +55,52 @@ LOAD_FACTOR = 0.6
 _HEADER = 64
 _MAGIC = b"KVOFFTB2"
 _MIX = 0x9E3779B97F4A7C15
+_FP_MIX_INT = 0xD6E8FEB86659FD93  # an odd multiplier: the fingerprint is its product's top bits
+_FP_MIX = np.uint64(_FP_MIX_INT)
 _M64 = (1 << 64) - 1
+_FP_CHUNK = 1 << 22  # records per step when the fingerprints are built at open (bounded temporaries)
+_U32, _U1 = np.uint64(32), np.uint64(1)
+_KEY = 32
+_WORDS = struct.Struct("<3Q")  # a key's first three words (the fourth is compared as bytes)
+_TID_AT = RECORD.fields["tid"][1]
 _LANES = np.arange(BUCKET, dtype=np.int64)
-FEW = 4  # lookups of at most this many keys take the scalar path
+FEW = 4  # lookups of at most this many keys take the scalar path (without the compiled kernel)
+
+try:  # the compiled kernel (kvoffd/cache/tiers/_probe.c, built by setup.py); without it, numpy
+    from kvoffd.cache.tiers import _probe
+except ImportError:
+    _probe = None
+if sys.byteorder != "little":  # the kernel reads key words as little-endian integers
+    _probe = None
+KERNEL = "c" if _probe is not None else "numpy"  # the tier's notes say which one serves
 
 
 def keys_u64(keys: bytes) -> np.ndarray:
     """The binary of 32-byte keys as an (n, 4) uint64 array (no copy)."""
     return np.frombuffer(keys, dtype="<u8").reshape(-1, 4)
+
+
+def fingerprints(tids: np.ndarray | int, k2: np.ndarray) -> np.ndarray:
+    """The fingerprint of keys whose third word is ``k2``, in table(s) ``tids``: 31 bits of the mixed
+    word, and an odd number (0 is an empty record). The third word, since the first two choose the
+    buckets."""
+    return _fingerprint(k2 ^ (np.asarray(tids, dtype=np.uint64) * np.uint64(_MIX)))
+
+
+def _fingerprint(mixed: np.ndarray) -> np.ndarray:
+    """``fingerprints`` of a third key word already mixed with its table id (``_mixed``)."""
+    return (((mixed * _FP_MIX) >> _U32) | _U1).astype(np.uint32)
+
+
+def _anonymous(nbytes: int) -> np.ndarray:
+    """Zeroed private memory for a big array, in transparent huge pages where the kernel allows
+    (madvise mode): the fingerprints are read at random, one or two TLB entries per 2 MiB, not 512."""
+    if nbytes < 2 << 20:
+        return np.zeros(nbytes, dtype=np.uint8)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no MADV_HUGEPAGE here: 4 KiB pages, still correct
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(mm, dtype=np.uint8)
 
 
 class BlockTable:
@@ -61,10 +114,26 @@ class BlockTable:
         self._mm = self._open(path, self.cap)
         self.recs = np.asarray(self._mm)  # a plain ndarray on the same pages: memmap's subclass hooks cost µs per op
         self._tids = self.recs["tid"]
-        self._k0 = self.recs["k"][:, 0]
-        self.used = int(np.count_nonzero(self._tids != EMPTY))
+        self._fp = _anonymous(self.cap * 4).view(np.uint32)
+        self._fp_rows = self._fp.reshape(self.nbuckets, BUCKET)
+        self._fp_view = memoryview(self._fp)  # read without numpy by ``find``
+        self._raw = memoryview(self.recs.view(np.uint8))
+        self._scratch = bytearray(1024)  # the kernel's per-key answers in ``probe``
+        self.used = self._build_fingerprints()
         if path is not None and os.path.exists(path + ".old"):
             self._import(path + ".old")
+
+    def _build_fingerprints(self) -> int:
+        """The fingerprints of the records found in the file, a bounded chunk at a time (at 100M blocks
+        the table is 7 GB); returns how many records are live."""
+        used = 0
+        for lo in range(0, self.cap, _FP_CHUNK):
+            tids = self._tids[lo:lo + _FP_CHUNK]
+            live = np.flatnonzero(tids != EMPTY)
+            if live.size:
+                used += live.size
+                self._fp[lo + live] = fingerprints(tids[live], self.recs["k"][lo + live, 2])
+        return used
 
     @staticmethod
     def _open(path: str | None, cap: int) -> np.ndarray:
@@ -101,55 +170,125 @@ class BlockTable:
 
     @property
     def nbytes(self) -> int:
+        """The records' bytes (the file's, less its header)."""
         return self.cap * RECORD.itemsize
 
-    def _candidates(self, tid: int, k: np.ndarray) -> np.ndarray:
-        """(n, 2 * BUCKET) record positions: the key's two buckets."""
-        b = ((k[:, :2] ^ np.uint64(tid * _MIX & _M64)) % np.uint64(self.nbuckets)).astype(np.int64)
+    @property
+    def memory_bytes(self) -> int:
+        """What the table costs in memory: its records and their fingerprints."""
+        return self.nbytes + self._fp.nbytes
+
+    def _mixed(self, tid: int, k: np.ndarray, words: int = 3) -> np.ndarray:
+        """The first ``words`` key words mixed with the table id: two pick the buckets, the third is
+        the fingerprint's."""
+        return k[:, :words] ^ np.uint64(tid * _MIX & _M64)
+
+    def _pairs(self, mixed: np.ndarray) -> np.ndarray:
+        """(n, 2) bucket numbers from mixed words: the key's two buckets (never the same one twice)."""
+        b = (mixed[:, :2] % np.uint64(self.nbuckets)).astype(np.intp)
         same = b[:, 1] == b[:, 0]
         if same.any():
             b[same, 1] = (b[same, 0] + 1) % self.nbuckets
-        return (b[:, :, None] * BUCKET + _LANES).reshape(len(k), 2 * BUCKET)
+        return b
+
+    def _candidates(self, tid: int, k: np.ndarray) -> np.ndarray:
+        """(n, 2 * BUCKET) record positions: the key's two buckets."""
+        return (self._pairs(self._mixed(tid, k, 2))[:, :, None] * BUCKET + _LANES).reshape(len(k), 2 * BUCKET)
+
+    def _matches(self, mixed: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+        """(n, 2 * BUCKET) bools: the candidate records whose fingerprint is the key's."""
+        rows = np.take(self._fp_rows, pairs, axis=0).reshape(len(pairs), 2 * BUCKET)
+        return rows == _fingerprint(mixed[:, 2])[:, None]
 
     def lookup(self, tid: int, keys: np.ndarray) -> np.ndarray:
-        """Record position of each key (``keys``: (n, 4) uint64), -1 where absent. Vectorised; a few
-        keys go through ``_lookup_one`` instead (the usual miss asks about one key)."""
+        """Record position of each key (``keys``: (n, 4) uint64), -1 where absent: the compiled kernel
+        in one call, or vectorised over the fingerprints (module docstring), a few keys through
+        ``find`` (the usual miss asks about one key)."""
         n = len(keys)
         if not n or not self.used:
             return np.full(n, -1, dtype=np.int64)
+        if _probe is not None:
+            out = np.empty(n, dtype=np.int64)
+            _probe.lookup(self._fp_view, self._raw, self.nbuckets, tid, np.ascontiguousarray(keys), out)
+            return out
         if n <= FEW:
-            return np.array([self._lookup_one(tid, k) for k in keys.tolist()], dtype=np.int64)
-        pos = self._candidates(tid, keys)
-        match = (self._tids[pos] == tid) & (self._k0[pos] == keys[:, :1])
+            return np.array(self.find(tid, keys.tobytes()), dtype=np.int64)
+        mixed = self._mixed(tid, keys)
+        pairs = self._pairs(mixed)
+        match = self._matches(mixed, pairs)
         found = match.any(axis=1)
-        out = np.where(found, pos[np.arange(n), match.argmax(axis=1)], -1)
+        lane = match.argmax(axis=1)
+        out = np.where(found, pairs[np.arange(n), lane // BUCKET] * BUCKET + lane % BUCKET, -1)
         hit = np.flatnonzero(found)
-        if hit.size:  # the whole key, for those whose first word matched
-            same = (self.recs["k"][out[hit]] == keys[hit]).all(axis=1)
-            out[hit[~same]] = -1
+        if hit.size:  # the record a fingerprint names: the whole key, and the table
+            at = out[hit]
+            same = (self._tids[at] == tid) & (self.recs["k"][at] == keys[hit]).all(axis=1)
+            odd = hit[~same]
+            if odd.size:  # a collision (another lane may hold the key): the exact probe
+                out[odd] = self.find(tid, keys[odd].tobytes())
         return out
 
-    def _lookup_one(self, tid: int, key: list[int]) -> int:
-        """``lookup`` of one key (its four words) in Python integers: the same two buckets, read as two
-        small slices. Why: the vectorised path is ~20 numpy calls whatever n, ~20 us for one key on
-        the 2-core VM, where this takes a few; a LOOKUP that misses the pool asks the disk about its
-        first key only, so this is every new prompt's cost."""
+    def probe(self, tid: int, keys: bytes) -> int:
+        """How many of the leading keys (their binary) may be held: a fingerprint matched, exact for at
+        most FEW keys without the kernel. Never short of the held ones; past them by an absent key
+        about 16 times in 2^31. Cheaper than ``lookup`` by the records it does not read: what answers
+        a LOOKUP (the exact ``lookup`` follows, off the answer's path). One call of the kernel;
+        without it a dozen numpy calls."""
+        n = len(keys) // _KEY
+        if not n or not self.used:
+            return 0
+        if _probe is not None:
+            if len(self._scratch) < n:
+                self._scratch = bytearray(max(n, 2 * len(self._scratch)))
+            return _probe.probe(self._fp_view, None, self.nbuckets, tid, keys, self._scratch)
+        if n <= FEW:
+            return next((i for i, p in enumerate(self.find(tid, keys)) if p < 0), n)
+        mixed = self._mixed(tid, keys_u64(keys))
+        words = self._matches(mixed, self._pairs(mixed)).view(np.uint64)  # a key's 16 bools = 2 words
+        held = (words[:, 0] | words[:, 1]) != 0
+        return n if held.all() else int(held.argmin())
+
+    def find(self, tid: int, keys: bytes) -> list[int]:
+        """``lookup`` of a few keys (their binary) without numpy: the kernel, or the same two buckets in
+        Python, their fingerprints read through a memoryview, the record a match names compared as
+        bytes. Why: each numpy call costs microseconds, tens of them when the daemon wakes up cold on
+        the 2-core VM; a LOOKUP that misses the pool asks the disk about its first key only, so this
+        is every new prompt's cost."""
+        if _probe is not None:
+            out = array("q", bytes(8 * (len(keys) // _KEY)))
+            if self.used:
+                _probe.lookup(self._fp_view, self._raw, self.nbuckets, tid, keys, out)
+            else:
+                out = array("q", [-1]) * len(out)
+            return out.tolist()
         mix = tid * _MIX & _M64
         nb = self.nbuckets
-        b0 = (key[0] ^ mix) % nb
-        b1 = (key[1] ^ mix) % nb
-        if b1 == b0:
-            b1 = (b0 + 1) % nb
-        for b in (b0, b1):
-            lo = b * BUCKET
-            tids = self._tids[lo:lo + BUCKET].tolist()
-            if tid not in tids:
-                continue
-            firsts = self._k0[lo:lo + BUCKET].tolist()
-            for j in range(BUCKET):
-                if tids[j] == tid and firsts[j] == key[0] and self.recs["k"][lo + j].tolist() == key:
-                    return lo + j
-        return -1
+        fps, raw, size = self._fp_view, self._raw, RECORD.itemsize
+        out = []
+        for i in range(0, len(keys), _KEY):
+            key = keys[i:i + _KEY]
+            k0, k1, k2 = _WORDS.unpack_from(key)
+            b0 = (k0 ^ mix) % nb
+            b1 = (k1 ^ mix) % nb
+            if b1 == b0:
+                b1 = (b0 + 1) % nb
+            fp = ((((k2 ^ mix) * _FP_MIX_INT) & _M64) >> 32) | 1
+            at = -1
+            for b in (b0, b1):
+                lo = b * BUCKET
+                row = fps[lo:lo + BUCKET].tolist()
+                if fp not in row:
+                    continue
+                for j, f in enumerate(row):
+                    off = (lo + j) * size
+                    if (f == fp and raw[off:off + _KEY] == key
+                            and int.from_bytes(raw[off + _TID_AT:off + _TID_AT + 4], "little") == tid):
+                        at = lo + j
+                        break
+                if at >= 0:
+                    break
+            out.append(at)
+        return out
 
     def insert(self, tid: int, keys: np.ndarray, slots: np.ndarray, crcs: np.ndarray) -> np.ndarray:
         """Records for keys not present (the caller checked; keys unique); returns their positions, -1
@@ -162,7 +301,7 @@ class BlockTable:
             if not active.size:
                 break
             pos = self._candidates(tid, keys[active])
-            free = self._tids[pos] == EMPTY
+            free = self._fp[pos] == EMPTY
             f1, f2 = free[:, :BUCKET].sum(axis=1), free[:, BUCKET:].sum(axis=1)
             half = np.where(f2 > f1, BUCKET, 0)
             lane = np.argmax(np.take_along_axis(free, half[:, None] + _LANES, axis=1), axis=1)
@@ -174,6 +313,7 @@ class BlockTable:
             recs["k"][wp] = keys[w]
             recs["slot"][wp] = slots[w]
             recs["crc"][wp] = crcs[w]
+            self._fp[wp] = fingerprints(tid, keys[w, 2])
             self._tids[wp] = tid
             out[w] = wp
             self.used += len(w)
@@ -200,6 +340,7 @@ class BlockTable:
         """Empty these records (positions of live records)."""
         if len(positions):
             self._tids[positions] = EMPTY
+            self._fp[positions] = EMPTY
             self.used -= len(positions)
 
     def live(self) -> np.ndarray:
@@ -207,22 +348,23 @@ class BlockTable:
         return np.flatnonzero(self._tids != EMPTY)
 
     def lock_in_memory(self) -> str:
-        """Lock the file's pages in memory (mlock): "" once locked, else why not (a table in memory has
-        nothing to lock). Why: the table is read at random, a few pages per LOOKUP, so most of it looks
-        cold to the kernel, which may drop its clean page-cache pages (memory pressure, or a proactive
-        reclaimer: the 2-core VM's DAMON pages out memory idle for a minute); the next LOOKUP then waits
-        on the event loop for a disk read. Locked, it stays at its 73 bytes per block of RAM.
-        Takes seconds for a big table (every page is read): call it off the loop."""
+        """Lock the file's pages and the fingerprints in memory (mlock): "" once locked, else why not (a
+        table in memory has nothing to lock). Why: the table is read at random, a few pages per LOOKUP,
+        so most of it looks cold to the kernel, which may drop its clean page-cache pages (memory
+        pressure, or a proactive reclaimer: the 2-core VM's DAMON pages out memory idle for a minute);
+        the next LOOKUP then waits on the event loop for a disk read. Locked, it stays at its 76 bytes
+        per block of RAM. Takes seconds for a big table (every page is read): call it off the loop."""
         if self.path is None or not self.nbytes:
             return ""
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        addr = self.recs.ctypes.data
-        lo = addr - addr % mmap.PAGESIZE
-        if libc.mlock(lo, addr + self.nbytes - lo) != 0:
-            err = ctypes.get_errno()
-            hint = " (raise RLIMIT_MEMLOCK: LimitMEMLOCK=infinity)" if err in (errno.EPERM, errno.ENOMEM) else ""
-            return f"mlock: {os.strerror(err)}{hint}"
+        for arr in (self.recs, self._fp):
+            addr = arr.ctypes.data
+            lo = addr - addr % mmap.PAGESIZE
+            if libc.mlock(lo, addr + arr.nbytes - lo) != 0:
+                err = ctypes.get_errno()
+                hint = " (raise RLIMIT_MEMLOCK: LimitMEMLOCK=infinity)" if err in (errno.EPERM, errno.ENOMEM) else ""
+                return f"mlock: {os.strerror(err)}{hint}"
         return ""
 
     def flush(self) -> None:
