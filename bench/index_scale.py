@@ -128,6 +128,12 @@ def _wait_promoted(c, n: int, timeout: float = 60.0) -> None:
     raise RuntimeError(f"the disk tier did not finish {n} promotions in {timeout} s")
 
 
+def _anon_huge_kb(pid: int) -> int:
+    """The daemon's anonymous memory in transparent huge pages (/proc/PID/smaps_rollup), in KiB."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next((int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")), 0)
+
+
 def percentiles(xs: list[float]) -> tuple[float, float]:
     xs = sorted(xs)
     return statistics.median(xs), xs[min(len(xs) - 1, int(len(xs) * 0.99))]
@@ -197,12 +203,14 @@ def measure(n: int, base: str, iters: int, baseline_kb: int) -> dict:
             rows[label] = {"floor_p50_us": f50 * 1e6, "p50_us": l50 * 1e6, "p99_us": l99 * 1e6,
                            "ratio": l50 / f50}
         faults = major_faults(d.proc.pid) - faults0  # pages of the index read back while asked
+        huge_kb = _anon_huge_kb(d.proc.pid)  # the fingerprints' transparent huge pages (table.py)
         floor_sock.send(msgpack.packb({"op": "stop", "seq": 0}))
         floor_sock.recv()
         floor_sock.close(0)
         echo.join(5)
         return {"blocks": n, "indexed": indexed, "build_s": round(built_s, 1), "start_s": round(start_s, 1),
-                "settle_s": round(settle_s, 1), "major_faults": faults,
+                "settle_s": round(settle_s, 1), "major_faults": faults, "anon_huge_kb": huge_kb,
+                "index_kernel": tier["notes"].get("index_kernel", ""),
                 "index_locked": tier["notes"].get(f"index_locked_{SLOT}", ""),
                 "index_bytes": tier["index_bytes"],
                 "index_bytes_per_block": tier["index_bytes"] / n,
@@ -237,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n:>11,} blocks: index {r['index_bytes_per_block']:.1f} B/block (file + slot arrays), "
                   f"daemon RSS +{r['rss_bytes_per_block']:.1f} B/block; built in {r['build_s']} s, daemon up in "
                   f"{r['start_s']} s, idle {r['settle_s']} s later; index locked: {r['index_locked'] or '?'}, "
+                  f"kernel: {r['index_kernel'] or '?'}, {r['anon_huge_kb'] >> 10} MiB in huge pages, "
                   f"{r['major_faults']} major faults while asked", flush=True)
             for key, row in r["lookups"].items():
                 print(f"    LOOKUP {key:>14}: p50 {row['p50_us']:7.1f} us  p99 {row['p99_us']:7.1f} us  "
