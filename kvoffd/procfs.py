@@ -33,6 +33,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
+def minor_faults(pid: int) -> int:
+    """Page faults served without storage (field 10): first touches, write faults on a file mapping's
+    clean pages; 0 where unreadable."""
+    fields = _fields(pid)
+    return int(fields[7]) if fields else 0
+
+
 def major_faults(pid: int) -> int:
     """Page faults that had to read from storage (field 12); 0 where unreadable."""
     fields = _fields(pid)

@@ -3,9 +3,10 @@
  *
  * Why C: a LOOKUP of a disk hit asks the table about every key before it is answered, and the numpy
  * version of that is a dozen to two dozen array calls. Each costs microseconds hot and tens of
- * microseconds when the daemon wakes up cold (the 2-core VM: 64 keys took 140 us, 1,024 keys 190 us,
- * against ~4 us and ~15 us here); that was most of the LOOKUP's time above the echo floor
- * (bench/index_scale.py, docs/benchmarks.md). The numpy version stays, as the reference and the
+ * microseconds when the daemon wakes up cold (the 2-core VM: 64 keys took 140 us, 1,024 keys 190 us);
+ * that was most of the LOOKUP's time above the echo floor (bench/index_scale.py, docs/benchmarks.md).
+ * Here a probe of 1,024 keys of a 100M-block table is one call of ~50 us, most of it memory (the rows
+ * of a chunk of keys are prefetched together). The numpy version stays, as the reference and the
  * fallback where this module is not built: tests/test_tier_table.py checks that both agree.
  *
  * The rules are table.py's, bit for bit: the key's first two words mixed with the table id pick its
@@ -45,30 +46,6 @@ static inline void place(const Table *t, const unsigned char *key, uint64_t *b0,
     if (*b1 == *b0)
         *b1 = (*b0 + 1) % t->nbuckets;
     *fp = (uint32_t)(((word(key, 2) ^ t->mix) * FP_MIX) >> 32) | 1u;
-}
-
-/* Position of the record holding ``key`` of table ``tid``, or -1 (``recs`` NULL: the first lane whose
- * fingerprint matches, a "maybe"). */
-static inline int64_t find(const Table *t, const unsigned char *recs, uint32_t tid, const unsigned char *key) {
-    uint64_t b[2];
-    uint32_t fp;
-    place(t, key, &b[0], &b[1], &fp);
-    for (int h = 0; h < 2; h++) {
-        const uint32_t *row = t->fp + b[h] * BUCKET;
-        for (int j = 0; j < BUCKET; j++) {
-            if (row[j] != fp)
-                continue;
-            int64_t pos = (int64_t)(b[h] * BUCKET + (uint64_t)j);
-            if (recs == NULL)
-                return pos;
-            const unsigned char *r = recs + (size_t)pos * RECORD_BYTES;
-            uint32_t rt;
-            memcpy(&rt, r + TID_AT, 4);
-            if (rt == tid && memcmp(r, key, KEY_BYTES) == 0)
-                return pos;
-        }
-    }
-    return -1;
 }
 
 typedef struct {
@@ -124,22 +101,63 @@ static int parse(PyObject *const *args, Py_ssize_t nargs, Buffers *b, Table *t, 
     return 0;
 }
 
+/* The keys' buckets and fingerprints a chunk at a time, their rows prefetched: the rows are random
+ * lines of a table of up to gigabytes, so the loads of a chunk overlap instead of each waiting for
+ * memory in turn (1,024 keys of a 100M-block table: 147 us one after another on the 2-core VM). */
+#define CHUNK 16
+
+typedef struct {
+    uint64_t b[CHUNK][2];
+    uint32_t fp[CHUNK];
+} Placed;
+
+static inline void place_chunk(const Table *t, const unsigned char *keys, Py_ssize_t lo, Py_ssize_t m,
+                               Placed *p) {
+    for (Py_ssize_t j = 0; j < m; j++) {
+        place(t, keys + (lo + j) * KEY_BYTES, &p->b[j][0], &p->b[j][1], &p->fp[j]);
+        __builtin_prefetch(t->fp + p->b[j][0] * BUCKET);
+        __builtin_prefetch(t->fp + p->b[j][1] * BUCKET);
+    }
+}
+
+/* The first lane of bucket pair ``b`` whose fingerprint is ``fp`` at or after lane ``from`` (0..15),
+ * or -1. */
+static inline int64_t next_match(const Table *t, const uint64_t *b, uint32_t fp, int from) {
+    for (int l = from; l < 2 * BUCKET; l++) {
+        uint64_t bucket = b[l / BUCKET];
+        if (t->fp[bucket * BUCKET + (uint64_t)(l % BUCKET)] == fp)
+            return (int64_t)l;
+    }
+    return -1;
+}
+
+/* The record position of lane ``l`` (0..15) of bucket pair ``b``. */
+static inline int64_t position(const uint64_t *b, int64_t l) {
+    return (int64_t)(b[l / BUCKET] * BUCKET + (uint64_t)(l % BUCKET));
+}
+
 /* probe(fp, None, nbuckets, tid, keys, out: n bools) -> how many leading keys may be held */
 static PyObject *py_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
     Buffers b;
     Table t;
     uint32_t tid;
     Py_ssize_t n, lead = -1;
+    Placed p;
     if (parse(args, nargs, &b, &t, &tid, &n, 1) < 0) {
         release(&b);
         return NULL;
     }
     const unsigned char *keys = b.keys.buf;
     unsigned char *out = b.out.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        out[i] = find(&t, NULL, tid, keys + i * KEY_BYTES) >= 0;
-        if (!out[i] && lead < 0)
-            lead = i;
+    for (Py_ssize_t lo = 0; lo < n; lo += CHUNK) {
+        Py_ssize_t m = n - lo < CHUNK ? n - lo : CHUNK;
+        place_chunk(&t, keys, lo, m, &p);
+        for (Py_ssize_t j = 0; j < m; j++) {
+            out[lo + j] = next_match(&t, p.b[j], p.fp[j], 0) >= 0;
+            if (!out[lo + j] && lead < 0)
+                lead = lo + j;
+        }
     }
     release(&b);
     return PyLong_FromSsize_t(lead < 0 ? n : lead);
@@ -147,10 +165,12 @@ static PyObject *py_probe(PyObject *self, PyObject *const *args, Py_ssize_t narg
 
 /* lookup(fp, recs, nbuckets, tid, keys, out: n int64) -> how many were found */
 static PyObject *py_lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
     Buffers b;
     Table t;
     uint32_t tid;
     Py_ssize_t n, found = 0;
+    Placed p;
     if (parse(args, nargs, &b, &t, &tid, &n, 8) < 0 || !b.have_recs) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "lookup needs the records");
@@ -159,9 +179,30 @@ static PyObject *py_lookup(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     const unsigned char *keys = b.keys.buf, *recs = b.recs.buf;
     int64_t *out = b.out.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        out[i] = find(&t, recs, tid, keys + i * KEY_BYTES);
-        found += out[i] >= 0;
+    for (Py_ssize_t lo = 0; lo < n; lo += CHUNK) {
+        Py_ssize_t m = n - lo < CHUNK ? n - lo : CHUNK;
+        int64_t lane[CHUNK];
+        place_chunk(&t, keys, lo, m, &p);
+        for (Py_ssize_t j = 0; j < m; j++) {  /* the first match of each, its record prefetched */
+            lane[j] = next_match(&t, p.b[j], p.fp[j], 0);
+            if (lane[j] >= 0)
+                __builtin_prefetch(recs + (size_t)position(p.b[j], lane[j]) * RECORD_BYTES);
+        }
+        for (Py_ssize_t j = 0; j < m; j++) {  /* the record decides; after a collision, the next match */
+            const unsigned char *key = keys + (lo + j) * KEY_BYTES;
+            out[lo + j] = -1;
+            for (int64_t l = lane[j]; l >= 0; l = next_match(&t, p.b[j], p.fp[j], (int)l + 1)) {
+                int64_t pos = position(p.b[j], l);
+                const unsigned char *r = recs + (size_t)pos * RECORD_BYTES;
+                uint32_t rt;
+                memcpy(&rt, r + TID_AT, 4);
+                if (rt == tid && memcmp(r, key, KEY_BYTES) == 0) {
+                    out[lo + j] = pos;
+                    found++;
+                    break;
+                }
+            }
+        }
     }
     release(&b);
     return PyLong_FromSsize_t(found);
@@ -175,6 +216,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_probe", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_probe", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__probe(void) { return PyModule_Create(&module); }

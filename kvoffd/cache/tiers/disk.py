@@ -329,33 +329,34 @@ class DiskTier:
         c, _, pos = self._find(table, keys)
         n = len(pos)
         found = np.flatnonzero(pos >= 0)
-        items: list[tuple[int, diskio.ReadItem]] = []
-        if found.size:
-            recs = c.table.recs
-            slots = recs["slot"][pos[found]].astype(np.int64)
-            crcs = recs["crc"][pos[found]].tolist()
-            items = [(i, diskio.ReadItem(s, crc, keys[i * _KEY:(i + 1) * _KEY], dest[i]))
-                     for i, s, crc in zip(found.tolist(), slots.tolist(), crcs, strict=True)]
-        gone = n - len(items)
+        gone = n - len(found)
         if gone:  # removed since the caller's ``contains`` (a CLEAR; never the tier's own eviction)
             self.st.promotion_failures += gone
             log.warning("disk tier: %d of %d blocks to read are no longer held", gone, n)
-        if not items:
+        if not found.size:
             fut.set_result(np.zeros(n, dtype=bool))
             return fut
+        recs = c.table.recs
+        at = pos[found]
+        slots = recs["slot"][at].astype(np.int64)
+        if gone:
+            blocks = diskio.Blocks(slots.tolist(), keys_u64(keys)[found].tobytes(), [dest[i] for i in found.tolist()],
+                                   found.tolist(), recs["crc"][at].tolist())
+        else:  # the usual case: every block still held, in order
+            blocks = diskio.Blocks(slots.tolist(), keys, list(dest), list(range(n)), recs["crc"][at].tolist())
         c.busy[slots] += 1  # distinct keys, distinct records, distinct slots
         c.ref[slots] = np.minimum(c.ref[slots], REF_MAX - 1) + 1  # a use: CLOCK keeps it longer
-        tasks = _split(items, c.slot_bytes)
+        tasks = blocks.split(_per_task(c.slot_bytes))
         batch = _Batch(fut, len(tasks))
         for part in tasks:
-            self._io.submit(READ, lambda p=part: diskio.read_blocks(c.files, [it for _, it in p]),
+            self._io.submit(READ, lambda p=part: diskio.read_blocks(c.files, p),
                             lambda res, p=part: self._read_done(c, batch, n, p, res))
         return fut
 
-    def _read_done(self, c: _SizeClass, batch: _Batch, n: int, part: list, res) -> None:
+    def _read_done(self, c: _SizeClass, batch: _Batch, n: int, part: diskio.Blocks, res) -> None:
         if isinstance(res, Exception):
             res = diskio.ReadResult(ok=[False] * len(part), io_errors=len(part), first_error=str(res))
-        c.busy[np.array([it.slot for _, it in part], dtype=np.int64)] -= 1
+        c.busy[np.array(part.slots, dtype=np.int64)] -= 1
         st = self.st
         st.read_bytes += res.nbytes
         st.io_errors += res.io_errors
@@ -364,17 +365,16 @@ class DiskTier:
             log.warning("disk tier: %s%d blocks failed their checksum (%d blocks of this batch are misses)",
                         res.first_error + "; " if res.first_error else "", res.checksum_failures,
                         res.ok.count(False))
-        bad = [it for (_, it), ok in zip(part, res.ok, strict=True) if not ok]
+        bad = [j for j, ok in enumerate(res.ok) if not ok]
         if bad:  # never served again: forget the records that still name these bytes
-            self._forget_slots(c, [it.slot for it in bad], [it.crc for it in bad])
+            self._forget_slots(c, [part.slots[j] for j in bad], [part.crcs[j] for j in bad])
         batch.results.append((part, res.ok))
         batch.left -= 1
         if batch.left:
             return
         out = np.zeros(n, dtype=bool)
         for p, oks in batch.results:
-            for (i, _), ok in zip(p, oks, strict=True):
-                out[i] = ok
+            out[p.at] = oks
         st.promotions += int(out.sum())
         st.promotion_failures += sum(len(p) for p, _ in batch.results) - int(out.sum())
         if not batch.fut.done():
@@ -410,39 +410,42 @@ class DiskTier:
         if c.ghost is not None and len(slots):  # evicted lately and back: reused, so it starts higher
             back = c.ghost.contains(keys_u64(keys)[todo[:len(slots)]])
             c.ref[slots[back]] = GHOST_REF
-        items = [(i, diskio.WriteItem(int(s), keys[i * _KEY:(i + 1) * _KEY], src[i]))
-                 for i, s in zip(todo, slots.tolist(), strict=False)]
-        if not items:
+        if not len(slots):
             self._count_spills(out)
             fut.set_result(out)
             return fut
-        tasks = _split(items, c.slot_bytes)
+        todo = todo[:len(slots)]
+        if len(todo) == n:  # the usual spill: none held already, a slot for each
+            blocks = diskio.Blocks(slots.tolist(), keys, list(src), todo)
+        else:
+            blocks = diskio.Blocks(slots.tolist(), keys_u64(keys)[todo].tobytes(), [src[i] for i in todo], todo)
+        tasks = blocks.split(_per_task(c.slot_bytes))
         batch = _Batch(fut, len(tasks), results=[out, tid, self._gen.get(tid, 0)])
         for part in tasks:
-            self._io.submit(WRITE, lambda p=part: diskio.write_blocks(c.files, [it for _, it in p]),
+            self._io.submit(WRITE, lambda p=part: diskio.write_blocks(c.files, p),
                             lambda res, p=part: self._write_done(c, batch, p, res))
         return fut
 
-    def _write_done(self, c: _SizeClass, batch: _Batch, part: list, res) -> None:
+    def _write_done(self, c: _SizeClass, batch: _Batch, part: diskio.Blocks, res) -> None:
         out, tid, gen = batch.results
         if isinstance(res, Exception):
             res = diskio.WriteResult(crcs=[0] * len(part), ok=[False] * len(part), full=[False] * len(part),
                                      io_errors=len(part), first_error=str(res))
-        slots = np.array([it.slot for _, it in part], dtype=np.int64)
+        slots = np.array(part.slots, dtype=np.int64)
         c.busy[slots] -= 1
         self.st.write_bytes += res.nbytes
         self.st.io_errors += res.io_errors
         if res.first_error:
             log.warning("disk tier: %s (%d blocks of this spill dropped)", res.first_error, res.ok.count(False))
         ok = np.array(res.ok, dtype=bool)
-        for (i, _), good, full in zip(part, res.ok, res.full, strict=True):
+        for i, good, full in zip(part.at, res.ok, res.full, strict=True):
             out[i] = SpillResult.WRITTEN if good else SpillResult.FULL if full else SpillResult.ERROR
         if ok.any() and self._gen.get(tid, 0) == gen:  # not cleared meanwhile
-            k = keys_u64(b"".join([it.key for (_, it), g in zip(part, res.ok, strict=True) if g]))
+            k = keys_u64(part.keys)[ok]
             present = c.table.lookup(tid, k) >= 0  # the same key spilled twice at once: keep the first
-            if present.any():
-                for j in np.flatnonzero(ok)[present].tolist():
-                    out[part[j][0]] = SpillResult.PRESENT
+            written = np.flatnonzero(ok)
+            for j in written[present].tolist():
+                out[part.at[j]] = SpillResult.PRESENT
             keep = ~present
             pos = c.table.insert(tid, k[keep], slots[ok][keep].astype(np.uint32),
                                  np.array(res.crcs, dtype=np.uint32)[ok][keep])
@@ -450,8 +453,8 @@ class DiskTier:
             c.owner[slots[ok][keep][placed]] = pos[placed]
             if self.changed is not None and placed.any():
                 self._tell(c, pos[placed], removed=False)
-            for j in np.flatnonzero(ok)[keep][~placed].tolist():
-                out[part[j][0]] = SpillResult.FULL
+            for j in written[keep][~placed].tolist():
+                out[part.at[j]] = SpillResult.FULL
         batch.left -= 1
         if not batch.left:
             self._count_spills(out)
@@ -547,7 +550,6 @@ class DiskTier:
         os.close(self._lock)
 
 
-def _split(items: list, slot_bytes: int) -> list[list]:
-    """A batch in tasks of about TASK_BYTES, so that the threads share a big batch."""
-    per = max(1, TASK_BYTES // max(slot_bytes, 1))
-    return [items[i:i + per] for i in range(0, len(items), per)]
+def _per_task(slot_bytes: int) -> int:
+    """Blocks per I/O task: about TASK_BYTES, so that the threads share a big batch."""
+    return max(1, TASK_BYTES // max(slot_bytes, 1))

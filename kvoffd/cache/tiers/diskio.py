@@ -62,11 +62,30 @@ class Files:
 
 
 @dataclass
-class ReadItem:
-    slot: int
-    crc: int
-    key: bytes
-    dest: memoryview
+class Blocks:
+    """A batch of blocks for one read or write task, as parallel lists: block ``j`` is ``slots[j]``,
+    key ``keys[32 j: 32 j + 32]``, buffer ``bufs[j]`` (the read's destination or the write's source),
+    ``crcs[j]`` its expected checksum (reads), ``at[j]`` its index in the caller's request. No object
+    per block: the loop builds these for 1,024-block promotions and spills."""
+
+    slots: list[int]
+    keys: bytes
+    bufs: list[memoryview]
+    at: list[int]
+    crcs: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def key(self, j: int) -> bytes:
+        return self.keys[j * 32:(j + 1) * 32]
+
+    def split(self, per: int) -> list[Blocks]:
+        """Tasks of at most ``per`` blocks (the threads share a big batch)."""
+        if len(self) <= per:
+            return [self]
+        return [Blocks(self.slots[i:i + per], self.keys[i * 32:(i + per) * 32], self.bufs[i:i + per],
+                       self.at[i:i + per], self.crcs[i:i + per]) for i in range(0, len(self), per)]
 
 
 @dataclass
@@ -78,13 +97,13 @@ class ReadResult:
     first_error: str = ""
 
 
-def read_blocks(files: Files, items: list[ReadItem]) -> ReadResult:
+def read_blocks(files: Files, blocks: Blocks) -> ReadResult:
     """Read each block into its destination and verify it; a failure is that block's miss."""
-    res = ReadResult(ok=[False] * len(items))
-    for i, it in enumerate(items):
-        want = len(it.dest)
+    res = ReadResult(ok=[False] * len(blocks))
+    for j, (slot, dest, crc) in enumerate(zip(blocks.slots, blocks.bufs, blocks.crcs, strict=True)):
+        want = len(dest)
         try:
-            n = os.preadv(files.pick(it.dest), [it.dest], it.slot * files.stride)
+            n = os.preadv(files.pick(dest), [dest], slot * files.stride)
         except OSError as e:
             res.io_errors += 1
             res.first_error = res.first_error or f"read: {e}"
@@ -94,18 +113,11 @@ def read_blocks(files: Files, items: list[ReadItem]) -> ReadResult:
             res.first_error = res.first_error or f"short read: {n} of {want} bytes"
             continue
         res.nbytes += n
-        if block_crc(it.key, it.dest) != it.crc:
+        if block_crc(blocks.key(j), dest) != crc:
             res.checksum_failures += 1
             continue
-        res.ok[i] = True
+        res.ok[j] = True
     return res
-
-
-@dataclass
-class WriteItem:
-    slot: int
-    key: bytes
-    src: memoryview
 
 
 @dataclass
@@ -118,25 +130,26 @@ class WriteResult:
     first_error: str = ""
 
 
-def write_blocks(files: Files, items: list[WriteItem]) -> WriteResult:
-    res = WriteResult(crcs=[0] * len(items), ok=[False] * len(items), full=[False] * len(items))
-    for i, it in enumerate(items):
-        res.crcs[i] = block_crc(it.key, it.src)
+def write_blocks(files: Files, blocks: Blocks) -> WriteResult:
+    n_blocks = len(blocks)
+    res = WriteResult(crcs=[0] * n_blocks, ok=[False] * n_blocks, full=[False] * n_blocks)
+    for j, (slot, src) in enumerate(zip(blocks.slots, blocks.bufs, strict=True)):
+        res.crcs[j] = block_crc(blocks.key(j), src)
         try:
-            n = os.pwritev(files.pick(it.src), [it.src], it.slot * files.stride)
+            n = os.pwritev(files.pick(src), [src], slot * files.stride)
         except OSError as e:
             if e.errno in _FULL_ERRNOS:
-                res.full[i] = True
+                res.full[j] = True
             else:
                 res.io_errors += 1
             res.first_error = res.first_error or f"write: {e}"
             continue
-        if n != len(it.src):
+        if n != len(src):
             res.io_errors += 1
-            res.first_error = res.first_error or f"short write: {n} of {len(it.src)} bytes"
+            res.first_error = res.first_error or f"short write: {n} of {len(src)} bytes"
             continue
         res.nbytes += n
-        res.ok[i] = True
+        res.ok[j] = True
     return res
 
 
