@@ -93,6 +93,8 @@ _TIER_GAUGES = (
     ("index_bytes", "kvoffd_tier_index_bytes", "Memory of this tier's index"),
     ("spill_deferred_bytes", "kvoffd_tier_spill_deferred_bytes", "Pool bytes kept out of the pool until the "
      "spills reading them are written"),
+    ("spills_in_flight", "kvoffd_tier_spills_in_flight", "Blocks whose spill to this tier is being written (a "
+     "disk slower than the evictions: it grows, up to the spill budget)"),
 )
 SPILL_DROP_REASONS = ("full", "busy", "error")
 

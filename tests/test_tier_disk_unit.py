@@ -157,11 +157,13 @@ async def _gated(path: str, budget_blocks: int) -> None:
         else:  # the store's own victims are copied out (it needs their slots now), the next 4 kept ahead
             assert tiers.spill_busy == 0 and tiers.spill_copies == 4 and len(index.deferred) == 8
         assert index.deferred_bytes <= budget_blocks * SLOT
+        held = len(deferred) + (0 if budget_blocks == 4 else 8)  # the writes the gate holds, by their blocks
+        assert tiers.stats()[0].spills_in_flight == held
         gate.set()
         while tiers._spilling:
             await asyncio.wait(list(tiers._spilling))
             await asyncio.sleep(0)  # the done callbacks (a yield, not a wait for time)
-        assert not index.deferred and index.deferred_bytes == 0 and not tiers._staged
+        assert not index.deferred and index.deferred_bytes == 0 and tiers.stats()[0].spills_in_flight == 0
         wanted = b"".join(keys[:4])
         assert tier.contains(tiers._ref(t), wanted).all()
         dv = _dest(4)

@@ -83,6 +83,7 @@ class TierStats:
     spill_copies: int = 0  # evicted blocks copied out on the loop (a STORE larger than the reserve kept ahead)
     promotions_no_room: int = 0  # blocks a LOOKUP answered as hits that were then not promoted (no slot, a false probe)
     spill_deferred_bytes: int = 0  # pool bytes held out of the pool now until their spill has read them
+    spills_in_flight: int = 0  # blocks whose spill write has not landed yet (a lagging disk: it grows)
     notes: dict[str, str] = field(default_factory=dict)  # e.g. direct_io: "off (tmpfs)"
 
     def as_dict(self) -> dict:

@@ -517,6 +517,7 @@ class Tiers(IndexObserver):
             st.spill_copies = self.spill_copies  # the fallback that copies on the loop
             st.promotions_no_room = self.no_room
             st.spill_deferred_bytes = self.index.deferred_bytes  # pool slots spills still read
+            st.spills_in_flight = len(self._staged)
             out.append(st)
         return out
 
