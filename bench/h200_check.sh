@@ -23,6 +23,10 @@ summary="$OUT/summary.txt"; : > "$summary"
 # ships its site-packages without .pyc (numpy alone compiled for 0.2 s at every start). Compile once
 # what the daemon imports, as an install would.
 python3 -m compileall -q -j 8 kvoffd client/kvoffd_client /tmp/site > /dev/null 2>&1
+# The disk index's compiled probe (setup.py), as pip install would build it; without a compiler here the
+# table falls back to numpy, and the summary says which.
+python3 setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1
+echo "index kernel: $(PYTHONPATH="$new_pp" python3 -c 'from kvoffd.cache.tiers.table import KERNEL; print(KERNEL)' 2>&1)" >> "$summary"
 env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$new_pp" python3 -c "import kvoffd.cli, kvoffd.server.loop, kvoffd.transfer.cuda" \
   > /dev/null 2>&1
 echo "python: $(python3 -V 2>&1); $(env | grep -E '^PYTHON(DONTWRITEBYTECODE|OPTIMIZE)=' | tr '\n' ' ')" >> "$summary"
@@ -84,8 +88,9 @@ if has vmm; then
 fi
 if has index; then
   mkdir -p /var/tmp/kvoffd-idx
-  PYTHONPATH=$new_pp timeout 300 python3 bench/index_scale.py --blocks 1000000,10000000,100000000 --iters 200 \
-    --dir /var/tmp/kvoffd-idx --out "$OUT/index_scale_h200.json" > "$OUT/index_scale.log" 2>&1
-  echo "index (rc $?): $(tail -n 8 "$OUT/index_scale.log" | tr '\n' ' ')" >> "$summary"; rm -rf /var/tmp/kvoffd-idx
+  PYTHONPATH=$new_pp timeout ${INDEX_TIMEOUT:-540} python3 bench/index_scale.py --blocks ${INDEX_BLOCKS:-1000000,10000000,100000000} \
+    --iters 200 --dir /var/tmp/kvoffd-idx --out "$OUT/index_scale_h200.json" > "$OUT/index_scale.log" 2>&1
+  echo "index (rc $?):" >> "$summary"; grep -E "blocks:|LOOKUP" "$OUT/index_scale.log" | cut -c1-140 >> "$summary"
+  rm -rf /var/tmp/kvoffd-idx
 fi
 cat "$summary"
