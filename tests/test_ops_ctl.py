@@ -147,3 +147,16 @@ def test_default_address_comes_from_env(loaded, monkeypatch):
                        timeout=30)
     assert r.returncode == 0, r.stderr
     assert d.address in r.stdout
+
+
+def test_a_disk_tier_line_shows_spills_in_flight_and_an_unbuilt_index_kernel():
+    """``kvoffctl status``'s tier line: the spills still being written, and a warning when the disk
+    index answers through numpy because its compiled probe was not built at install."""
+    from kvoffd.ops.ctl_status import tier_line
+
+    t = {"name": "disk", "resident_bytes": 1 << 20, "resident_blocks": 4, "capacity_bytes": 1 << 30, "hits": 2,
+         "spills": 9, "spills_in_flight": 3, "spills_dropped": {"busy": 1}, "notes": {"index_kernel": "numpy"}}
+    line = tier_line(t)
+    assert "9 spilled (1 dropped, 0 copied on the loop, 3 in flight)" in line
+    assert "index probe numpy" in line
+    assert "index probe" not in tier_line({**t, "notes": {"index_kernel": "c"}})

@@ -98,12 +98,15 @@ def tier_line(t: dict[str, Any]) -> str:
     if t.get("name") != "dram":
         dropped = sum((t.get("spills_dropped") or {}).values())
         parts += [f"{t.get('promotions', 0)} promoted ({t.get('promotion_failures', 0)} failed)",
-                  f"{t.get('spills', 0)} spilled ({dropped} dropped, {t.get('spill_copies', 0)} copied on the loop)",
+                  f"{t.get('spills', 0)} spilled ({dropped} dropped, {t.get('spill_copies', 0)} copied on the loop, "
+                  f"{t.get('spills_in_flight', 0)} in flight)",
                   f"read {fmt_size(t.get('read_bytes'))}, written {fmt_size(t.get('write_bytes'))}",
                   f"{t.get('io_errors', 0)} I/O errors, {t.get('checksum_failures', 0)} bad checksums"]
-        note = (t.get("notes") or {}).get("direct_io")
-        if note:
-            parts.append(f"direct I/O {note}")
+        notes = t.get("notes") or {}
+        if notes.get("direct_io"):
+            parts.append(f"direct I/O {notes['direct_io']}")
+        if notes.get("index_kernel") == "numpy":  # the compiled probe was not built: slower disk-hit LOOKUPs
+            parts.append("index probe numpy (the compiled kernel is not built)")
     parts.append(f"{t.get('evictions', 0)} evicted")
     if t.get("admissions_refused"):
         parts.append(f"{t['admissions_refused']} refused")

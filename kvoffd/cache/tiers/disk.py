@@ -297,9 +297,13 @@ class DiskTier:
         self._loop = loop
         self._io.start(loop)
 
-    def _find(self, ref: TableRef, keys: bytes) -> tuple[_SizeClass | None, int, np.ndarray]:
+    def _held_by(self, ref: TableRef) -> tuple[_SizeClass | None, int]:
+        """The size class holding ``ref``'s blocks and its table id (None, 0: it holds none)."""
         tid = self._tid(ref, create=False)
-        c = self._cls(ref.slot_bytes) if tid else None
+        return (self._cls(ref.slot_bytes) if tid else None), tid
+
+    def _find(self, ref: TableRef, keys: bytes) -> tuple[_SizeClass | None, int, np.ndarray]:
+        c, tid = self._held_by(ref)
         if c is None:
             return None, 0, np.full(len(keys) // _KEY, -1, dtype=np.int64)
         if len(keys) <= FEW * _KEY:  # the usual miss: one key, no numpy until the answer
@@ -308,8 +312,7 @@ class DiskTier:
 
     def contains(self, table: TableRef, keys: bytes, touch: bool = False) -> np.ndarray:
         if not touch and len(keys) <= FEW * _KEY:  # the usual miss: one key, one numpy call
-            tid = self._tid(table, create=False)
-            c = self._cls(table.slot_bytes) if tid else None
+            c, tid = self._held_by(table)
             return np.array([p >= 0 for p in c.table.find(tid, keys)] if c is not None else
                             [False] * (len(keys) // _KEY), dtype=bool)
         c, _, pos = self._find(table, keys)
@@ -320,8 +323,7 @@ class DiskTier:
         return found
 
     def probe(self, table: TableRef, keys: bytes) -> int:
-        tid = self._tid(table, create=False)
-        c = self._cls(table.slot_bytes) if tid else None
+        c, tid = self._held_by(table)
         return c.table.probe(tid, keys) if c is not None else 0
 
     def read(self, table: TableRef, keys: bytes, dest: Sequence[memoryview]) -> asyncio.Future:
