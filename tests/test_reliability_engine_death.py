@@ -9,6 +9,7 @@ throughout, and the pool's books return exactly to their prior value (nothing le
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -134,4 +135,36 @@ def test_vanished_client_without_pidfd_is_dropped_by_heartbeat_timeout(make_daem
         assert wait_until(lambda: not maps_mention(dpid, eng.tag), 5)
         record("engine_death_no_pidfd", engine_timeout_s=0.5, noticed_s=round(gone_s, 3))
     finally:
+        eng.close()
+
+
+def test_a_stopped_daemon_does_not_count_its_clients_silence_against_them(make_daemon):
+    """The daemon is stopped (SIGSTOP) for longer than --engine-timeout while its client keeps sending
+    heartbeats, and a STORE, into the socket. Thawed, it must not take its own stall for the client's
+    silence: the engine stays registered and the STORE sent meanwhile completes (before the fix, the
+    first housekeeping after the thaw unregistered the engine and its jobs ended without a notice: a
+    vLLM holding blocks for a late load waited for ever)."""
+    import signal
+
+    d = make_daemon("16MiB", "--engine-timeout", "2", name="stalled")  # the client pings every second
+    eng = ShmEngine(16, 4096, tag="stalled")
+    c = d.client(name="stalled")
+    try:
+        c.register("e0", "stall", 0, 1, eng.memory, eng.layout)
+        keys = chain_keys(4, b"stall")
+        eng.fill(range(4), keys)
+        os.kill(d.proc.pid, signal.SIGSTOP)  # at once, before any housekeeping ran since the start (it did)
+        try:
+            c.submit_store("e0", 1, keys, range(4))  # queued in the socket; the heartbeats too
+            time.sleep(4.5)  # the stall itself: more than twice --engine-timeout
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        notices = c.wait_notices({1}, 10)
+        assert notices and notices[0].ok, notices
+        assert c.lookup("stall", b"".join(keys)).hits == 4
+        assert [e["engine_id"] for e in c.stats()["engines"]] == ["e0"]  # registered once, never dropped
+        log = d.log()
+        assert "did not run for" in log and "unregistering its engines" not in log, log[-2000:]
+    finally:
+        c.close()
         eng.close()

@@ -16,6 +16,7 @@ HEARTBEAT_S = 2.0  # told to clients in HELLO_OK: they ping this often
 IDLE_CONN_S = 600.0  # a connection that holds nothing and said nothing this long is forgotten
 QUIET_CONN_S = 3 * HEARTBEAT_S  # a connection silent this long is no longer protected from eviction
 HOUSEKEEPING_S = 0.1  # Server.tick: lease expiry, silent engines, the systemd watchdog
+STALL_S = 0.5  # housekeeping this long after the last: the daemon was stopped or blocked (Sessions.expire)
 REAP_EVERY_S = 1.0  # idle connections, descriptor calibration, sent big replies: once a second
 VERSION_WARN_EVERY_S = 60.0  # HELLOs of another protocol version: one WARNING per interval
 

@@ -248,6 +248,7 @@ class Server:
         loop.add_reader(self._guard.fd, self._drain_monitor)
         self._drain_monitor()  # edge-triggered like the ROUTER's fd: take what is queued already
         self._watchdog_s = sdnotify.watchdog_interval()
+        self.sessions.expire(time.monotonic())  # the stall clock starts now (Sessions.expire)
         house = asyncio.create_task(self._housekeeping())
         self.ready.set()
         log.info("kvoffd %s serving on %s: pool %d MiB, backends %s; %.2f s after the process started (%s)",

@@ -36,6 +36,7 @@ from kvoffd.server.limits import (
     MAX_LEASED_KEYS_PER_CONN,
     MAX_LEASES_PER_CONN,
     QUIET_CONN_S,
+    STALL_S,
     VERSION_WARN_EVERY_S,
 )
 from kvoffd.server.pidwatch import PidWatcher
@@ -145,6 +146,7 @@ class Sessions:
         self.fds = fds
         self.by_kind = by_kind
         self.engine_timeout_s = engine_timeout_s
+        self._last_expire: float | None = None  # the last housekeeping (``expire``): a gap is a stall
         self.reply = reply
         self.capabilities = tuple(capabilities)
         self.auth_token: bytes | None = None  # tcp:// only: HELLO must carry it
@@ -348,7 +350,21 @@ class Sessions:
             self.drop_lease(lid)
 
     def expire(self, now: float) -> None:
-        """Housekeeping: leases past their time, and engines whose client went silent."""
+        """Housekeeping: leases past their time, and engines whose client went silent.
+
+        Silence is counted only while the daemon was running: when this housekeeping comes more than
+        ``STALL_S`` after the last one, the daemon itself was stopped (SIGSTOP, a suspended VM or
+        container, a loop blocked), and its clients' heartbeats are still queued unread. Dropping their
+        engines then would end their jobs without a notice: a vLLM holding blocks for a late load until
+        the daemon answers it would wait for ever (a frozen daemon, thawed, did exactly that). So the
+        stall is credited to every connection, as if their last word came that much later."""
+        last, self._last_expire = self._last_expire, now
+        if last is not None and now - last > STALL_S:
+            stalled = now - last
+            log.warning("the daemon did not run for %.1f s (stopped, suspended, or its loop blocked): its "
+                        "clients' silence meanwhile is not counted against --engine-timeout", stalled)
+            for conn in self.conns.values():
+                conn.last_seen = min(now, conn.last_seen + stalled)
         for lid in [lid for lid, lease in self.leases.items() if lease.expires <= now]:
             self.drop_lease(lid)
         for conn in list(self.conns.values()):
