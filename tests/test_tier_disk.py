@@ -212,7 +212,10 @@ def test_full_disk_drops_spills_and_keeps_serving(tmp_path):
         rig.store(old)
         for r in range(3):
             rig.store(chain_keys(100, b"new%d" % r), base=100)
-        assert wait_until(lambda: rig.tier()["spills_dropped"].get("full", 0) > 0, 30), rig.tier()
+        # Both outcomes, whichever lands first: the I/O threads finish a batch that fails at once (EFBIG)
+        # before one whose writes go through (seen on a loaded 2-core VM)
+        assert wait_until(lambda: rig.tier()["spills_dropped"].get("full", 0) > 0 and rig.tier()["spills"] > 0,
+                          30), rig.tier()
         t = rig.tier()
         assert 0 < t["spills"] <= 20
         hits, notice = rig.lookup_load(old, 200)
