@@ -179,10 +179,7 @@ def test_frozen_daemon_recomputes_without_hanging(tiny_model: str, reference: li
     blocks are held until the thawed daemon answers, so a late write could land nowhere else; and
     as its deadline was the wait's, the thawed daemon answers it ``expired`` without copying."""
     d = Daemon(tmp_path).start()
-    # Every load of the step that freezes the daemon is a same-step one (a budget that takes them all):
-    # with the derived budget (-1) some were asynchronous, and those wait for the daemon's answer
-    # (a late write could land in their blocks), so generate waited for the thaw (2 runs in 4).
-    llm = make_llm(tiny_model, d.address, extra={"kvoffd_sync_load_bytes": 1 << 30, "kvoffd_sync_load_timeout_ms": 300,
+    llm = make_llm(tiny_model, d.address, extra={"kvoffd_sync_load_bytes": -1, "kvoffd_sync_load_timeout_ms": 300,
                                                  "kvoffd_lookup_timeout_ms": 1000})
     frozen: list[int] = []
     try:
