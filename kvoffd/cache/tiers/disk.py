@@ -311,10 +311,6 @@ class DiskTier:
         return c, tid, c.table.lookup(tid, keys_u64(keys))
 
     def contains(self, table: TableRef, keys: bytes, touch: bool = False) -> np.ndarray:
-        if not touch and len(keys) <= FEW * _KEY:  # the usual miss: one key, one numpy call
-            c, tid = self._held_by(table)
-            return np.array([p >= 0 for p in c.table.find(tid, keys)] if c is not None else
-                            [False] * (len(keys) // _KEY), dtype=bool)
         c, _, pos = self._find(table, keys)
         found = pos >= 0
         if touch and c is not None and found.any():  # used again above: CLOCK keeps it longer
