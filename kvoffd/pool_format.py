@@ -9,9 +9,17 @@ an existing pool file holds. So the sizes and the file's layout and header live 
 The pool (one ``Layout``) is a metadata file and data segment files beside it. The metadata file
 (``--pool-path``): a 4 KiB header, two namespace-table areas (kvoffd/cache/slots_table.py), the chunk
 table, the slot records. The data: ``segment_bytes`` segments (1 GiB, more for pools over 1 TiB), each
-its own file ``<path>.0000``, ``<path>.0001``... mapped side by side into one address range. The header
-says what made the pool (format version, pool and chunk sizes, page size, records per chunk); an
-adopter that finds anything else, or a segment missing or of another size, starts cold.
+its own file ``<path>.ino<N>.0000``, ``<path>.ino<N>.0001``... mapped side by side into one address
+range. The header says what made the pool (format version, pool and chunk sizes, page size, records
+per chunk); an adopter that finds anything else, or a segment missing or of another size, starts cold.
+
+Why the segments carry the metadata file's inode number ``N``: the daemon's lock is a ``flock`` of the
+metadata file, and the lock must cover the data too. A metadata file removed under a live daemon and
+made again by the next one is another inode, so the next daemon's segments are other files: it never
+truncates or writes the segments a live daemon maps (issue 28, item 6: it used to zero them and store
+its own blocks in them, and the live daemon served those). An inode number is not reused while the
+live daemon holds its file open. Segments named ``<path>.0000`` (before the inode was in the name) are
+renamed by the daemon that adopts them.
 
 Why segments and not one file: tmpfs allocates a file's pages under that file's inode lock, so one
 file is allocated by one thread at a time (``posix_fallocate`` 7-9 GiB/s on the H200 host), and page
@@ -164,16 +172,27 @@ class Layout:
         return self.meta_bytes + self.pool_bytes
 
 
-def segment_path(path: str, i: int) -> str:
-    """Data segment ``i`` of the pool whose metadata file is ``path``."""
+def segment_path(path: str, ino: int, i: int) -> str:
+    """Data segment ``i`` of the pool whose metadata file is ``path``, of inode ``ino``."""
+    return f"{path}.ino{ino}.{i:04d}"
+
+
+def legacy_segment_path(path: str, i: int) -> str:
+    """Data segment ``i``'s name before the metadata's inode was in it (renamed at adoption)."""
     return f"{path}.{i:04d}"
 
 
-def segments_mismatch(path: str, layout: Layout) -> str:
-    """Why the data segments beside ``path`` cannot be adopted by a pool of ``layout`` ("" if they can):
-    each must be a 0600 regular file of this user, of its segment's length."""
+def adoptable_segment_path(path: str, ino: int, i: int) -> str:
+    """The file an adopter takes as segment ``i``: its name, or its legacy name where only that exists."""
+    seg, legacy = segment_path(path, ino, i), legacy_segment_path(path, i)
+    return legacy if not os.path.lexists(seg) and os.path.lexists(legacy) else seg
+
+
+def segments_mismatch(path: str, ino: int, layout: Layout) -> str:
+    """Why the data segments of the metadata file ``path`` (inode ``ino``) cannot be adopted by a pool of
+    ``layout`` ("" if they can): each must be a 0600 regular file of this user, of its segment's length."""
     for i in range(layout.num_segments):
-        seg = segment_path(path, i)
+        seg = adoptable_segment_path(path, ino, i)
         try:
             st = os.lstat(seg)
         except OSError as e:
@@ -190,7 +209,11 @@ def allocated_bytes(path: str, layout: Layout) -> int:
     """Bytes of the pool's files (metadata and segments) that their filesystem has allocated already,
     counting only files of the right length (what a daemon of ``layout`` would keep)."""
     total = 0
-    for p, length in [(path, layout.meta_bytes)] + [(segment_path(path, i), layout.segment(i)[1])
+    try:
+        ino = os.lstat(path).st_ino
+    except OSError:
+        return 0
+    for p, length in [(path, layout.meta_bytes)] + [(adoptable_segment_path(path, ino, i), layout.segment(i)[1])
                                                       for i in range(layout.num_segments)]:
         try:
             st = os.lstat(p)

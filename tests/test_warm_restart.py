@@ -191,7 +191,7 @@ def _flip(pool_path: str, pool: str, slot: int) -> None:
     size = parse_size(pool)
     lay = Layout.of(size, pool_geometry(size)[0])
     seg, at = divmod(slot + 1000, lay.segment_bytes)
-    with open(segment_path(pool_path, seg), "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+    with open(segment_path(pool_path, os.stat(pool_path).st_ino, seg), "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
         m[at:at + 4] = bytes(255 - x for x in m[at:at + 4])
 
 

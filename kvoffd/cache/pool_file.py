@@ -11,6 +11,11 @@ segment files beside it, each mapped MAP_FIXED into one reserved address range s
 one array to the rest of the daemon (kvoffd/pool_format.py says why segments: tmpfs allocates one
 file on one thread at a time).
 
+One daemon per pool: the daemon holds a ``flock`` of the metadata file, and opens, truncates and
+writes only the segments named after that file's inode (``segment_path``), so the lock covers the
+data too. Segments of other names at the path (another inode's, a previous larger pool's, the
+pre-inode names) are only ever unlinked, which never changes a byte that a live daemon maps.
+
 SIGBUS: a write to a tmpfs page the filesystem has no room for kills the writer. The data is therefore
 allocated after checking the filesystem's free space, segment by segment by background threads
 (``PoolFile.allocate``: zeros written into a fresh segment, ``posix_fallocate`` of one that may hold
@@ -28,10 +33,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import glob
 import logging
 import mmap
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +49,7 @@ from kvoffd.pool_format import (
     Header,
     Layout,
     fs_type,
+    legacy_segment_path,
     segment_path,
     segments_mismatch,
 )
@@ -75,7 +81,11 @@ class PoolFile:
         self.segment_allocated = allocated  # per segment: whole (posix_fallocate done, now or before)
         self.preexisting = list(allocated)  # per segment: allocated before this daemon (an adopted pool)
         self._inodes = inodes  # per segment, as mapped: a path replaced meanwhile is not allocated
+        self.ino = os.fstat(fd).st_ino  # the metadata file's: the segments are named after it
         self.error = ""
+
+    def segment_path(self, i: int) -> str:
+        return segment_path(self.path, self.ino, i)
 
     @property
     def allocated(self) -> int:
@@ -131,13 +141,14 @@ class PoolFile:
 
     def _allocate_segment(self, i: int, length: int) -> str:
         """Allocate segment ``i`` whole; the reason when it could not be ("" when done)."""
+        seg = self.segment_path(i)
         try:
-            fd = os.open(segment_path(self.path, i), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(seg, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
-            return f"{segment_path(self.path, i)}: {e.strerror}"
+            return f"{seg}: {e.strerror}"
         try:
             if os.fstat(fd).st_ino != self._inodes[i]:
-                return f"{segment_path(self.path, i)} was replaced while the daemon ran"
+                return f"{seg} was replaced while the daemon ran"
             if self.previous is None:
                 write_zeros(fd, length)
             else:  # it may hold adopted blocks already: allocate around them
@@ -183,18 +194,21 @@ def open_pool_file(path: str, layout: Layout, cold: bool) -> tuple[PoolFile, str
         if st.st_uid != os.getuid() or st.st_mode & 0o077:
             raise PoolFileError(f"{path} is not a 0600 file of this user (uid {st.st_uid}, mode "
                                 f"{st.st_mode & 0o777:o}); remove it or choose another --pool-path")
-        previous, why = _read_previous(fd, st.st_size, path, layout)
+        previous, why = _read_previous(fd, st.st_size, path, st.st_ino, layout)
         if cold and previous is not None:
             previous, why = None, "--cold"
         if previous is None:
             os.ftruncate(fd, 0)  # an empty pool of this layout: every old page (and record) dropped
             os.ftruncate(fd, layout.meta_bytes)
-        seg_fds = _open_segments(path, layout, fresh=previous is None)
+        else:
+            _rename_legacy_segments(path, st.st_ino, layout)
+        seg_fds = _open_segments(path, st.st_ino, layout, fresh=previous is None)
+        _remove_stale_segments(path, st.st_ino, layout)
         allocated = [previous is not None and os.fstat(f).st_blocks * 512 >= layout.segment(i)[1]
                      for i, f in enumerate(seg_fds)]
         _allocate_meta(fd, seg_fds, path, layout, kind, fresh=previous is None)
         inodes = [os.fstat(f).st_ino for f in seg_fds]
-        mapping, data = _map(fd, seg_fds, path, layout, fresh=previous is None)
+        mapping, data = _map(fd, seg_fds, path, st.st_ino, layout, fresh=previous is None)
     except BaseException:
         os.close(fd)
         raise
@@ -235,23 +249,56 @@ def _check_dir(path: str) -> str:
     return kind
 
 
-def _read_previous(fd: int, size: int, path: str, layout: Layout) -> tuple[Header | None, str]:
+def _read_previous(fd: int, size: int, path: str, ino: int, layout: Layout) -> tuple[Header | None, str]:
     if size == 0:
         return None, ""
     head = Header.unpack(os.pread(fd, HEADER_BYTES, 0))
     if head is None:
         return None, "its header is not a kvoffd pool header (damaged or another format)"
-    why = head.mismatch(layout, size) or segments_mismatch(path, layout)
+    why = head.mismatch(layout, size) or segments_mismatch(path, ino, layout)
     return (None, why) if why else (head, "")
 
 
-def _open_segments(path: str, layout: Layout, fresh: bool) -> list[int]:
-    """Each data segment's descriptor, made (or emptied) to its length when ``fresh``; segments of a
-    previous, larger pool are removed. Every one must be a 0600 regular file of this user."""
+def _rename_legacy_segments(path: str, ino: int, layout: Layout) -> None:
+    """An adopted pool's segments that still have their pre-inode names get their names (the lock on
+    the metadata file is held, and its header and segments were found to be this pool's)."""
+    for i in range(layout.num_segments):
+        seg, legacy = segment_path(path, ino, i), legacy_segment_path(path, i)
+        if not os.path.lexists(seg) and os.path.lexists(legacy):
+            os.rename(legacy, seg)
+
+
+def _remove_stale_segments(path: str, ino: int, layout: Layout) -> None:
+    """Unlink the segment files at ``path`` that are not this pool's: another metadata inode's (a
+    metadata file removed and made again; a daemon still mapping them keeps its pages), the pre-inode
+    names, a previous larger pool's. A pool file is RAM until someone deletes it."""
+    d, base = os.path.split(path)
+    name = re.compile(re.escape(base) + r"\.(?:ino(\d+)\.)?(\d{4})")
+    removed = 0
+    with os.scandir(d or ".") as entries:
+        for entry in entries:
+            m = name.fullmatch(entry.name)
+            if m is None or (m.group(1) is not None and int(m.group(1)) == ino
+                             and int(m.group(2)) < layout.num_segments):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if entry.is_file(follow_symlinks=False) and st.st_uid == os.getuid():
+                    os.unlink(entry.path)
+                    removed += st.st_blocks * 512
+            except OSError:
+                continue
+    if removed:
+        log.info("removed %s of data segments at %s that were not this pool's", format_size(removed), path)
+
+
+def _open_segments(path: str, ino: int, layout: Layout, fresh: bool) -> list[int]:
+    """Each data segment's descriptor, made (or emptied) to its length when ``fresh``. Every one must be
+    a 0600 regular file of this user."""
     fds: list[int] = []
     try:
         for i in range(layout.num_segments):
-            seg = segment_path(path, i)
+            seg = segment_path(path, ino, i)
             try:
                 f = os.open(seg, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             except OSError as e:
@@ -263,10 +310,6 @@ def _open_segments(path: str, layout: Layout, fresh: bool) -> list[int]:
             if fresh:
                 os.ftruncate(f, 0)
                 os.ftruncate(f, layout.segment(i)[1])
-        if fresh:
-            for stale in glob.glob(glob.escape(path) + ".[0-9][0-9][0-9][0-9]"):
-                if int(stale[-4:]) >= layout.num_segments:
-                    os.unlink(stale)
     except BaseException:
         for f in fds:
             os.close(f)
@@ -296,7 +339,8 @@ def _allocate_meta(fd: int, seg_fds: list[int], path: str, layout: Layout, kind:
         raise
 
 
-def _map(fd: int, seg_fds: list[int], path: str, layout: Layout, fresh: bool) -> tuple[mmap.mmap, mmap.mmap]:
+def _map(fd: int, seg_fds: list[int], path: str, ino: int, layout: Layout,
+         fresh: bool) -> tuple[mmap.mmap, mmap.mmap]:
     """The metadata's mapping, and the data's: one reserved range with each segment mapped over its part."""
     try:
         meta = mmap.mmap(fd, layout.meta_bytes, flags=mmap.MAP_SHARED)
@@ -315,7 +359,7 @@ def _map(fd: int, seg_fds: list[int], path: str, layout: Layout, fresh: bool) ->
             data.close()
             if fresh:
                 _give_back(fd, seg_fds)
-            raise PoolFileError(f"cannot map data segment {segment_path(path, i)}: {e.strerror}") from None
+            raise PoolFileError(f"cannot map data segment {segment_path(path, ino, i)}: {e.strerror}") from None
     return meta, data
 
 

@@ -44,12 +44,12 @@ def _holds(path: str, layout: Layout) -> str:
     try:
         with open(path, "rb") as f:
             head = Header.unpack(f.read(HEADER_BYTES))
-        size = os.path.getsize(path)
+        st = os.stat(path)
     except OSError as e:
         return f"; it cannot be read ({e.strerror})"
     if head is None:
         return "; it holds no kvoffd pool header: the next start is cold"
-    why = head.mismatch(layout, size) or segments_mismatch(path, layout)
+    why = head.mismatch(layout, st.st_size) or segments_mismatch(path, st.st_ino, layout)
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(head.updated))
     if why:
         return f"; it holds a pool written until {when} that the next start will not adopt ({why})"

@@ -16,7 +16,6 @@ import time
 import numpy as np
 
 from kvoffd.cache.keeper import open_pool
-from kvoffd.pool_format import segment_path
 from kvoffd.transfer.pinning import Pinner
 
 
@@ -43,7 +42,7 @@ def test_a_pool_file_is_pinned_in_place_and_keeps_its_bytes():
             assert not p.stats.error, p.stats.error
             assert pool.pinned_bytes == pool.nbytes
             assert (pool.buffer[123 << 20:124 << 20] == pattern).all()
-            with open(segment_path(pf.path, 0), "rb") as f:
+            with open(pf.segment_path(0), "rb") as f:
                 on_file = os.pread(f.fileno(), 1 << 20, 123 << 20)
             assert on_file == pattern.tobytes(), "the pool was remapped away from its file"
             print(f"pinned a {pool.nbytes >> 30} GiB pool file in {dt:.2f} s ({pool.nbytes / dt / (1 << 30):.1f} GiB/s)")
