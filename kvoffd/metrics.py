@@ -43,6 +43,14 @@ class _LiveState(Collector):
         yield GaugeMetricFamily("kvoffd_leases", "Lookup leases holding blocks now", value=s["leases"])
         yield GaugeMetricFamily("kvoffd_resident_blocks", "Blocks resident and visible in the pool",
                                 value=s["resident_blocks"])
+        backlog = s.get("checksum_backlog") or {}
+        yield GaugeMetricFamily("kvoffd_checksum_backlog_blocks", "Blocks committed to the pool file whose "
+                                "checksum is not in their record yet (kept across a crash all the same)",
+                                value=backlog.get("blocks", 0))
+        yield GaugeMetricFamily("kvoffd_checksum_backlog_bytes", "Bytes of those blocks",
+                                value=backlog.get("bytes", 0))
+        yield GaugeMetricFamily("kvoffd_checksum_backlog_oldest_seconds", "How long the oldest of those blocks "
+                                "has waited for its checksum", value=backlog.get("oldest_s", 0.0))
         inflight = GaugeMetricFamily("kvoffd_in_flight_jobs", "Store/load jobs running now", labels=["direction"])
         for d in DIRECTIONS:
             inflight.add_metric([d], s["in_flight"][d])

@@ -242,3 +242,88 @@ def test_the_namespace_table_keeps_the_kv_event_identity_and_reads_old_or_bad_on
                 {"hash": "bytes", "block_size": True}, {"hash": "bytes"}):
         t = write({"namespaces": [{**row, "events": bad}]})
         assert t.by_id[3].name == "old" and t.by_id[3].events is None, bad
+
+
+def test_a_record_committed_without_its_checksum_stays_valid_while_it_is_filled_in():
+    """Issue 29: a block's record is written when its copy completes (COMMITTED, no checksum) and its
+    checksum is filled in later; a process that dies between any two stores of that fill leaves a
+    valid record, with or without the checksum, never an invalid one (so the block is adopted)."""
+    from kvoffd.cache.checksum import NONE
+    from kvoffd.cache.slots_table import COMMITTED, SUMMED, _check
+
+    rec = _records()
+    keys = chain_keys(3, b"committed")
+    slots = np.array([0, SLOT, 2 * SLOT], dtype=np.int64)
+    idx = rec.index_of(slots, SLOT)
+    rec.seal(idx, 1, 0, b"".join(keys), np.full(3, 100.0), np.array([NONE, 5, NONE], dtype=np.int64), SLOT)
+    f = rec.scan()
+    assert f.offset.tolist() == slots.tolist() and f.crc.tolist() == [NONE, 5, NONE]
+    assert (rec.words[idx, 0] & np.uint64(0xFFFFFFFF)).tolist() == [COMMITTED, SUMMED, COMMITTED]
+    before = rec.words[idx[0]].copy()
+    after = before.copy()  # what ``fill`` writes, word by word: 6, then 7, then 0
+    after[0] = (before[0] & ~np.uint64(0xFFFFFFFF)) | np.uint64(SUMMED)
+    after[6] = before[6] | np.uint64(0xABCD)
+    after[7] = _check(after[None, :7])[0]
+    for step, words in enumerate(([], [6], [6, 7], [6, 7, 0])):
+        rec.words[idx[0]] = before
+        for w in words:
+            rec.words[idx[0], w] = after[w]
+        got = rec.scan()
+        assert got.offset.tolist() == slots.tolist(), step
+        assert got.crc[0] in (NONE, 0xABCD) and (step < 2 or got.crc[0] == 0xABCD), (step, got.crc)
+    rec.words[idx[0]] = before
+    assert rec.fill(idx, np.array([0xABCD, 9, 0x1234], dtype=np.int64)) == 2  # the SUMMED one is left as it is
+    assert rec.scan().crc.tolist() == [0xABCD, 5, 0x1234]
+    assert (rec.words[idx[0]] == after).all()
+    rec.words[idx[2], 2] ^= np.uint64(1)  # a damaged COMMITTED record (its key) fails its check
+    assert rec.scan().offset.tolist() == [0, SLOT]
+    rec.touch(idx[:2], 200.0)
+    assert rec.scan().stamp.tolist() == [200.0, 200.0]
+
+
+def test_an_older_daemons_record_keeps_its_crc32_and_is_verified_with_it():
+    """Records written before issue 29 (state SEALED, zlib's crc32) are adopted with their checksum
+    marked LEGACY_CRC32, which ``matches`` checks with crc32."""
+    import zlib
+
+    from kvoffd.cache.checksum import LEGACY_CRC32, block_sum, matches
+    from kvoffd.cache.slots_table import SEALED, _check
+
+    rec = _records()
+    data = np.random.default_rng(1).integers(0, 255, SLOT, dtype=np.uint8)
+    body = np.zeros((1, 7), dtype=np.uint64)
+    body[0, 0] = np.uint64(SEALED | (1 << 32))
+    body[0, 1:5] = np.frombuffer(chain_keys(1, b"old")[0], dtype=np.uint64)
+    body[0, 5] = np.float64(50.0).view(np.uint64)
+    body[0, 6] = np.uint64(zlib.crc32(data) | (SLOT << 32))
+    rec.chunks[0] = SLOT
+    rec.words[0, :7], rec.words[0, 7] = body[0], _check(body)[0]
+    f = rec.scan()
+    assert f.offset.tolist() == [0] and f.crc[0] == LEGACY_CRC32 | zlib.crc32(data)
+    assert matches(data, int(f.crc[0])) and matches(data, block_sum(data))
+    data[100] ^= 1
+    assert not matches(data, int(f.crc[0]))
+
+
+def test_the_block_checksum_catches_what_a_stray_write_leaves():
+    from kvoffd.cache.checksum import NONE, ROW_WORDS, block_sum, matches
+
+    rng = np.random.default_rng(2)
+    for size in (SLOT, SLOT + 3, 256):  # whole rows, a tail of bytes, less than a row
+        data = rng.integers(0, 255, size, dtype=np.uint8)
+        want = block_sum(data)
+        assert 0 <= want < 1 << 32 and block_sum(memoryview(data.tobytes())) == want and not matches(data, NONE)
+        for at in (0, size // 2, size - 1):
+            bad = data.copy()
+            bad[at] ^= 0x10
+            assert block_sum(bad) != want, (size, at)
+    data = rng.integers(0, 255, SLOT, dtype=np.uint8)
+    want = block_sum(data)
+    page = ROW_WORDS * 8
+    swapped = data.copy()
+    swapped[:page], swapped[page:2 * page] = data[page:2 * page], data[:page]  # a page written in another's place
+    assert block_sum(swapped) != want
+    words = data.copy().view(np.uint64)
+    words[3] += np.uint64(1 << 40)
+    words[ROW_WORDS + 9] -= np.uint64(1 << 40)  # two changes that cancel in a plain sum
+    assert block_sum(words.view(np.uint8)) != want

@@ -5,11 +5,13 @@ index's ``evicted`` and ``cleared`` need nothing more here, since their slots' `
 a pool that lives in a file (kvoffd/cache/pool_file.py), keeping its slot records
 (kvoffd/cache/slots_table.py) true:
 
-* **committed** blocks are queued for sealing. A sealer thread computes each slot's crc32 off the
-  event loop (zlib releases the GIL on large buffers: stores are never slowed by it) and hands the
-  sums back to the loop, which writes the records of the blocks still alive. A block committed but
-  not yet sealed when the process dies is simply not adopted (absent, never wrong); on SIGTERM what
-  is left is sealed within ``SEAL_ON_STOP_S``.
+* **committed** blocks get their records at once, on the loop, in the callback that made them visible
+  (after their copy completed): COMMITTED, without a checksum, so a block whose STORE was acknowledged
+  is adopted after any crash of the daemon. Their checksums follow behind (kvoffd/cache/sealing.py: on
+  ``CHECKSUM_THREADS`` threads, kvoffd/cache/checksum.py's sum) and are filled into the records of the
+  blocks still alive; on SIGTERM what is left is summed within ``SEAL_ON_STOP_S``, and what is still
+  left then is adopted without a checksum (docs/architecture.md, "Crash consistency", says why that is
+  sound).
 * **freeing** slots have their records invalidated before the pool may hand them out again, and
   **unlinked** ones (CLEARed or found corrupt while a LOAD or lease holds them) at once.
 * blocks read by a LOAD are **touched**: their last-use stamps are rewritten every ``FLUSH_S``
@@ -20,10 +22,11 @@ the pool (kvoffd/cache/adopt.py); once serving, the blocks enter the index a sli
 newest first (``_adopt_slice``), and a LOOKUP that misses a block still waiting takes it into the
 index at once (``adopt_asked``), so the first hit comes as soon as the daemon serves whatever the pool
 holds; a CLEAR meanwhile drops its namespace's blocks still waiting (``cleared``). Their bytes are verified
-lazily: the first LOAD of an adopted block checks its crc32 first (the ``--verify`` machinery of
+lazily: the first LOAD of an adopted block checks its checksum first (the ``--verify`` machinery of
 kvoffd/server/verify.py), and a background pass checks the rest, each slice as it enters the index;
 a mismatch drops that block only (a counted miss). The end of that pass is "full adoption"
-(``stats()['verified_s']``).
+(``stats()['verified_s']``). A block adopted without a checksum has nothing to be checked against: it
+is summed instead, and its record filled in, so that the next restart can check it.
 
 The namespace facts also keep each namespace's KV-event identity (``note_identity``, told at every
 REGISTER, whether or not this daemon publishes events): so a daemon that adopts the blocks can
@@ -44,17 +47,18 @@ import os
 import threading
 import time
 import weakref
-import zlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from kvoffd.cache.adopt import AdoptionPlan, plan_adoption
+from kvoffd.cache.checksum import LEGACY_CRC32, NONE, matches
 from kvoffd.cache.index import Entry, Index, IndexObserver, Table
 from kvoffd.cache.pool import Pool
 from kvoffd.cache.pool_file import ALLOCATE_THREADS, PoolFile
+from kvoffd.cache.sealing import Sealer
 from kvoffd.cache.slots_table import MAX_NAMESPACE_IDS, NamespaceFacts, NamespaceTable, RankFacts, SlotRecords
 from kvoffd.events.wire import EventIdentity
 from kvoffd.pool_format import NS_AREA_BYTES
@@ -62,18 +66,20 @@ from kvoffd.shards import bind_thread_near
 
 log = logging.getLogger(__name__)
 
-SEAL_ON_STOP_S = 5.0  # SIGTERM: sealing what is left may take this long (docker stop waits 10 s)
+# SIGTERM: summing what is left may take this long (docker stop waits 10 s); what is left after it is
+# kept all the same, without a checksum
+SEAL_ON_STOP_S = 5.0
 FLUSH_S = 1.0  # touched stamps and the header's "updated" are written this often
 VERIFY_SLICE = 64  # adopted blocks checked per background task
-# The background pass is crc32-bound (2-3 GB/s a thread on the H200 host): on 8 threads a 64 GiB pool
-# took 3.9-4.6 s, the long pole of a restart's full adoption. It ends by itself, so it may take every
-# core but two (the loop, and the pinning's registrar): 16 at most.
-VERIFY_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) - 2))
+# The checksum threads: the sums behind the stores (kvoffd/cache/sealing.py) and the background pass
+# of a restart. Both are bound by memory bandwidth past a few threads (bench/checksum.py); they may
+# take every core but two (the loop, and the copies' or the pinning's threads): 16 at most.
+CHECKSUM_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) - 2))
 ADOPT_SLICE = 2048  # adopted blocks put into the index per loop turn (~8 ms on the 2-core VM)
 
 
-def _crc(buf: np.ndarray, e: Entry) -> int:
-    return zlib.crc32(buf[e.slot:e.slot + e.table.slot_bytes])
+def _intact(buf: np.ndarray, e: Entry) -> bool:
+    return matches(buf[e.slot:e.slot + e.table.slot_bytes], e.checksum)
 
 
 class Persistence(IndexObserver):
@@ -91,13 +97,9 @@ class Persistence(IndexObserver):
         self._adopted: list[Entry] | None = []  # slices indexed before ``take_adopted`` (None after it)
         self.on_adopted: Callable[[list[Entry]], None] | None = None  # each slice after (the KV events)
         self._events: OrderedDict[str, EventIdentity | None] = OrderedDict()  # REGISTER's layout.kv_events
-        self._queue: deque[list[Entry]] = deque()
-        self._cond = threading.Condition()
         self._stopping = False
-        self._busy = False
-        self._thread: threading.Thread | None = None
-        self._verify = ThreadPoolExecutor(verify_threads or VERIFY_THREADS,
-                                          thread_name_prefix="kvoffd-verify")
+        self._checks = ThreadPoolExecutor(verify_threads or CHECKSUM_THREADS, thread_name_prefix="kvoffd-sum")
+        self.sealer = Sealer(pool.buffer, self._checks, self._write_sums)
         self._touched: list[Entry] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -115,7 +117,9 @@ class Persistence(IndexObserver):
         self._no_slices = bool(os.environ.get("KVOFFD_TEST_NO_ADOPTION_SLICES"))
         self.verified_s = 0.0  # from start to the end of the background pass
         self.verify_failures = 0
-        self.sealed = 0
+        self.committed_records = 0  # records written at commit (with or without their checksum)
+        self.sealed = 0  # records with their checksum
+        self.adopted_unchecked = 0  # adopted without a checksum (summed since, not checked)
         self.unsealed_at_stop = 0
         self._t0 = time.monotonic()
         self._stop_allocating = threading.Event()
@@ -184,17 +188,23 @@ class Persistence(IndexObserver):
         return True
 
     def _indexed(self, entries: list[Entry], gone: np.ndarray) -> None:
-        """Adopted blocks just entered the index: their verification queued, the KV events told."""
+        """Adopted blocks just entered the index: their verification queued (or, for those adopted
+        without a checksum, their sums: nothing to check them against), the KV events told."""
         self.records.invalidate(gone)
-        self.unverified.update(entries)
+        checked = [e for e in entries if e.checksum != NONE]
+        if len(checked) < len(entries):
+            unchecked = [e for e in entries if e.checksum == NONE]
+            self.adopted_unchecked += len(unchecked)
+            self.sealer.submit(unchecked)
+        self.unverified.update(checked)
         if self.on_adopted is not None:
             self.on_adopted(entries)
         elif self._adopted is not None:
             self._adopted += entries
-        if entries and not self._no_verify_pass:
-            for i in range(0, len(entries), VERIFY_SLICE):
-                part = entries[i:i + VERIFY_SLICE]
-                fut = self._verify.submit(self._recompute, part)
+        if checked and not self._no_verify_pass:
+            for i in range(0, len(checked), VERIFY_SLICE):
+                part = checked[i:i + VERIFY_SLICE]
+                fut = self._checks.submit(self._recompute, part)
                 fut.add_done_callback(lambda f, part=part: self._post_future(self._verified, part, f))
 
     def take_adopted(self) -> tuple[list[Entry], dict[str, EventIdentity]]:
@@ -214,10 +224,10 @@ class Persistence(IndexObserver):
             self._events.popitem(last=False)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The sealer thread, the background verification of adopted blocks, the periodic flush."""
+        """The checksums behind the stores, the background verification of adopted blocks, the periodic
+        flush."""
         self._loop = loop
-        self._thread = threading.Thread(target=self._seal_work, name="kvoffd-seal", daemon=True)
-        self._thread.start()
+        self.sealer.start(loop)
         if self.pf.allocated < self.pool.nbytes:
             provisioned = self.pool.provisioned
 
@@ -247,9 +257,34 @@ class Persistence(IndexObserver):
 
     # --- the observer ------------------------------------------------------------------------------------
     def committed(self, entries: Sequence[Entry]) -> None:
-        with self._cond:
-            self._queue.append(list(entries))
-            self._cond.notify()
+        """Their copies completed (this runs in the loop callback that made them visible): their records
+        now, without a checksum unless ``--verify`` summed them already; the sums follow behind."""
+        by_table: dict[Table, list[Entry]] = {}
+        for e in entries:
+            by_table.setdefault(e.table, []).append(e)
+        for t, mine in by_table.items():
+            ns_id = self._ns_id(t)
+            if ns_id is None:
+                continue
+            idx = self.records.index_of(np.fromiter((e.slot for e in mine), dtype=np.int64, count=len(mine)),
+                                        t.slot_bytes)
+            keep = idx >= 0
+            if not keep.all():  # slots past a chunk's records: not persisted
+                mine = [e for e, k in zip(mine, keep.tolist(), strict=True) if k]
+                idx = idx[keep]
+            if not mine:
+                continue
+            sums = np.fromiter((e.checksum if 0 <= e.checksum < LEGACY_CRC32 else NONE for e in mine),
+                               dtype=np.int64, count=len(mine))
+            self.records.seal(idx, ns_id, t.rank, b"".join([e.key for e in mine]),
+                              np.fromiter((e.stored_at for e in mine), dtype=np.float64, count=len(mine)), sums,
+                              t.slot_bytes)
+            self.committed_records += len(mine)
+            known = sums >= 0
+            if known.any():  # --verify: summed before the notice, sealed already
+                self.sealed += int(known.sum())
+                mine = [e for e, k in zip(mine, known.tolist(), strict=True) if not k]
+            self.sealer.submit(mine)
 
     def freeing(self, slot_bytes: int, entries: Sequence[Entry]) -> None:
         if self.unverified:
@@ -283,7 +318,14 @@ class Persistence(IndexObserver):
         """Positions of the adopted, unverified ``entries`` whose bytes fail their checksum. Runs in an
         executor (the entries are pinned by their LOAD: their slots cannot change meanwhile)."""
         buf, u = self.pool.buffer, self.unverified
-        return [j for j, e in enumerate(entries) if e in u and _crc(buf, e) != e.checksum]
+        return [j for j, e in enumerate(entries) if e in u and not _intact(buf, e)]
+
+    @staticmethod
+    def intact(data: memoryview, want: int) -> bool:
+        """Whether an adopted block's bytes, wherever they are now (its deferred slot, a spill's staging
+        copy), still match ``want``, the checksum it was adopted with: ``corrupt``'s test, for a block
+        leaving the pool unverified (kvoffd/cache/tiers/manager.py: it is spilled only if so)."""
+        return matches(data, want)
 
     def checked(self, entries: Sequence[Entry]) -> None:
         """Back on the loop after ``corrupt``: these need no more checking."""
@@ -291,12 +333,12 @@ class Persistence(IndexObserver):
             self.unverified.discard(e)
         self._maybe_verified()
 
-    def _verified(self, part: list[Entry], sums: list[int]) -> None:
-        for e, c in zip(part, sums, strict=True):
+    def _verified(self, part: list[Entry], intact: list[int]) -> None:
+        for e, ok in zip(part, intact, strict=True):
             if e not in self.unverified:
                 continue  # loaded (and checked) or freed meanwhile
             self.unverified.discard(e)
-            if c != e.checksum and not e.dead:
+            if ok == 0 and not e.dead:
                 self.verify_failures += 1
                 log.error("adopted block of namespace %s rank %d at slot %d fails its checksum; dropped",
                           e.table.namespace, e.table.rank, e.slot)
@@ -310,29 +352,12 @@ class Persistence(IndexObserver):
                      self.verify_failures)
 
     def _recompute(self, entries: list[Entry]) -> list[int]:
+        """On a checksum thread: 1 for each block whose bytes still match its checksum, 0 for one that
+        does not, -1 for one freed meanwhile."""
         buf = self.pool.buffer
-        return [-1 if e.dead else _crc(buf, e) for e in entries]
+        return [-1 if e.dead else int(_intact(buf, e)) for e in entries]
 
-    # --- sealing --------------------------------------------------------------------------------------------
-    def _sums(self, entries: list[Entry]) -> list[int]:
-        buf = self.pool.buffer
-        return [e.checksum if e.checksum >= 0 else -1 if e.dead else _crc(buf, e) for e in entries]
-
-    def _seal_work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                batch = self._queue.popleft()
-                self._busy = True
-            sums = self._sums(batch)
-            self._post(self._write_sealed, batch, sums)
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
-
+    # --- results from the checksum threads -------------------------------------------------------------
     def _post_future(self, fn: Callable[[list[Entry], list[int]], None], part: list[Entry], fut: Future) -> None:
         if fut.cancelled():
             return
@@ -350,27 +375,21 @@ class Persistence(IndexObserver):
         except RuntimeError:
             pass
 
-    def _write_sealed(self, batch: list[Entry], sums: list[int]) -> None:
+    def _write_sums(self, part: list[Entry], sums: list[int]) -> None:
+        """On the loop: the sums of ``part`` (kvoffd/cache/sealing.py) into the records of the blocks
+        still alive. A block freed meanwhile is skipped: its record was invalidated at its ``freeing``
+        and its slot may hold another block by now (whose own record this must not touch)."""
         by_table: dict[Table, list[tuple[Entry, int]]] = {}
-        for e, c in zip(batch, sums, strict=True):
+        for e, c in zip(part, sums, strict=True):
             if not e.dead and c >= 0:
+                e.checksum = c
                 by_table.setdefault(e.table, []).append((e, c))
         for t, got in by_table.items():
-            ns_id = self._ns_id(t)
-            if ns_id is None:
-                continue
-            slots = np.fromiter((e.slot for e, _ in got), dtype=np.int64, count=len(got))
-            idx = self.records.index_of(slots, t.slot_bytes)
+            idx = self.records.index_of(np.fromiter((e.slot for e, _ in got), dtype=np.int64, count=len(got)),
+                                        t.slot_bytes)
+            crcs = np.fromiter((c for _, c in got), dtype=np.int64, count=len(got))
             keep = idx >= 0
-            mine = [g for g, k in zip(got, keep.tolist(), strict=True) if k]
-            if not mine:
-                continue
-            for e, c in mine:
-                e.checksum = c
-            self.records.seal(idx[keep], ns_id, t.rank, b"".join(e.key for e, _ in mine),
-                              np.fromiter((e.stored_at for e, _ in mine), dtype=np.float64, count=len(mine)),
-                              np.fromiter((c for _, c in mine), dtype=np.int64, count=len(mine)), t.slot_bytes)
-            self.sealed += len(mine)
+            self.sealed += self.records.fill(idx[keep], crcs[keep])
 
     def _ns_id(self, t: Table) -> int | None:
         got = self._ids.get(t)
@@ -404,33 +423,22 @@ class Persistence(IndexObserver):
             self.records.touch(idx[idx >= 0], now)
 
     async def close(self) -> None:
-        """SIGTERM: seal what is queued (at most ``SEAL_ON_STOP_S``), write the last stamps, unlock."""
+        """SIGTERM: sum what is left (at most ``SEAL_ON_STOP_S``), write the last stamps, unlock. Every
+        committed block is kept whatever is left: its record is there, without a checksum."""
         loop = asyncio.get_running_loop()
         if self._timer is not None:
             self._timer.cancel()
-
-        def drain() -> int:
-            deadline = time.monotonic() + SEAL_ON_STOP_S
-            with self._cond:
-                while (self._queue or self._busy) and time.monotonic() < deadline:
-                    self._cond.wait(0.05)
-                left = sum(len(b) for b in self._queue)
-                self._queue.clear()
-                self._stopping = True
-                self._cond.notify_all()
-            return left
-
-        self.unsealed_at_stop = await loop.run_in_executor(None, drain)
         self._stop_allocating.set()
+        self.unsealed_at_stop = await self.sealer.drain(SEAL_ON_STOP_S)
+        self._stopping = True
         if self._allocator is not None:
             await loop.run_in_executor(None, self._allocator.join)
-        await asyncio.sleep(0)  # the sealer's last results, posted to this loop
-        self._verify.shutdown(wait=False, cancel_futures=True)
+        self._checks.shutdown(wait=False, cancel_futures=True)
         self._flush_touches()
         self.pf.write_header()
         self.pf.close()
-        log.info("pool file %s kept: %d blocks sealed, %d left unsealed (not adopted by the next daemon)",
-                 self.pf.path, self.sealed, self.unsealed_at_stop)
+        log.info("pool file %s kept: %d blocks committed, %d of them with their checksum, %d left without one "
+                 "(adopted all the same)", self.pf.path, self.committed_records, self.sealed, self.unsealed_at_stop)
 
     def stats(self) -> dict:
         return {"path": self.pf.path, "adopted_blocks": self.adopted, "adopted_bytes": self.adopted_bytes,
@@ -438,5 +446,6 @@ class Persistence(IndexObserver):
                 "indexed_s": round(self.indexed_s, 6), "indexing_blocks": self._plan.waiting if self._plan else 0,
                 "adopted_on_demand": self.adopted_on_demand,
                 "verified_s": round(self.verified_s, 6), "unverified_blocks": len(self.unverified),
-                "verify_failures": self.verify_failures, "sealed_blocks": self.sealed,
-                "unsealed_blocks": sum(len(b) for b in self._queue)}
+                "verify_failures": self.verify_failures, "committed_blocks": self.committed_records,
+                "sealed_blocks": self.sealed, "unsealed_blocks": self.sealer.blocks,
+                "adopted_unchecked": self.adopted_unchecked, **self.sealer.stats()}

@@ -7,17 +7,25 @@ wrong byte). So per-slot metadata stays under 0.4% of the pool whatever the slot
 
 A record is eight little-endian 64-bit words::
 
-    0: state (32 bits: SEALED or 0) | namespace id (16) | rank (16)
+    0: state (32 bits: COMMITTED, SUMMED, SEALED or 0) | namespace id (16) | rank (16)
     1-4: the block's key (32 bytes)
     5: last-use stamp (a float64's bits)
-    6: crc32 of the slot's bytes (32) | slot size (32)
+    6: checksum of the slot's bytes (32; 0 while COMMITTED) | slot size (32)
     7: check: a mix of words 0-6 (catches a damaged record)
 
+States: COMMITTED, the block's copy completed and its checksum is not known yet; SUMMED, with its
+checksum (kvoffd/cache/checksum.py); SEALED, an older daemon's record, with zlib's crc32 of the slot
+(read, never written: ``scan`` marks its checksum ``LEGACY_CRC32``).
+
 Crash consistency (the process may die between any two instructions): a record is written only for a
-block whose copy completed and whose content checksum was computed (``seal``), in three steps: word 0
-to 0, words 1-7, then word 0 with the state. It is invalidated (word 0 to 0, one aligned store) before
-its slot goes back to the pool (``invalidate``). A record whose state is not SEALED, or whose check
-does not match, is ignored at adoption. Everything is numpy, vectorised over a batch of slots.
+block whose copy completed (``seal``: COMMITTED, or SUMMED when the checksum is known already), in three
+steps: word 0 to 0, words 1-7, then word 0 with the state. Its checksum is filled in later (``fill``)
+without the record ever being invalid in between: word 6 first (the check of a COMMITTED record leaves
+the checksum bits out, so it still holds), then word 7 (now the check of the SUMMED form), then word 0's
+state; at each step the record reads as COMMITTED or as SUMMED. It is invalidated (word 0 to 0, one
+aligned store) before its slot goes back to the pool (``invalidate``). A record whose state is none of
+these, or whose check matches none of its forms, is ignored at adoption. Everything is numpy,
+vectorised over a batch of slots.
 
 Namespace table: a JSON document (namespace id -> name, world size, each rank's slot size and layout,
 and optionally its KV-event identity) written to the older of two areas with a generation number and a
@@ -41,12 +49,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvoffd.cache.checksum import LEGACY_CRC32, NONE
 from kvoffd.events.wire import EventIdentity, HashForm
 from kvoffd.pool_format import NS_AREA_BYTES, Layout
 
 log = logging.getLogger(__name__)
 
-SEALED = 0x5EA1ED01
+SEALED = 0x5EA1ED01  # an older daemon's record: zlib's crc32 (read only)
+SUMMED = 0x5EA1ED02  # committed, with its checksum (kvoffd/cache/checksum.py)
+COMMITTED = 0xC0117ED1  # committed, its checksum not known yet
+_STATE = np.uint64(0xFFFFFFFF)
+_LOW = np.uint64(0xFFFFFFFF)
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5,
                  0x85EBCA77C2B2AE63, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53], dtype=np.uint64)
 _NS_HEAD = struct.Struct("<4sQII")  # magic, generation, length, crc32
@@ -70,7 +83,7 @@ class Found:
     rank: np.ndarray
     keys: np.ndarray  # (n, 32) uint8
     stamp: np.ndarray
-    crc: np.ndarray
+    crc: np.ndarray  # the checksum (NONE: not known yet; LEGACY_CRC32 | crc32: an older daemon's)
     slot_bytes: np.ndarray
     offset: np.ndarray  # the slot's offset in the pool
     record: np.ndarray  # the record's index
@@ -98,27 +111,48 @@ class SlotRecords:
 
     def seal(self, idx: np.ndarray, ns_id: int, rank: int, keys: bytes, stamps: np.ndarray, crcs: np.ndarray,
              slot_bytes: int) -> None:
-        """Write sealed records at ``idx`` (all >= 0): blocks of one table, keys concatenated."""
+        """Write the records at ``idx`` (all >= 0) of blocks of one table whose copies completed, keys
+        concatenated: SUMMED where ``crcs`` holds the checksum, COMMITTED where it is NONE (``fill``
+        adds it later)."""
         n = len(idx)
         self.chunks[idx // self._per] = slot_bytes
+        known = crcs >= 0
         body = np.empty((n, 7), dtype=np.uint64)
-        body[:, 0] = np.uint64(SEALED | (ns_id << 32) | (rank << 48))
+        body[:, 0] = np.where(known, np.uint64(SUMMED), np.uint64(COMMITTED)) | np.uint64((ns_id << 32) | (rank << 48))
         body[:, 1:5] = np.frombuffer(keys, dtype=np.uint64).reshape(n, 4)
         body[:, 5] = stamps.astype(np.float64).view(np.uint64)
-        body[:, 6] = crcs.astype(np.uint64) | np.uint64(slot_bytes << 32)
+        body[:, 6] = np.where(known, crcs, 0).astype(np.uint64) | np.uint64(slot_bytes << 32)
         w = self.words
         w[idx, 0] = 0
         w[idx, 1:7] = body[:, 1:]
         w[idx, 7] = _check(body)
         w[idx, 0] = body[:, 0]
 
+    def fill(self, idx: np.ndarray, crcs: np.ndarray) -> int:
+        """The checksums of COMMITTED records at ``idx`` (others are left as they are: gone, or summed
+        already): COMMITTED becomes SUMMED, and the record is valid at every step (module docstring).
+        Returns how many were filled in."""
+        w = self.words
+        mine = (w[idx, 0] & _STATE) == COMMITTED
+        idx, crcs = idx[mine], crcs[mine]
+        if not len(idx):
+            return 0
+        body = w[idx, :7].copy()
+        body[:, 0] = (body[:, 0] & ~_STATE) | np.uint64(SUMMED)
+        body[:, 6] = (body[:, 6] & ~_LOW) | crcs.astype(np.uint64)
+        w[idx, 6] = body[:, 6]  # still a COMMITTED record: its check leaves these bits out
+        w[idx, 7] = _check(body)  # now the check of the SUMMED form
+        w[idx, 0] = body[:, 0]
+        return len(idx)
+
     def invalidate(self, idx: np.ndarray) -> None:
         self.words[idx, 0] = 0
 
     def touch(self, idx: np.ndarray, stamp: float) -> None:
-        """New last-use stamps for the sealed records among ``idx`` (the others stay as they are)."""
+        """New last-use stamps for the valid records among ``idx`` (the others stay as they are)."""
         w = self.words
-        idx = idx[(w[idx, 0] & np.uint64(0xFFFFFFFF)) == SEALED]
+        state = w[idx, 0] & _STATE
+        idx = idx[(state == SUMMED) | (state == COMMITTED) | (state == SEALED)]
         if not len(idx):
             return
         body = w[idx, :7].copy()
@@ -130,24 +164,37 @@ class SlotRecords:
         w[idx, 0] = first
 
     def scan(self) -> Found:
-        """Every whole, sealed record (a torn or damaged one fails its check and is left out)."""
+        """Every whole, valid record, with or without its checksum (a torn or damaged one fails its check
+        and is left out)."""
         w = self.words
         sizes = self.chunks.astype(np.int64)
         used = np.flatnonzero((sizes > 0) & (sizes <= self._cb))
         n = np.minimum(self._per, self._cb // np.maximum(sizes[used], 1))
         start = np.repeat(used * self._per - np.cumsum(n) + n, n)
         cand = start + np.arange(int(n.sum()), dtype=np.int64)  # chunk c's records c*per .. c*per+n-1
-        sealed = cand[(w[cand, 0] & np.uint64(0xFFFFFFFF)) == SEALED]
+        state = w[cand, 0] & _STATE
+        sealed = cand[(state == SUMMED) | (state == COMMITTED) | (state == SEALED)]
         rec = w[sealed]
-        ok = rec[:, 7] == _check(rec[:, :7])
-        rec, idx = rec[ok], sealed[ok]
+        state = rec[:, 0] & _STATE
+        ident = rec[:, 0] & ~_STATE
+        summed = rec[:, :7].copy()  # the SUMMED form (also a COMMITTED record whose fill reached word 7)
+        summed[:, 0] = np.where(state == SEALED, rec[:, 0], ident | np.uint64(SUMMED))
+        has_sum = rec[:, 7] == _check(summed)
+        committed = rec[:, :7].copy()  # the COMMITTED form: no checksum bits
+        committed[:, 0] = ident | np.uint64(COMMITTED)
+        committed[:, 6] &= ~_LOW
+        no_sum = (state != SEALED) & ~has_sum & (rec[:, 7] == _check(committed))
+        ok = has_sum | no_sum
+        rec, idx, state, no_sum = rec[ok], sealed[ok], state[ok], no_sum[ok]
         slot_bytes = (rec[:, 6] >> np.uint64(32)).astype(np.int64)
+        crc = (rec[:, 6] & _LOW).astype(np.int64)
+        crc = np.where(no_sum, NONE, np.where(state == SEALED, crc | LEGACY_CRC32, crc))
         chunk, i = np.divmod(idx.astype(np.int64), self._per)
         return Found(ns_id=((rec[:, 0] >> np.uint64(32)) & np.uint64(0xFFFF)).astype(np.int64),
                      rank=(rec[:, 0] >> np.uint64(48)).astype(np.int64),
                      keys=rec[:, 1:5].copy().view(np.uint8).reshape(-1, 32),
                      stamp=rec[:, 5].copy().view(np.float64),
-                     crc=(rec[:, 6] & np.uint64(0xFFFFFFFF)).astype(np.int64),
+                     crc=crc,
                      slot_bytes=slot_bytes,
                      offset=chunk * self._cb + i * np.maximum(slot_bytes, 1), record=idx.astype(np.int64))
 

@@ -64,14 +64,24 @@ def hit_rate(counters: dict[str, Any]) -> str:
 
 
 def persistence_line(p: dict) -> str:
-    """Where the pool lives and what this daemon adopted from the previous one (issue 14)."""
+    """Where the pool lives, what this daemon adopted from the previous one (issue 14), and the blocks
+    whose checksum is not in their record yet (issue 29: kept across a crash all the same)."""
     if not p.get("path"):
         return "pool in private memory: lost when the daemon stops"
-    line = f"pool file {p['path']}; "
+    line = f"pool file {p['path']}; " + _adopted(p)
+    if p.get("seal_backlog_blocks"):
+        line += (f"; {p['seal_backlog_blocks']} blocks ({fmt_size(p.get('seal_backlog_bytes'))}) without their "
+                 f"checksum yet, oldest {fmt_dur(p.get('seal_backlog_oldest_s', 0))}")
+    return line
+
+
+def _adopted(p: dict) -> str:
     if not p.get("adopted_blocks"):
-        return line + "started cold"
+        return "started cold"
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(p.get("adopted_from", 0)))
-    line += f"adopted {p['adopted_blocks']} blocks ({fmt_size(p.get('adopted_bytes'))}) written until {when}"
+    line = f"adopted {p['adopted_blocks']} blocks ({fmt_size(p.get('adopted_bytes'))}) written until {when}"
+    if p.get("adopted_unchecked"):
+        line += f" ({p['adopted_unchecked']} without a checksum)"
     if p.get("unverified_blocks"):
         return line + f", {p['unverified_blocks']} not verified yet"
     return line + f", verified {fmt_dur(p.get('verified_s'))} after start ({p.get('verify_failures', 0)} corrupt)"

@@ -80,8 +80,12 @@ class Admin:
         """What the /metrics collector reads at scrape time (kvoffd/metrics.py)."""
         counts, oldest = self.jobs.in_flight()
         p = self.pool
+        kept = self.persist.stats()
         return {"pool": {"capacity": p.capacity_bytes, "used": p.used_bytes, "pinned": p.pinned_bytes,
                          "free_chunks": p.free_chunk_bytes, "total": p.nbytes},
+                "checksum_backlog": {"blocks": kept.get("seal_backlog_blocks", 0),
+                                     "bytes": kept.get("seal_backlog_bytes", 0),
+                                     "oldest_s": kept.get("seal_backlog_oldest_s", 0.0)},
                 "engines": len(self.sessions.engines), "leases": len(self.sessions.leases),
                 "resident_blocks": self.index.resident, "in_flight": counts, "oldest_in_flight_s": oldest,
                 "shards": p.shard_stats()}

@@ -1,21 +1,22 @@
-"""Checksums on the data path: ``--verify`` (every STORE's slots summed, every LOAD's checked) and the
-first LOAD of a block adopted at a warm restart (checked once, kvoffd/cache/persist.py). A LOAD that
+"""Checksums on the data path (kvoffd/cache/checksum.py): ``--verify`` (every STORE's slots summed, every
+LOAD's checked) and the first LOAD of a block adopted at a warm restart (checked once,
+kvoffd/cache/persist.py). A LOAD that
 checks first copies only once its sums passed; a corrupt block is unlinked and reported failed
 (``checksum_mismatch``), the rest are copied.
 
 ``LoadVerify`` is a base of ``Jobs``: it uses the jobs' ``pool``, ``persist``, ``verify``, ``index`` and
-``metrics``. The sums run in an executor (zlib releases the GIL on big buffers).
+``metrics``. The sums run in an executor (numpy releases the GIL).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import zlib
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvoffd.cache.checksum import NONE, block_sum, matches
 from kvoffd.cache.index import Entry, Index
 from kvoffd.server.job import Job
 from kvoffd.transfer.base import Direction, JobExpired, past
@@ -37,7 +38,7 @@ class LoadVerify:
     metrics: Metrics
 
     async def _verified_load(self, job: Job) -> tuple[list[int], str, str, int]:
-        """Check the slots' crc32 (in an executor: every slot with --verify, else the adopted ones not
+        """Check the slots' checksums (in an executor: every slot with --verify, else the adopted ones not
         checked yet), unlink and report the corrupt ones, copy the rest. Returns (failed, code, text,
         blocks copied)."""
         eng, msg, entries = job.engine, job.msg, job.entries
@@ -62,13 +63,17 @@ class LoadVerify:
         return failed, code, text, len(ids)
 
     def _checksums(self, entries: list[Entry]) -> list[int]:
-        """crc32 of each slot (--verify). Runs in an executor: zlib releases the GIL on big buffers."""
+        """The checksum of each slot (--verify; kvoffd/cache/checksum.py, the one the pool file's records
+        hold). Runs in an executor: numpy releases the GIL."""
         buf = self.pool.buffer
-        return [zlib.crc32(buf[e.slot:e.slot + e.table.slot_bytes]) for e in entries]
+        return [block_sum(buf[e.slot:e.slot + e.table.slot_bytes]) for e in entries]
 
     def _corrupt(self, entries: list[Entry]) -> list[int]:
         """Positions of the entries whose bytes fail their checksum (in an executor): all of them with
-        --verify, else the adopted ones not checked yet."""
+        --verify (but a block adopted without one, which has nothing to be checked against), else the
+        adopted ones not checked yet."""
         if not self.verify:
             return self.persist.corrupt(entries)
-        return [j for j, (e, c) in enumerate(zip(entries, self._checksums(entries), strict=True)) if e.checksum != c]
+        buf = self.pool.buffer
+        return [j for j, e in enumerate(entries)
+                if e.checksum != NONE and not matches(buf[e.slot:e.slot + e.table.slot_bytes], e.checksum)]

@@ -31,12 +31,12 @@ import asyncio
 import contextlib
 import logging
 import mmap
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kvoffd.cache.checksum import block_sum
 from kvoffd.cache.deferral import AHEAD_SHARE
 from kvoffd.cache.index import Entry, Hits, Index, IndexObserver, StorePlan, Table
 from kvoffd.cache.tiers.base import SpillResult, TableRef, Tier, TierEvents, TierStats
@@ -474,7 +474,7 @@ class Tiers(IndexObserver):
                 continue
             buf[e.slot:e.slot + size] = np.frombuffer(v, dtype=np.uint8)
             if self.verify:
-                e.checksum = zlib.crc32(buf[e.slot:e.slot + size])
+                e.checksum = block_sum(buf[e.slot:e.slot + size])
             done.append(e)
         if done:
             self.staged_hits += len(done)
@@ -490,7 +490,7 @@ class Tiers(IndexObserver):
         if self.verify and good:
             buf = self.index.pool.buffer
             for e in good:
-                e.checksum = zlib.crc32(buf[e.slot:e.slot + e.table.slot_bytes])
+                e.checksum = block_sum(buf[e.slot:e.slot + e.table.slot_bytes])
         self._complete(plan, good, True)
         self._complete(plan, bad, False)
 

@@ -1,0 +1,66 @@
+"""The pool's block checksum: what a slot record holds (kvoffd/cache/slots_table.py), what ``--verify``
+and the first LOAD of an adopted block compare with (kvoffd/server/verify.py), what the background pass
+of a warm restart checks (kvoffd/cache/persist.py).
+
+Why not zlib's crc32 (what records held before issue 29): one thread sums 2.1-2.4 GB/s, and stores land
+at 44-54 GB/s from one H200 engine, so a pool of checksums behind stores fell further behind every busy
+second. Measured (``bench/checksum.py``, GB/s, 2 MiB blocks; the H200 host on 1 / 8 / 14 threads, as
+reported in issue 29; the 2-core VM on one thread, shared with other work): zlib.crc32 2.4 / 14 / 22, VM
+2.1; crc32c (PyPI, hardware) 9.3 / 50 / 72, VM 8.6-9.7; xxh3_64 (PyPI) 6.9 / 43 / 66, VM 7.8; a numpy
+uint64 sum 8.4 / 53 / 70, VM 5.7-8.1; this function, VM 5.5-6.5, within the VM's noise of the plain
+sum. All are bound by memory bandwidth past a few threads, so no package clearly wins over numpy,
+which the daemon has already (numpy releases the GIL in the reductions: the threads run in parallel).
+
+What it is: the block's 64-bit words in rows of 4 KiB, each row summed (one pass, vectorised), then the
+row sums added plainly and weighted by their row's position, mixed and folded to 32 bits; a length
+that is not whole words adds its last bytes' crc32. Any single changed word changes the plain sum; two
+changed words of different rows, a stale page, a page written in another's place change the weighted
+one (but for the 2^-32 chance of the fold). A crafted collision is not the threat (the files are the
+daemon's own, 0600): the checksum catches bytes that changed after their block was committed (a stray
+write into the pool file, a memory error ECC did not correct).
+
+Records written by an older daemon hold zlib's crc32 of the slot: ``LEGACY_CRC32`` marks such a value
+in ``Entry.checksum`` so that an upgraded daemon still verifies the blocks it adopts from one.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+ROW_WORDS = 512  # 4 KiB: a page
+NONE = -1  # Entry.checksum of a block with no checksum yet
+LEGACY_CRC32 = 1 << 32  # Entry.checksum = LEGACY_CRC32 | crc32: a record of an older daemon (zlib's crc32)
+_MASK = 0xFFFFFFFF
+_M64 = (1 << 64) - 1
+_MIX = 0x9E3779B97F4A7C15
+_WEIGHTS: dict[int, np.ndarray] = {}  # rows per block -> 1..rows (one per block size, never written)
+
+
+def block_sum(data: memoryview | np.ndarray) -> int:
+    """The checksum (32 bits) of one block's bytes (any buffer; releases the GIL in numpy)."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    n = len(raw) // 8
+    tail = zlib.crc32(raw[n * 8:]) if len(raw) % 8 else 0
+    words = raw[:n * 8].view(np.uint64)
+    rows = n // ROW_WORDS
+    sums = words[:rows * ROW_WORDS].reshape(rows, ROW_WORDS).sum(axis=1, dtype=np.uint64)
+    rest = int(words[rows * ROW_WORDS:].sum(dtype=np.uint64))
+    w = _WEIGHTS.get(rows)
+    if w is None:
+        w = _WEIGHTS.setdefault(rows, np.arange(1, rows + 1, dtype=np.uint64))
+    plain = (int(sums.sum(dtype=np.uint64)) + rest) & _M64
+    weighted = (int((sums * w).sum(dtype=np.uint64)) + rest * (rows + 1)) & _M64
+    x = (plain * _MIX ^ weighted) & _M64
+    return (x ^ (x >> 32) ^ tail) & _MASK
+
+
+def matches(data: memoryview | np.ndarray, want: int) -> bool:
+    """Whether ``data`` still has the checksum ``want`` (an ``Entry.checksum``: ours, or an older
+    daemon's crc32 marked ``LEGACY_CRC32``). NONE never matches: there is nothing to compare with."""
+    if want < 0:
+        return False
+    if want & LEGACY_CRC32:
+        return zlib.crc32(data) == want & _MASK
+    return block_sum(data) == want

@@ -1,0 +1,152 @@
+"""The checksums of committed blocks, computed on threads behind the stores (issue 29).
+
+A block's record is committed when its copy completes (kvoffd/cache/persist.py); its checksum is filled
+in later, by ``Sealer``: the blocks of each commit are cut into tasks of ``TASK_BYTES`` and summed on the
+checksum threads (kvoffd/cache/checksum.py: numpy releases the GIL, so the threads run in parallel),
+each task's sums handed back to the loop, which fills in the records of the blocks still alive. Stores
+never wait for it; what it lags by is the **backlog**: blocks committed whose checksum is not in their
+record yet, counted from the commit until the sums are back on the loop (in the queue, on a thread, or
+posted: every state in between, so a backlog of 0 means every record has its checksum).
+
+Why the backlog is bounded: a block is in it at most once, from its commit until its sums land, so it
+never holds more than the pool's resident blocks (nothing is copied, the queue holds references), and
+it costs no durability: a block in the backlog is adopted after a crash all the same, without a
+checksum (docs/architecture.md, "Crash consistency"). What it costs is the window during which a stray
+write into such a block could not be detected; ``stats`` shows it (blocks, bytes, the oldest's age) in
+STATS, ``kvoffctl status`` and ``kvoffd_seal_backlog_*``.
+
+``KVOFFD_TEST_HOLD_SEALING`` (tests only): ``until_stop`` holds every task back until the daemon stops
+(SIGTERM then seals them), ``always`` for good (SIGTERM leaves them committed without a checksum): the
+explicit gate a test holds the checksum work back with while STOREs are acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+
+import numpy as np
+
+from kvoffd.cache.checksum import NONE, block_sum
+from kvoffd.cache.entries import Entry
+
+log = logging.getLogger(__name__)
+
+TASK_BYTES = 64 << 20  # blocks summed per task: a 2 GiB commit is spread over 32 tasks, so over every thread
+HOLD_ENV = "KVOFFD_TEST_HOLD_SEALING"
+
+Deliver = Callable[[list[Entry], list[int]], None]
+
+
+class Sealer:
+    """Sums committed blocks on ``executor`` and hands them to ``deliver`` on the loop. Loop thread only,
+    but for the tasks themselves."""
+
+    def __init__(self, buffer: np.ndarray, executor: Executor, deliver: Deliver):
+        self._buf = buffer
+        self._executor = executor
+        self._deliver = deliver
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._hold = os.environ.get(HOLD_ENV, "")  # "", "until_stop" or "always" (tests)
+        self._held: deque[tuple[list[Entry], int]] = deque()  # tasks the gate holds back
+        self._started: OrderedDict[int, tuple[float, int, int]] = OrderedDict()  # task -> (when, blocks, bytes)
+        self._next = 0
+        self._empty: asyncio.Event | None = None
+        self.blocks = 0  # the backlog: committed, checksum not in the record yet
+        self.bytes = 0
+        self.summed = 0  # blocks summed and handed back, in all
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._empty = asyncio.Event()
+        self._empty.set()
+
+    def submit(self, entries: Sequence[Entry]) -> None:
+        """Queue the sums of ``entries`` (committed, their records written without a checksum)."""
+        if not entries:
+            return
+        per = max(1, TASK_BYTES // max(1, entries[0].table.slot_bytes))
+        for i in range(0, len(entries), per):
+            part = list(entries[i:i + per])
+            task = self._next
+            self._next += 1
+            nbytes = sum(e.table.slot_bytes for e in part)
+            self._started[task] = (time.monotonic(), len(part), nbytes)
+            self.blocks += len(part)
+            self.bytes += nbytes
+            if self._empty is not None:
+                self._empty.clear()
+            if self._hold:
+                self._held.append((part, task))
+            else:
+                self._run(part, task)
+
+    def _run(self, part: list[Entry], task: int) -> None:
+        try:
+            fut = self._executor.submit(self._sums, part)
+        except RuntimeError:  # the executor is shut down (the daemon is stopping): left without a checksum
+            self._done(task)
+            return
+        fut.add_done_callback(lambda f: self._post(part, task, f))
+
+    def _sums(self, part: list[Entry]) -> list[int]:
+        """On a checksum thread: each block's checksum (NONE for a block freed meanwhile: the loop checks
+        again before it writes anything, since a freed slot may hold another block by then)."""
+        buf = self._buf
+        return [NONE if e.dead else block_sum(buf[e.slot:e.slot + e.table.slot_bytes]) for e in part]
+
+    def _post(self, part: list[Entry], task: int, fut: Future) -> None:
+        if fut.cancelled():
+            sums = [NONE] * len(part)
+        else:
+            try:
+                sums = fut.result()
+            except Exception:  # a bug: those records stay without a checksum (adopted all the same)
+                log.exception("checksum task failed")
+                sums = [NONE] * len(part)
+        try:
+            self._loop.call_soon_threadsafe(self._landed, part, task, sums)
+        except RuntimeError:  # the loop is gone (the process is ending): the records stay as they are
+            pass
+
+    def _landed(self, part: list[Entry], task: int, sums: list[int]) -> None:
+        self._done(task)
+        self.summed += len(part)
+        self._deliver(part, sums)
+
+    def _done(self, task: int) -> None:
+        _, n, nbytes = self._started.pop(task)
+        self.blocks -= n
+        self.bytes -= nbytes
+        if not self.blocks and self._empty is not None:
+            self._empty.set()
+
+    def oldest_s(self) -> float:
+        """Age of the oldest block in the backlog (0: none)."""
+        for when, _, _ in self._started.values():
+            return time.monotonic() - when
+        return 0.0
+
+    async def drain(self, budget_s: float) -> int:
+        """At stop: the backlog summed and delivered within ``budget_s`` (the held tasks too, unless the
+        gate holds them for good). Returns the blocks left without a checksum."""
+        if self._hold != "always":
+            self._hold = ""
+            while self._held:
+                self._run(*self._held.popleft())
+        if self.blocks and not self._held and self._empty is not None:
+            try:
+                await asyncio.wait_for(self._empty.wait(), budget_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.blocks
+
+    def stats(self) -> dict:
+        return {"seal_backlog_blocks": self.blocks, "seal_backlog_bytes": self.bytes,
+                "seal_backlog_oldest_s": round(self.oldest_s(), 3), "summed_blocks": self.summed,
+                "seal_held": bool(self._held)}
