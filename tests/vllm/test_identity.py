@@ -107,6 +107,12 @@ def _with_layout(layout: str) -> Callable[[Any, Any], tuple[Any, Any]]:
     pytest.param(_with_layout("HND"), id="kv-layout"),
     pytest.param(_with_hf(rope_theta=12345.0), id="model-config"),
     pytest.param(_with("model_config", dtype=__import__("torch").bfloat16), id="model-dtype"),
+    pytest.param(_with("model_config", quantization="fp8"), id="quantization"),
+    pytest.param(_with("parallel_config", tensor_parallel_size=2), id="tp-size"),
+    pytest.param(_with("parallel_config", pipeline_parallel_size=2), id="pp-size"),
+    pytest.param(_with("parallel_config", decode_context_parallel_size=2), id="dcp-size"),
+    pytest.param(_with("parallel_config", prefill_context_parallel_size=2), id="pcp-size"),
+    pytest.param(_with("attention_config", backend="CPU_ATTN"), id="attention-backend"),
 ])
 def test_each_reusability_input_changes_the_namespace(configs: Any, change: Callable) -> None:
     vc, kc = configs
@@ -149,8 +155,8 @@ def test_no_prefix_reuse_in_vllm_refuses_offload(configs: Any) -> None:
 
 
 def test_the_weights_version_separates_namespaces(configs: Any) -> None:
-    """``kvoffd_weights_version`` enters the namespace: blocks of other weights never hit; unset leaves
-    the namespace of engines that never set it unchanged (sleep mode, docs/vllm.md)."""
+    """``kvoffd_weights_version`` names the weights in place of the checkpoint's fingerprint: blocks of
+    other versions never hit (sleep mode, RL updates: docs/vllm.md)."""
     import copy
 
     from vllm.config import KVTransferConfig
@@ -167,6 +173,175 @@ def test_the_weights_version_separates_namespaces(configs: Any) -> None:
         return vc2
 
     unset, v1, v2 = _ns(weights(None), kc), _ns(weights("step-1"), kc), _ns(weights("step-2"), kc)
-    assert unset == _ns(vc, kc)
+    assert unset == _ns(vc, kc)  # unset: the checkpoint's fingerprint, whatever the connector's address
     assert len({unset, v1, v2}) == 3
     assert _ns(weights("step-1"), kc) == v1
+
+
+def test_the_cpu_attention_isa_vllm_picks_changes_the_namespace(configs: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU attention packs a page differently for AMX and for AVX-512/AVX2 (``vec``): engines on
+    the two kinds of CPU must not share. vLLM's own CPU probe is answered both ways, so this holds on
+    any machine."""
+    import torch
+
+    vc, kc = configs
+    bf16 = _with_spec(dtype=torch.bfloat16)(vc, kc)
+    seen = {}
+    for amx in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        from kvoffd_client.vllm.identity import cache_identity
+
+        ident = cache_identity(*bf16)
+        seen[amx] = (ident.fields["cpu_isa"], ident.namespace)
+    assert seen[True][0] == "amx" and seen[False][0] != "amx"
+    assert seen[True][1] != seen[False][1]
+
+
+def test_the_hash_seed_changes_the_namespace(configs: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PYTHONHASHSEED seeds vLLM's root block hash: another seed, other hashes, another namespace."""
+    vc, kc = configs
+    monkeypatch.setenv("PYTHONHASHSEED", "1")
+    one = _ns(vc, kc)
+    monkeypatch.setenv("PYTHONHASHSEED", "2")
+    assert _ns(vc, kc) != one
+    monkeypatch.setenv("PYTHONHASHSEED", "1")
+    assert _ns(vc, kc) == one
+
+
+# --------------------------------------------------------------------------------------------------
+# the weights (issue 27 point 1)
+
+
+def _at(vc: Any, model: str) -> Any:
+    return _with("model_config", model=model)(vc, None)[0]
+
+
+def test_weights_rewritten_in_place_change_the_namespace(configs: Any, tmp_path: Any) -> None:
+    """Same directory, same config, same file sizes, every tensor different: another namespace."""
+    from engine_helpers import build_tiny_llama
+
+    vc, kc = configs
+    d = build_tiny_llama(tmp_path / "current", seed=0)
+    before = _ns(_at(vc, str(d)), kc)
+    size = (d / "model.safetensors").stat().st_size
+    build_tiny_llama(d, seed=1)
+    assert (d / "model.safetensors").stat().st_size == size
+    assert _ns(_at(vc, str(d)), kc) != before
+
+
+def test_one_tensor_rewritten_in_place_changes_the_namespace(configs: Any, tmp_path: Any) -> None:
+    """A fine-tune that changed a single tensor (here: the last one, every element scaled)."""
+    import torch
+    from engine_helpers import build_tiny_llama
+    from safetensors.torch import load_file, save_file
+
+    vc, kc = configs
+    d = build_tiny_llama(tmp_path / "m", seed=0)
+    before = _ns(_at(vc, str(d)), kc)
+    tensors = load_file(d / "model.safetensors")
+    last = sorted(tensors)[-1]
+    tensors[last] = tensors[last] * torch.tensor(1.5, dtype=tensors[last].dtype)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    assert _ns(_at(vc, str(d)), kc) != before
+
+
+def test_the_same_bytes_elsewhere_or_touched_keep_the_namespace(configs: Any, tmp_path: Any) -> None:
+    """Nothing that leaves the weights' bytes alone misses: a copy in another directory, new mtimes."""
+    import os
+    import shutil
+
+    from engine_helpers import build_tiny_llama
+
+    vc, kc = configs
+    d = build_tiny_llama(tmp_path / "a" / "llama", seed=0)
+    ns = _ns(_at(vc, str(d)), kc)
+    copy = tmp_path / "b" / "llama"
+    shutil.copytree(d, copy)
+    assert _ns(_at(vc, str(copy)), kc) == ns
+    os.utime(copy / "model.safetensors", (1, 1))
+    assert _ns(_at(vc, str(copy)), kc) == ns
+
+
+def test_a_hub_snapshot_is_named_by_its_blobs(configs: Any, tmp_path: Any) -> None:
+    """Files that link to the hub cache's ``blobs/<sha256>`` are named by that content hash: another
+    blob under the same name is other weights, the same blobs in another snapshot are the same."""
+    import shutil
+
+    from engine_helpers import build_tiny_llama
+
+    vc, kc = configs
+    src = build_tiny_llama(tmp_path / "src", seed=0)
+    blobs = tmp_path / "hub" / "blobs"
+    blobs.mkdir(parents=True)
+
+    def snapshot(name: str, blob: str) -> str:
+        snap = tmp_path / "hub" / "snapshots" / name
+        snap.mkdir(parents=True)
+        shutil.copy(src / "config.json", snap / "config.json")
+        if not (blobs / blob).exists():
+            shutil.copy(src / "model.safetensors", blobs / blob)
+        (snap / "model.safetensors").symlink_to(f"../../blobs/{blob}")
+        return str(snap)
+
+    a = _ns(_at(vc, snapshot("c1", "a" * 64)), kc)
+    assert _ns(_at(vc, snapshot("c2", "a" * 64)), kc) == a
+    assert _ns(_at(vc, snapshot("c3", "b" * 64)), kc) != a
+
+
+def test_weights_that_cannot_be_fingerprinted_refuse_offload_unless_named(configs: Any, tmp_path: Any) -> None:
+    """No weight file to read (a remote loader, a path that is gone): refused, a miss rather than a guess;
+    ``kvoffd_weights_version`` names them instead. vLLM's dummy weights come from a fixed seed."""
+    from kvoffd_client.vllm.identity import UnsupportedConfig, cache_identity
+
+    vc, kc = configs
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UnsupportedConfig, match="kvoffd_weights_version"):
+        cache_identity(_at(vc, str(empty)), kc)
+    with pytest.raises(UnsupportedConfig, match="kvoffd_weights_version"):
+        cache_identity(_at(vc, "no-such-org/no-such-model"), kc)
+    named = _with_weights_version(_at(vc, str(empty)), "step-7")
+    assert cache_identity(named, kc).fields["weights"] == "version:step-7"
+    dummy = _with("load_config", load_format="dummy")(_at(vc, str(empty)), kc)[0]
+    assert cache_identity(dummy, kc).fields["weights"] == "dummy"
+
+
+def test_weights_changed_after_the_engine_started_refuse_offload(configs: Any, tmp_path: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine in its own process (vLLM's default) whose weight file changed after the process
+    started may hold other weights than those on disk: refused. An in-process engine is not checked
+    (its process may have written the checkpoint itself)."""
+    import time
+
+    from engine_helpers import build_tiny_llama
+
+    from kvoffd_client.vllm import identity, weights
+    from kvoffd_client.vllm.identity import UnsupportedConfig, cache_identity
+
+    vc, kc = configs
+    d = build_tiny_llama(tmp_path / "m", seed=0)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    started = (d / "model.safetensors").stat().st_ctime + 0.5  # the engine started after the write
+    monkeypatch.setattr(identity, "process_start_time", lambda: started)
+    cache_identity(_at(vc, str(d)), kc)
+    while time.time() <= started + 0.05:  # a change the file system dates after the start
+        time.sleep(0.05)
+    (d / "model.safetensors").touch()
+    assert (d / "model.safetensors").stat().st_ctime > started
+    with pytest.raises(UnsupportedConfig, match="changed .* after this engine started"):
+        cache_identity(_at(vc, str(d)), kc)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    cache_identity(_at(vc, str(d)), kc)
+    assert weights.process_start_time() <= time.time()
+
+
+def _with_weights_version(vc: Any, version: str) -> Any:
+    import copy
+
+    from vllm.config import KVTransferConfig
+
+    vc2 = copy.copy(vc)
+    object.__setattr__(vc2, "kv_transfer_config", KVTransferConfig(
+        kv_connector="KvoffdConnector", kv_role="kv_both",
+        kv_connector_extra_config={"kvoffd_address": "ipc:///tmp/x.sock", "kvoffd_weights_version": version}))
+    return vc2

@@ -24,6 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffd_client.protocol import KEY_SIZE, MAX_NAME
 from kvoffd_client.vllm.groups import GroupKind, KVGroup, UnsupportedGroups, kv_groups
+from kvoffd_client.vllm.weights import (
+    WeightsChanged,
+    WeightsUnknown,
+    fingerprint_checkpoint,
+    process_start_time,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -222,12 +228,60 @@ def tp_replicas(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
 
 
 def _weights_version(vllm_config: VllmConfig) -> str:
-    """``kvoffd_weights_version``: block hashes cover tokens, not weights, so an engine whose weights
-    change under the same model name (RL updates, sleep level 2 then new weights) must name them;
-    the version enters the namespace and blocks of other weights simply miss (docs/vllm.md)."""
+    """``kvoffd_weights_version``: the operator's own name for the weights, in place of the fingerprint
+    (RL updates and sleep level 2 change weights in memory, which no file shows; docs/vllm.md)."""
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     extra = (getattr(ktc, "kv_connector_extra_config", None) if ktc is not None else None) or {}
     return str(extra.get("kvoffd_weights_version") or "")
+
+
+def _loading_began_after() -> float | None:
+    """A time before this engine began loading its weights (for ``WeightsChanged``), or None.
+
+    vLLM's engine-core and worker processes are started for the engine, so their start precedes the
+    load. An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) lives in an older process that may
+    well have written or downloaded the checkpoint itself: nothing here dates its load, so no check.
+    """
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+        return None
+    return process_start_time()
+
+
+def _checkpoint_path(vllm_config: VllmConfig) -> str:
+    """Where the engine's weights are: the model path, or its hub snapshot in the local cache."""
+    mc, lc = vllm_config.model_config, vllm_config.load_config
+    model = str(mc.model)
+    if os.path.exists(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id=model, revision=mc.revision, cache_dir=lc.download_dir,
+                                 local_files_only=True)
+    except Exception as e:
+        raise WeightsUnknown(f"{model} is neither a local path nor a snapshot in the local hub cache ({e})") from None
+
+
+def weights_identity(vllm_config: VllmConfig) -> str:
+    """What the namespace says about the weights: the operator's version, else a fingerprint of the
+    checkpoint files (kvoffd_client.vllm.weights). Raises UnsupportedConfig when neither is known."""
+    explicit = _weights_version(vllm_config)
+    if explicit:
+        return f"version:{explicit}"
+    load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
+    if load_format == "dummy":  # vLLM's dummy weights come from one fixed seed: a config names them
+        return "dummy"
+    try:
+        path = _checkpoint_path(vllm_config)
+        fp = fingerprint_checkpoint(path, loaded_after=_loading_began_after())
+    except (WeightsUnknown, WeightsChanged, OSError) as e:
+        raise UnsupportedConfig(
+            f"cannot tell which weights this engine computes its KV with: {e}. Blocks are keyed by tokens, "
+            "not weights, so kvoffd offload is disabled for this engine; set kv_connector_extra_config."
+            "kvoffd_weights_version to a name that changes whenever the weights do.") from None
+    log.debug("kvoffd: weights %s: %d files, %.1f GB, %d bytes sampled in %.3f s", path, fp.files,
+              fp.bytes_on_disk / 1e9, fp.sampled_bytes, fp.seconds)
+    return f"files:{fp.digest}"
 
 
 def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> CacheIdentity:
@@ -246,12 +300,28 @@ def cache_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> C
     if fields["platform"] == "cpu":
         fields["cpu_isa"] = _cpu_attention_isa(getattr(spec, "dtype", None), int(spec.block_size),
                                                fields["head_size"], fields["cache_dtype"])
-    mc = vllm_config.model_config
-    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
-    namespace = f"vllm{KEY_FORMAT_VERSION}:{_short_model(str(mc.model))}:{digest}"[:MAX_NAME]
+    digest = hashlib.sha256(json.dumps(_digested(fields), sort_keys=True).encode()).hexdigest()[:32]
+    namespace = f"vllm{KEY_FORMAT_VERSION}:{_namespace_label(vllm_config, fields)}:{digest}"[:MAX_NAME]
     world_size = fields["tp"] * fields["pp"] * fields["pcp"]
     return CacheIdentity(namespace=namespace, block_size=block_size, hashes_per_block=block_size // hash_block,
                          world_size=world_size, fields=fields, groups=kinds, replicas=replicas)
+
+
+def _namespace_label(vllm_config: VllmConfig, fields: dict[str, Any]) -> str:
+    """The readable part of the namespace. Like the digest, it leaves the model's path out when the
+    weights are named by their bytes (the HF model type instead), so copies share."""
+    if "model" not in _digested(fields):
+        return _short_model(str(getattr(vllm_config.model_config.hf_config, "model_type", "") or "model"))
+    return _short_model(str(vllm_config.model_config.model))
+
+
+def _digested(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields the namespace digests. Weights named by their files' bytes make the model's path and
+    revision redundant, and leaving those out lets the same checkpoint share from another directory,
+    mount or node; weights named by the operator or vLLM's dummy seed keep them."""
+    if str(fields.get("weights", "")).startswith("files:"):
+        return {k: v for k, v in fields.items() if k not in ("model", "revision")}
+    return fields
 
 
 def _offloadable_groups(kv_cache_config: KVCacheConfig) -> list[Any]:
@@ -310,9 +380,7 @@ def _identity_fields(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, sp
         "dcp": int(getattr(pc, "decode_context_parallel_size", 1) or 1),
         "kv_tp_replicas": int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1),
     }
-    weights = _weights_version(vllm_config)
-    if weights:  # absent when unset, so the namespaces of engines that never set it stay as they were
-        fields["weights_version"] = weights
+    fields["weights"] = weights_identity(vllm_config)
     return fields
 
 
