@@ -2,7 +2,7 @@
 
 Used by the cross-process test: ``python engine_child.py MODEL ADDRESS CONFIGS_JSON PROMPTS_JSON``,
 where CONFIGS_JSON is a list of ``{"dtype": ..., "block_size": ..., "multiprocess": bool}`` (and optionally
-``"model"``, overriding MODEL for that engine). A
+``"model"``, overriding MODEL for that engine, and ``"one_by_one": true``, one prompt per generate call). A
 multiprocess engine (EngineCore and worker in spawned processes, as ``vllm serve`` runs) checks that
 the connector imports and pickles across processes; put it first (vLLM caches its env switches).
 """
@@ -34,9 +34,14 @@ def main() -> None:
     for cfg in configs:
         kw = dict(cfg)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if kw.pop("multiprocess", False) else "0"
+        one_by_one = kw.pop("one_by_one", False)  # one prompt per generate call: every step's batch fixed
         llm = make_llm(kw.pop("model", model), address, **kw)
         try:
-            outputs, cached = generate_cached(llm, prompts)
+            if one_by_one:
+                each = [generate_cached(llm, [p]) for p in prompts]
+                outputs, cached = [o[0][0] for o in each], sum(o[1] for o in each)
+            else:
+                outputs, cached = generate_cached(llm, prompts)
             hits = external_hits(llm)
             refused = None
             loaded = vllm_metric(llm, "vllm:kvoffd_load_blocks")

