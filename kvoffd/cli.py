@@ -89,7 +89,7 @@ async def _serve(cfg: Config) -> int:
         except OSError as e:
             logging.getLogger("kvoffd").error("cannot serve metrics on %s: %s", cfg.metrics_address, e)
             return 1
-        port = http.sockets[0].getsockname()[1]
+        port = http.port
         daemon.metrics_address = f"{hp[0]}:{port}"
         logging.getLogger("kvoffd").info("metrics on http://%s:%d/metrics", hp[0], port)
 

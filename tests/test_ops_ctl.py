@@ -160,3 +160,15 @@ def test_a_disk_tier_line_shows_spills_in_flight_and_an_unbuilt_index_kernel():
     assert "9 spilled (1 dropped, 0 copied on the loop, 3 in flight)" in line
     assert "index probe numpy" in line
     assert "index probe" not in tier_line({**t, "notes": {"index_kernel": "c"}})
+
+
+def test_ping_answers_for_liveness_probes_and_says_when_nobody_does(make_daemon):
+    """`kvoffctl ping`: what the deployments' liveness probes run (deploy/k8s, deploy/docker) instead of
+    /healthz on the metrics port, which any local user can load (issue 28, item 3)."""
+    d = make_daemon("16MiB", name="ping")
+    r = ctl(d.address, "ping")
+    assert r.returncode == 0 and "answered in" in r.stdout, r.stderr
+    assert json.loads(ctl(d.address, "--json", "ping").stdout)["ping_s"] > 0
+    d.stop()
+    r = ctl(d.address, "--timeout", "2", "ping")
+    assert r.returncode == 3 and "cannot reach kvoffd" in r.stderr, (r.returncode, r.stderr)

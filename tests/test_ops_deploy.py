@@ -285,8 +285,10 @@ def _check_kvoffd_container(c: dict) -> tuple[str, Config]:
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports["kvoffd-metrics"] == cfg.metrics_host_port[1] == default_port
     assert cfg.metrics_host_port[0] == "0.0.0.0", "metrics must listen beyond loopback for Prometheus"
-    for probe, path in (("startupProbe", "/readyz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
-        assert c[probe]["httpGet"]["path"] == path and c[probe]["httpGet"]["port"] == "kvoffd-metrics"
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "kvoffd-metrics"}
+    for probe in ("startupProbe", "livenessProbe"):  # never the metrics port: anyone on the node can load it
+        assert c[probe]["exec"]["command"] == ["kvoffctl", "ping"] and "httpGet" not in c[probe], probe
+        assert c[probe]["timeoutSeconds"] >= 5  # a Python process starting on a busy node
     assert cfg.address.startswith("ipc://")
     return cfg.address[len("ipc://"):], cfg
 
@@ -360,7 +362,7 @@ def test_dockerfile_runs_as_non_root_with_the_same_defaults():
     k8s_env = _env(_containers(_pod(_docs("sidecar.yaml")[0]))["kvoffd"])
     assert cfg.address == k8s_env["KVOFFD_ADDRESS"]
     assert f"EXPOSE {cfg.metrics_host_port[1]}" in text
-    assert "/healthz" in text
+    assert re.search(r'^\s+CMD \["kvoffctl", "ping"\]$', text, re.M)  # liveness on the daemon's own socket
 
 
 def test_prometheus_scrape_config_finds_the_pods():

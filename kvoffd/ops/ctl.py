@@ -137,6 +137,18 @@ def cmd_status(args: argparse.Namespace, client: Any) -> int:
     return EXIT_OK
 
 
+def cmd_ping(args: argparse.Namespace, client: Any) -> int:
+    """A liveness check that needs only the daemon's socket (private to its user): the handshake and a
+    PING, answered from the event loop. The deployments' liveness probes use it instead of /healthz on
+    the metrics port, which every user who can reach that port shares (docs/security.md)."""
+    rtt = _call(client.ping)
+    if args.json:
+        emit_json({"address": args.address, "ping_s": rtt})
+    else:
+        print(f"kvoffd at {args.address} answered in {rtt * 1000:.2f} ms")
+    return EXIT_OK
+
+
 def cmd_stats(args: argparse.Namespace, client: Any) -> int:
     st = _call(lambda: client.stats(detail=True))
     if args.json:
@@ -287,6 +299,7 @@ def cmd_explain(args: argparse.Namespace, client: Any) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Any], int]] = {
     "status": cmd_status,
+    "ping": cmd_ping,
     "stats": cmd_stats,
     "engines": cmd_engines,
     "namespaces": cmd_namespaces,
@@ -309,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("status", help="is it up; pool use, engines, hit rate, in-flight work")
+    sub.add_parser("ping", help="does it answer on its socket (exit 0), for liveness probes")
     sub.add_parser("stats", help="every counter and pool figure as a table")
     sub.add_parser("engines", help="registered engine workers: namespace, rank, pid, last seen")
     sub.add_parser("namespaces", help="blocks and bytes per namespace")
