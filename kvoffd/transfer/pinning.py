@@ -116,6 +116,11 @@ class Pinner:
         self._regions = [(o, min(self.region_bytes, end - o))  # within one NUMA shard each
                          for start, end in byte_ranges(pool.shards, pool.chunk_bytes, pool.nbytes)
                          for o in range(start, end, self.region_bytes)]
+        # The pool's first chunk is a region of its own, pinned first: stores start as soon as it is (a
+        # fresh pool file is allocated a chunk at a time), not a whole region later.
+        if self._regions and self._regions[0][1] > step:
+            first = self._regions.pop(0)
+            self._regions[:0] = [(0, step), (step, first[1] - step)]
         self._next = 0
         self._touched = [False] * len(self._regions)
         self._lock = threading.Lock()
