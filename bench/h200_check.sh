@@ -4,12 +4,15 @@
 # .old/tree; ln -s ../tree/client .old/py/kvoffd_client), on that tree too, alternating, so that the A/B
 # is measured in one run on one machine. Logs and JSON go to $OUT; a short table is printed last.
 #
-#   bash bench/h200_check.sh [tests|transfer|pool|restart|disk|vmm|index|all] [extra pytest args...]
+#   bash bench/h200_check.sh [tests|transfer|pool|restart|busy|checksum|disk|vmm|index|all] [extra pytest args...]
 #     tests     pytest tests/gpu                        transfer  daemon A/B: this tree vs .old/tree
 #     pool      daemon A/B: private pool vs pool file    restart   warm restart, 64 GiB pinned, TERM+KILL
 #     disk      disk tier vs dd O_DIRECT on local disk   vmm       cuda_vmm vs IPC-handle path
 #     index     the disk tier's index at 1M/10M/100M blocks
 #     imports   python -X importtime of the daemon's modules (what a start spends before serving)
+#     busy      warm restart of a busy daemon: GPU engine floods a 64 GiB pool file, TERM and KILL 50 ms after
+#               the last notice (BUSY_SIGNALS, BUSY_LAG_MS, BUSY_ENGINE=gpu|cpu), A/B against --pool-path none
+#     checksum  the block checksums' GB/s on 1/8/14 threads (bench/checksum.py)
 set -u
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -71,6 +74,19 @@ if has restart; then
       --signal $sig --json "$OUT/restart_$sig.json" > "$OUT/restart_$sig.log" 2>&1
     echo "restart $sig (rc $?): $(tail -n 8 "$OUT/restart_$sig.log" | tr '\n' ' ')" >> "$summary"
   done
+fi
+if has busy; then  # issue 29: >= 99.9% of acknowledged blocks adopted, store GB/s within 2% of private memory
+  df -h /dev/shm | tail -n 1 >> "$summary"
+  PYTHONPATH=$new_pp timeout ${BUSY_TIMEOUT:-540} python3 bench/restart.py --busy --pool-size ${RESTART_POOL:-64GiB} \
+    --backend auto --engine ${BUSY_ENGINE:-gpu} --engine-blocks 1024 --signal ${BUSY_SIGNALS:-TERM,KILL} \
+    --lag-ms ${BUSY_LAG_MS:-50} --json "$OUT/busy.json" > "$OUT/busy.log" 2>&1
+  echo "busy (rc $?): $(grep '^{' "$OUT/busy.log" | tr '\n' ' ')" >> "$summary"
+  rm -rf /dev/shm/kvoffd-restart-*
+fi
+if has checksum; then
+  PYTHONPATH=$new_pp timeout 200 python3 bench/checksum.py --threads 1,8,14 ${CHECKSUM_EXTRA:+--extra-path $CHECKSUM_EXTRA} \
+    --json "$OUT/checksum.json" > "$OUT/checksum.log" 2>&1
+  echo "checksum (rc $?):" >> "$summary"; cat "$OUT/checksum.log" >> "$summary"
 fi
 if has imports; then  # what a daemon's start spends before it serves (issue 14: first hit <= 1 s)
   for i in 1 2; do PYTHONPATH=$new_pp python3 -X importtime -c "import kvoffd.server.loop, kvoffd.cli" 2> "$OUT/importtime$i.log"; done
