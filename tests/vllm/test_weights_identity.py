@@ -91,3 +91,36 @@ def test_the_same_checkpoint_at_another_path_shares(tmp_path: Path, daemon: Daem
     shutil.copytree(first, second)
     out_b, hits, ns_b = _serve(str(second), daemon)
     assert ns_b == ns_a and hits > 0 and out_b == out_a
+
+
+def test_cache_salt_separates_tenants(tmp_path: Path, daemon: Daemon) -> None:
+    """vLLM puts ``cache_salt`` into the first block's hash, so it is in every key: a prompt stored
+    under salt A loads nothing under salt B (or none), and loads again under A. One engine, its own
+    prefix cache emptied before each request, so that every hit comes from the daemon."""
+    from engine_helpers import greedy
+    from vllm.inputs import TokensPrompt
+
+    model = str(build_tiny_llama(tmp_path / "salted", seed=5))
+    prompt = PROMPTS[0]
+    llm = make_llm(model, daemon.address)
+
+    def serve(salt: str | None) -> tuple[list[int], int]:
+        drain(llm)
+        assert llm.reset_prefix_cache()
+        hits0 = external_hits(llm)
+        tp = TokensPrompt(prompt_token_ids=prompt) if salt is None else \
+            TokensPrompt(prompt_token_ids=prompt, cache_salt=salt)
+        out = list(llm.generate([tp], greedy(20), use_tqdm=False)[0].outputs[0].token_ids)
+        return out, int(external_hits(llm) - hits0)
+
+    try:
+        out_a, hits = serve("tenant-a")
+        assert hits == 0
+        for other in ("tenant-b", None):
+            out, hits = serve(other)
+            assert hits == 0, f"salt {other!r} loaded tenant-a's blocks"
+            assert out == out_a  # the same weights and prompt: the same tokens, computed
+        out, hits = serve("tenant-a")
+        assert hits == (len(prompt) - 1) // 32 * 32 and out == out_a
+    finally:
+        close_llm(llm)
