@@ -148,7 +148,7 @@ class Config:
     verify: bool = False  # per-block checksums (integrity mode)
     auth_token_file: str = field(default_factory=default_auth_token_file)  # tcp:// clients must send it
     eviction_policy: str = DEFAULT_POLICY  # admission/eviction of the pool (kvoffd/cache/policy.py)
-    pool_path: str = ""  # the persistent pool's file ("": beside the socket if memory-backed, else /dev/shm;
+    pool_path: str = ""  # the persistent pool's file ("": a private directory in /dev/shm, kvoffd/cache/pool_place.py;
     #                      "none": private memory, lost with the process) (kvoffd/cache/pool_file.py)
     cold: bool = False  # start with an empty pool even if the previous daemon's can be adopted
     kv_events_address: str = ""  # ZeroMQ PUB endpoint of the KV-event stream ("": off; docs/vllm.md)
@@ -184,8 +184,9 @@ _FLAGS = [
                              f"Default: {DEFAULT_POLICY} (docs/benchmarks.md, trace replay); lru with --disk-path"),
     ("pool_path", str, "File the pool lives in, on a memory-backed filesystem (tmpfs, hugetlbfs), so that a "
                        "restarted daemon adopts its blocks; 'none' keeps the pool in private memory, lost with "
-                       "the process. Default: kvoffd.pool beside the socket if that directory is memory-backed, "
-                       "else /dev/shm/kvoffd-<uid>-<address hash>.pool"),
+                       "the process. Default: kvoffd.pool in a directory of this user's in /dev/shm, named at "
+                       "random at first start (/dev/shm/kvoffd-<uid>-<address hash>-XXXXXXXX/); a pool kept "
+                       "beside the socket by an older kvoffd stays there"),
     ("kv_events_address", str, "Publish vLLM-format KV events (blocks stored/removed) for routers on this "
                                "ZeroMQ endpoint (tcp://HOST:PORT or ipc://PATH). Default: off"),
     ("kv_events_replay_address", str, "The KV events' replay endpoint for late subscribers. Default: the next "

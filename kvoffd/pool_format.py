@@ -99,18 +99,111 @@ def fs_type(path: str) -> str:
     return MEMORY_FS.get(ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF, "other")
 
 
-def default_pool_path(address: str) -> str:
-    """Beside the socket when its directory is memory-backed (``/run/...``), else in /dev/shm, named
-    by the uid and the address so two daemons of one host never share a pool. Never a disk
-    filesystem: a pool there would be written back to disk."""
-    sock_dir = os.path.dirname(address[6:]) if address.startswith("ipc://") else runtime_dir()
+SHM_DIR = "/dev/shm"
+POOL_NAME = "kvoffd.pool"
+RANDOM_PART = "XXXXXXXX"  # how a directory not made yet is shown: the daemon names it at random
+
+
+def pool_socket_dir(address: str) -> str:
+    """The daemon's private directory for ``address``: the ipc socket's, else the runtime directory."""
+    return (os.path.dirname(address[6:]) or ".") if address.startswith("ipc://") else runtime_dir()
+
+
+def shm_pool_prefix(address: str) -> str:
+    """``kvoffd-<uid>-<address hash>``: how this daemon's pool directories in /dev/shm begin (the
+    rest of each name is random, made by the daemon: a name another user could guess is never used)."""
+    return f"kvoffd-{os.getuid()}-{hashlib.sha256(address.encode()).hexdigest()[:12]}"
+
+
+@dataclass(frozen=True)
+class ShmPlaces:
+    """The entries of /dev/shm named for one address: ``ours``, directories of this user that no one else
+    can write (where its pool lives); ``foreign``, (path, owner) of entries that are not (another user
+    made them, or can write them): never used; ``legacy``, the file the pool was kept in before its
+    directory (``/dev/shm/kvoffd-<uid>-<address hash>.pool``), if that exists."""
+
+    ours: tuple[str, ...]
+    foreign: tuple[tuple[str, int], ...]
+    legacy: str
+
+
+def shm_pool_places(address: str) -> ShmPlaces:
+    prefix = shm_pool_prefix(address)
+    ours: list[str] = []
+    foreign: list[tuple[str, int]] = []
+    legacy = ""
     try:
-        if fs_type(sock_dir) != "other":
-            return os.path.join(sock_dir, "kvoffd.pool")
+        with os.scandir(SHM_DIR) as entries:
+            for e in entries:
+                if not (e.name.startswith(prefix + "-") or e.name == prefix + ".pool"):
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if e.name == prefix + ".pool":
+                    if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+                        legacy = e.path
+                    else:
+                        foreign.append((e.path, st.st_uid))
+                elif stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+                    ours.append(e.path)
+                else:
+                    foreign.append((e.path, st.st_uid))
     except OSError:
         pass
-    tag = hashlib.sha256(address.encode()).hexdigest()[:12]
-    return f"/dev/shm/kvoffd-{os.getuid()}-{tag}.pool"
+    return ShmPlaces(tuple(sorted(ours)), tuple(sorted(foreign)), legacy)
+
+
+def pool_written(path: str) -> float:
+    """When the pool file at ``path`` was last written, from its header (-1: no pool there)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return -1.0
+    try:
+        head = Header.unpack(os.pread(fd, HEADER_BYTES, 0))
+    except OSError:
+        head = None
+    finally:
+        os.close(fd)
+    return head.updated if head is not None else 0.0
+
+
+def pool_beside_socket(address: str) -> str:
+    """``kvoffd.pool`` in the socket's directory if a pool of this user is there (where kvoffd kept it
+    by default when that directory is memory-backed, before the pool had a directory of its own in
+    /dev/shm), else ""."""
+    path = os.path.join(pool_socket_dir(address), POOL_NAME)
+    try:
+        st = os.lstat(path)
+        memory = fs_type(os.path.dirname(path)) != "other"
+    except OSError:
+        return ""
+    return path if memory and stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() else ""
+
+
+def default_pool_path(address: str) -> str:
+    """Where the daemon of ``address`` keeps its pool when --pool-path is not given (read only: the
+    daemon makes the directory, kvoffd/runtime.py ``ensure_default_pool_path``). ``kvoffd.pool`` in a
+    directory of its own under /dev/shm, ``kvoffd-<uid>-<address hash>-<random>``, 0700: memory-backed
+    and large (half the RAM by default), kept across restarts and ``systemctl stop`` (not a reboot), and
+    out of other users' reach: they can create names in /dev/shm but not guess a random one, and
+    entries of theirs are never used (issue 28, item 11: a file another user made at the old,
+    predictable name sent the pool to private memory at every start). A pool already kept beside the
+    socket by an older kvoffd stays there. A directory not made yet shows as ``...-XXXXXXXX``."""
+    beside = pool_beside_socket(address)
+    if beside:
+        return beside
+    places = shm_pool_places(address)
+    if places.ours:
+        return os.path.join(newest_pool_dir(places.ours), POOL_NAME)
+    return os.path.join(SHM_DIR, f"{shm_pool_prefix(address)}-{RANDOM_PART}", POOL_NAME)
+
+
+def newest_pool_dir(dirs: tuple[str, ...] | list[str]) -> str:
+    """Of several pool directories, the one whose pool was written last (ties: the first)."""
+    return max(dirs, key=lambda d: pool_written(os.path.join(d, POOL_NAME)))
 
 
 @dataclass(frozen=True)

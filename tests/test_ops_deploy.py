@@ -83,6 +83,7 @@ def test_systemd_unit_has_what_the_daemon_needs():
     assert cfg.address == f"ipc:///run/{u['RuntimeDirectory']}/kvoffd.sock"
     known = {"KVOFFD_" + a.dest.upper() for a in build_parser()._actions}
     assert set(env) <= known, set(env) - known
+    assert "KVOFFD_POOL_PATH" not in env, "a fixed name in /dev/shm can be taken by any user: use the default"
 
 
 def test_daemon_sends_ready_over_notify_socket(tmp_path):

@@ -10,12 +10,16 @@ process), files on /dev/shm, the squatter as uid 65534 (setpriv).
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import os
 import shutil
+import signal
+import subprocess
 import uuid
 
 import pytest
-from kvtest import chain_keys
+from kvtest import chain_keys, wait_until
 from reliability_util import ShmEngine
 
 NB, SLOT = 128, 256 << 10  # 32 MiB of blocks in a 64 MiB pool
@@ -88,3 +92,105 @@ def test_a_second_daemon_never_takes_a_live_daemons_segments(make_daemon, pool_d
     finally:
         ea.close()
         eb.close()
+
+
+def _addr_tag(address: str) -> str:
+    return hashlib.sha256(address.encode()).hexdigest()[:12]
+
+
+def _as_nobody(*cmd: str) -> None:
+    subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *cmd], check=True,
+                   timeout=30)
+
+
+def _ours(prefix: str) -> list[str]:
+    return [p for p in glob.glob(glob.escape(prefix) + "*") if os.lstat(p).st_uid == os.getuid()]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="plays another local user with setpriv (needs root)")
+def test_a_squatted_default_pool_location_does_not_cost_the_warm_restart(make_daemon, tmp_path):
+    """The socket directory is on disk, so the pool's default place is /dev/shm. uid 65534 makes, before
+    the daemon's first start, the name the daemon used to take there (/dev/shm/kvoffd-<uid>-<address
+    hash>.pool), the directory names a guess would give, and a symlink: before the fix the daemon kept
+    its pool in private memory at every start (one WARNING) and every restart was cold."""
+    from kvoffd.pool_format import fs_type
+
+    if fs_type(str(tmp_path)) != "other":
+        pytest.skip("needs a disk-backed temporary directory (the socket's; the pool then goes to /dev/shm)")
+    address = f"ipc://{tmp_path}/sq.sock"
+    tag = _addr_tag(address)
+    legacy = f"/dev/shm/kvoffd-{os.getuid()}-{tag}.pool"
+    prefix = f"/dev/shm/kvoffd-{os.getuid()}-{tag}"
+    squatted = [legacy, f"{legacy}.0000", f"{prefix}-pool", f"{prefix}-00000000", f"{prefix}-link"]
+    _as_nobody("sh", "-c", f"umask 0; touch {legacy} {legacy}.0000; mkdir -m 0777 {prefix}-pool {prefix}-00000000; "
+               f"ln -s /root {prefix}-link")
+    eng = ShmEngine(NB, SLOT, tag="squat")
+    try:
+        d = make_daemon("64MiB", "--pool-path", "", name="sq")  # "": the default location
+        c = d.client(job_deadline_s=30.0)
+        where = c.stats()["persistence"]["path"]
+        assert where, f"the pool went to private memory:\n{d.log()}"
+        assert where.startswith(f"{prefix}-") and os.path.dirname(where) not in squatted, where
+        st = os.lstat(os.path.dirname(where))
+        assert st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o700
+        assert "made by uid 65534" in d.log(), d.log()  # the squat attempt is named in the log
+        c.register("sq-0", "sq", 0, 1, eng.memory, eng.layout)
+        keys = chain_keys(NB, b"squat")
+        _store(c, "sq-0", eng, 1, keys)
+        assert wait_until(lambda: c.stats()["persistence"]["sealed_blocks"] >= NB, 10)
+        assert d.stop(signal.SIGTERM) == 0
+        d = make_daemon("64MiB", "--pool-path", "", name="sq")
+        c = d.client(job_deadline_s=30.0)
+        assert c.stats()["persistence"]["path"] == where
+        assert c.stats()["persistence"]["adopted_blocks"] == NB
+        c.register("sq-0", "sq", 0, 1, eng.memory, eng.layout)
+        assert _served_exact(c, "sq-0", eng, 2, keys) == (NB, NB)
+        assert d.stop(signal.SIGTERM) == 0
+    finally:
+        eng.close()
+        for p in _ours(prefix):  # the daemon's pool directory (the squatter's entries are removed below)
+            shutil.rmtree(p, ignore_errors=True)
+        for p in squatted:
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+            elif os.path.lexists(p):
+                os.unlink(p)
+
+
+def test_a_pool_at_the_old_default_name_moves_into_the_daemons_directory_warm(make_daemon, tmp_path):
+    """A pool an older kvoffd kept at the old default (/dev/shm/kvoffd-<uid>-<address hash>.pool, its
+    segments <path>.0000...) is moved into the new directory and adopted: the upgrade stays warm and
+    leaves no file behind at the old name (it would be RAM until someone deleted it)."""
+    from kvoffd.pool_format import fs_type, legacy_segment_path, segment_path
+
+    if fs_type(str(tmp_path)) != "other":
+        pytest.skip("needs a disk-backed temporary directory (the socket's; the pool then goes to /dev/shm)")
+    address = f"ipc://{tmp_path}/mv.sock"
+    prefix = f"/dev/shm/kvoffd-{os.getuid()}-{_addr_tag(address)}"
+    legacy = f"{prefix}.pool"
+    eng = ShmEngine(NB, SLOT, tag="move")
+    try:
+        d = make_daemon("64MiB", "--pool-path", legacy, name="mv")
+        c = d.client(job_deadline_s=30.0)
+        c.register("mv-0", "mv", 0, 1, eng.memory, eng.layout)
+        keys = chain_keys(NB, b"move")
+        _store(c, "mv-0", eng, 1, keys)
+        assert wait_until(lambda: c.stats()["persistence"]["sealed_blocks"] >= NB, 10)
+        assert d.stop(signal.SIGTERM) == 0
+        os.rename(segment_path(legacy, os.stat(legacy).st_ino, 0), legacy_segment_path(legacy, 0))  # as before
+        d = make_daemon("64MiB", "--pool-path", "", name="mv")
+        c = d.client(job_deadline_s=30.0)
+        where = c.stats()["persistence"]["path"]
+        assert where.startswith(f"{prefix}-"), f"{where}\n{d.log()}"
+        assert c.stats()["persistence"]["adopted_blocks"] == NB, d.log()
+        assert not glob.glob(glob.escape(legacy) + "*")
+        c.register("mv-0", "mv", 0, 1, eng.memory, eng.layout)
+        assert _served_exact(c, "mv-0", eng, 2, keys) == (NB, NB)
+        assert d.stop(signal.SIGTERM) == 0
+    finally:
+        eng.close()
+        for p in _ours(prefix):
+            if os.path.isdir(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                os.unlink(p)

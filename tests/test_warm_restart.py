@@ -225,12 +225,14 @@ def test_flipped_bytes_cost_that_block_only(rig, how, monkeypatch):
 
 
 def test_the_default_pool_path_is_memory_backed(tmp_path):
+    """In a directory of its own in /dev/shm (tests/test_reliability_pool_ownership.py makes it), one per
+    address, whether the socket's directory is memory-backed or not; read only: nothing is made here."""
     assert fs_type("/dev/shm") == "tmpfs"
-    if fs_type(str(tmp_path)) == "other":  # a socket on disk: the pool goes to /dev/shm, never beside it
-        assert default_pool_path(f"ipc://{tmp_path}/kvoffd.sock").startswith(f"/dev/shm/kvoffd-{os.getuid()}-")
-    shm_dir = "/dev/shm"
-    assert default_pool_path(f"ipc://{shm_dir}/kvoffd.sock") == f"{shm_dir}/kvoffd.pool"
-    assert default_pool_path("ipc:///a/x.sock") != default_pool_path("ipc:///b/x.sock") or fs_type("/") != "other"
+    for address in (f"ipc://{tmp_path}/kvoffd.sock", "ipc:///dev/shm/kvoffd.sock", "tcp://127.0.0.1:5555"):
+        path = default_pool_path(address)
+        assert path.startswith(f"/dev/shm/kvoffd-{os.getuid()}-") and path.endswith("-XXXXXXXX/kvoffd.pool"), path
+        assert not os.path.exists(os.path.dirname(path))
+    assert default_pool_path("ipc:///a/x.sock") != default_pool_path("ipc:///b/x.sock")
 
 
 def test_a_pool_file_on_disk_or_in_use_is_refused_and_the_daemon_still_serves(make_daemon, tmp_path, pool_path):

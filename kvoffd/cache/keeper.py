@@ -13,8 +13,9 @@ from kvoffd.cache.index import Entry, Index
 from kvoffd.cache.persist import Persistence
 from kvoffd.cache.pool import Pool, Provisioned
 from kvoffd.cache.pool_file import PoolFile, PoolFileError, open_pool_file
+from kvoffd.cache.pool_place import ensure_default_pool_path
 from kvoffd.events.wire import EventIdentity
-from kvoffd.pool_format import Layout, default_pool_path, pool_geometry
+from kvoffd.pool_format import Layout, pool_geometry
 from kvoffd.shards import bind_shards, plan_shards
 from kvoffd.topology import Topology
 
@@ -70,21 +71,21 @@ Keeper = Persistence | Volatile
 
 def open_pool(size: int, path: str, address: str, cold: bool,
               topology: Topology | None = None) -> tuple[Pool, PoolFile | None]:
-    """The daemon's pool: in its file (``path``; "" for the default beside the socket or in
-    /dev/shm; "none" for private memory). A file that cannot be used gives one warning and private
-    memory: the daemon works, its cache just does not survive it. ``topology``: the host's NUMA
+    """The daemon's pool: in its file (``path``; "" for the default, a private directory in /dev/shm
+    (kvoffd/cache/pool_place.py); "none" for private memory). A file that cannot be used gives one
+    ERROR and private memory: the daemon works, its cache just does not survive it. ``topology``: the host's NUMA
     nodes, which split the pool into shards placed on them (kvoffd/shards.py; None: one shard),
     their policy set here, before the pool file's data is allocated or any page is touched."""
     chunk, num_chunks = pool_geometry(size)
     shards = plan_shards(topology, num_chunks)
     if path == "none":
         return _placed(Pool(size, chunk, shards=shards)), None
-    path = path or default_pool_path(address)
+    path = path or ensure_default_pool_path(address)
     layout = Layout.of(size, chunk)
     try:
         pf, why = open_pool_file(path, layout, cold)
     except PoolFileError as e:
-        log.warning("%s; the pool is kept in private memory and will not survive a restart", e)
+        log.error("%s; the pool is kept in private memory: its blocks are lost at every restart", e)
         return _placed(Pool(size, chunk, shards=shards)), None
     if why == "--cold":
         log.info("pool file %s: starting cold (--cold)", path)

@@ -15,6 +15,7 @@ from typing import Any
 from kvoffd.config import format_size
 from kvoffd.pool_format import (
     HEADER_BYTES,
+    RANDOM_PART,
     Header,
     Layout,
     allocated_bytes,
@@ -23,6 +24,7 @@ from kvoffd.pool_format import (
     fs_type,
     pool_geometry,
     segments_mismatch,
+    shm_pool_places,
 )
 
 PASS, WARN = "pass", "warn"
@@ -94,6 +96,12 @@ def check_pool_file(ctx: Any) -> tuple[str, str, str]:
               f"{format_size(free)} free{extra}")
     if kind == "tmpfs":
         detail += f"; shmem huge pages: {_thp_shmem()}"
+    if not ctx.pool_path:
+        if RANDOM_PART in path:
+            detail += "; its directory is made at the daemon's first start, named at random"
+        taken = [f"{p} (uid {uid})" for p, uid in shm_pool_places(ctx.address).foreign]
+        if taken:  # the daemon ignores them: a squatter costs nothing, but someone tried
+            detail += f"; never used, as others made them or can write them: {', '.join(taken)}"
     if need > free:
         return (WARN, detail + f"; {format_size(need)} more is needed: the daemon would keep the pool in private "
                 "memory", _FIX_ROOM)
