@@ -327,3 +327,15 @@ def test_the_block_checksum_catches_what_a_stray_write_leaves():
     words[3] += np.uint64(1 << 40)
     words[ROW_WORDS + 9] -= np.uint64(1 << 40)  # two changes that cancel in a plain sum
     assert block_sum(words.view(np.uint8)) != want
+
+
+def test_the_checksums_of_a_run_of_blocks_are_each_blocks_own():
+    """``block_sums`` (the checksum threads: a run of neighbouring slots in a few numpy calls) gives
+    every block the value ``block_sum`` gives it alone, runs or not, whole rows or not."""
+    from kvoffd.cache.checksum import block_sum, block_sums
+
+    buf = np.random.default_rng(3).integers(0, 255, 64 * SLOT, dtype=np.uint8)
+    for size in (4096, SLOT, 3 * SLOT, 1000):
+        offs = [o for o in range(0, len(buf) - size, size)][:40]
+        picked = offs[:10] + offs[12:13] + offs[20:30]  # runs of 10, 1 and 10
+        assert block_sums(buf, picked, size) == [block_sum(buf[o:o + size]) for o in picked], size

@@ -26,6 +26,7 @@ in ``Entry.checksum`` so that an upgraded daemon still verifies the blocks it ad
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -54,6 +55,48 @@ def block_sum(data: memoryview | np.ndarray) -> int:
     weighted = (int((sums * w).sum(dtype=np.uint64)) + rest * (rows + 1)) & _M64
     x = (plain * _MIX ^ weighted) & _M64
     return (x ^ (x >> 32) ^ tail) & _MASK
+
+
+def block_sums(buf: np.ndarray, offsets: Sequence[int], size: int) -> list[int]:
+    """``block_sum`` of each block of ``size`` bytes at ``offsets`` in ``buf`` (the pool, uint8), the
+    same values; a run of consecutive blocks is summed in a few numpy calls whatever its length, so
+    that the checksum threads hold the GIL (each call's Python around the reductions) a few
+    microseconds per run rather than per block: at 44 GB/s of 2 MiB blocks, ~20 us per block would be
+    half of the loop's GIL."""
+    row = ROW_WORDS * 8
+    if size % row:
+        return [block_sum(buf[o:o + size]) for o in offsets]
+    rows = size // row
+    w = _WEIGHTS.get(rows)
+    if w is None:
+        w = _WEIGHTS.setdefault(rows, np.arange(1, rows + 1, dtype=np.uint64))
+    out: list[int] = []
+    i, n = 0, len(offsets)
+    while i < n:
+        j = i + 1
+        while j < n and offsets[j] == offsets[j - 1] + size:
+            j += 1
+        k = j - i
+        sums = buf[offsets[i]:offsets[i] + k * size].view(np.uint64).reshape(k, rows, ROW_WORDS).sum(
+            axis=2, dtype=np.uint64)
+        x = sums.sum(axis=1, dtype=np.uint64) * np.uint64(_MIX) ^ (sums * w).sum(axis=1, dtype=np.uint64)
+        out += ((x ^ (x >> np.uint64(32))) & np.uint64(_MASK)).tolist()
+        i = j
+    return out
+
+
+def sums_at(buf: np.ndarray, slots: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    """``block_sum`` of the block at each ``slots[j]`` of ``sizes[j]`` bytes, any order and sizes: grouped
+    by size and summed by runs of neighbouring slots (``block_sums``)."""
+    out = [NONE] * len(slots)
+    by_size: dict[int, list[int]] = {}
+    for j, size in enumerate(sizes):
+        by_size.setdefault(size, []).append(j)
+    for size, js in by_size.items():
+        js.sort(key=slots.__getitem__)
+        for j, c in zip(js, block_sums(buf, [slots[j] for j in js], size), strict=True):
+            out[j] = c
+    return out
 
 
 def matches(data: memoryview | np.ndarray, want: int) -> bool:

@@ -54,7 +54,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from kvoffd.cache.adopt import AdoptionPlan, plan_adoption
-from kvoffd.cache.checksum import LEGACY_CRC32, NONE, matches
+from kvoffd.cache.checksum import LEGACY_CRC32, NONE, matches, sums_at
 from kvoffd.cache.index import Entry, Index, IndexObserver, Table
 from kvoffd.cache.pool import Pool
 from kvoffd.cache.pool_file import ALLOCATE_THREADS, PoolFile
@@ -353,9 +353,18 @@ class Persistence(IndexObserver):
 
     def _recompute(self, entries: list[Entry]) -> list[int]:
         """On a checksum thread: 1 for each block whose bytes still match its checksum, 0 for one that
-        does not, -1 for one freed meanwhile."""
+        does not, -1 for one freed meanwhile (this daemon's checksums by runs of neighbouring slots; an
+        older daemon's crc32 one by one)."""
         buf = self.pool.buffer
-        return [-1 if e.dead else int(_intact(buf, e)) for e in entries]
+        out = [-1] * len(entries)
+        ours = [j for j, e in enumerate(entries) if not e.dead and 0 <= e.checksum < LEGACY_CRC32]
+        sums = sums_at(buf, [entries[j].slot for j in ours], [entries[j].table.slot_bytes for j in ours])
+        for j, c in zip(ours, sums, strict=True):
+            out[j] = int(c == entries[j].checksum)
+        for j, e in enumerate(entries):
+            if not e.dead and e.checksum >= LEGACY_CRC32:
+                out[j] = int(_intact(buf, e))
+        return out
 
     # --- results from the checksum threads -------------------------------------------------------------
     def _post_future(self, fn: Callable[[list[Entry], list[int]], None], part: list[Entry], fut: Future) -> None:

@@ -32,7 +32,7 @@ from concurrent.futures import Executor, Future
 
 import numpy as np
 
-from kvoffd.cache.checksum import NONE, block_sum
+from kvoffd.cache.checksum import NONE, sums_at
 from kvoffd.cache.entries import Entry
 
 log = logging.getLogger(__name__)
@@ -96,9 +96,14 @@ class Sealer:
 
     def _sums(self, part: list[Entry]) -> list[int]:
         """On a checksum thread: each block's checksum (NONE for a block freed meanwhile: the loop checks
-        again before it writes anything, since a freed slot may hold another block by then)."""
-        buf = self._buf
-        return [NONE if e.dead else block_sum(buf[e.slot:e.slot + e.table.slot_bytes]) for e in part]
+        again before it writes anything, since a freed slot may hold another block by then), by runs of
+        neighbouring slots (a few numpy calls per run, not per block)."""
+        alive = [j for j, e in enumerate(part) if not e.dead]
+        out = [NONE] * len(part)
+        got = sums_at(self._buf, [part[j].slot for j in alive], [part[j].table.slot_bytes for j in alive])
+        for j, c in zip(alive, got, strict=True):
+            out[j] = c
+        return out
 
     def _post(self, part: list[Entry], task: int, fut: Future) -> None:
         if fut.cancelled():
