@@ -2,7 +2,7 @@
 memory, whether this user may keep it there, whether there is room for it, and what it holds now.
 
 Kept apart from kvoffd/ops/doctor_host.py (the host checks) so that the warm-restart rules
-live next to each other: the daemon itself falls back to private memory, with one warning, in every
+live next to each other: the daemon itself falls back to private memory, with one ERROR, in every
 case reported here as WARN, so nothing here is a FAIL.
 """
 
