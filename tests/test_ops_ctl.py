@@ -172,3 +172,20 @@ def test_ping_answers_for_liveness_probes_and_says_when_nobody_does(make_daemon)
     d.stop()
     r = ctl(d.address, "--timeout", "2", "ping")
     assert r.returncode == 3 and "cannot reach kvoffd" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_options_after_the_command_and_a_mistyped_namespace(loaded):
+    """Issue 33 point 13: `kvoffctl status --address A` works as `kvoffctl --address A status`, and a
+    CLEAR of a namespace the daemon does not hold is an error naming the ones it does, not a success
+    that cleared nothing."""
+    d, eng, keys = loaded
+    r = subprocess.run([sys.executable, "-m", "kvoffd.ops.ctl", "stats", "--json", "--address", d.address],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["counters"]["stored_blocks"] == 6
+    r = ctl(d.address, "clear", "--namespace", NS + "-typo")
+    assert r.returncode == 1 and "no namespace 'ops-ctl-typo'" in r.stderr and repr(NS) in r.stderr, r.stderr
+    assert eng.lookup(keys)["hits"] == 6  # nothing was cleared
+    r = ctl(d.address, "clear", "--namespace", NS)
+    assert r.returncode == 0, r.stderr
+    assert eng.lookup(keys)["hits"] == 0

@@ -211,6 +211,12 @@ def cmd_namespaces(args: argparse.Namespace, client: Any) -> int:
 
 
 def cmd_clear(args: argparse.Namespace, client: Any) -> int:
+    if args.namespace:  # a mistyped namespace would clear nothing and say so as a success
+        known = [n.get("namespace") for n in (_call(lambda: client.stats(detail=True)).get("namespaces") or [])]
+        if args.namespace not in known:
+            raise DaemonError(f"no namespace {args.namespace!r} in the daemon; it holds "
+                              + (", ".join(repr(k) for k in known) if known else "none")
+                              + " (kvoffctl namespaces lists them)")
     res = _call(lambda: client.clear(namespace=args.namespace or ""))
     removed = getattr(res, "removed_blocks", None)
     in_flight = getattr(res, "in_flight_jobs", None)
@@ -297,7 +303,22 @@ def cmd_explain(args: argparse.Namespace, client: Any) -> int:
     return EXIT_OK
 
 
+def cmd_vllm_config(args: argparse.Namespace, client: Any) -> int:
+    """What to give ``vllm serve`` for this daemon's address (no connection needed)."""
+    from kvoffd_client.vllm.launch import kv_transfer_config, vllm_serve_argument
+
+    if args.json:
+        emit_json(kv_transfer_config(args.address))
+    else:
+        print(vllm_serve_argument(args.address))
+    return EXIT_OK
+
+
+#: Commands that print without asking the daemon.
+OFFLINE = {"vllm-config"}
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, Any], int]] = {
+    "vllm-config": cmd_vllm_config,
     "status": cmd_status,
     "ping": cmd_ping,
     "stats": cmd_stats,
@@ -314,24 +335,40 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect and control a running kvoffd over its socket.",
         epilog="Exit codes: 0 ok, 1 the daemon refused the request, 2 a wrong command line, "
                "3 the daemon could not be reached.")
-    p.add_argument("--address", default=None,
-                   help="daemon address (default: $KVOFFD_ADDRESS, else the daemon's default, "
-                        f"currently {default_address()})")
-    p.add_argument("--timeout", type=_timeout, default=3.0,
-                   help=f"seconds to wait for an answer (default 3, at most {MAX_TIMEOUT_S:g})")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    _common_options(p)
+    common = argparse.ArgumentParser(add_help=False)  # the same options after the command too
+    _common_options(common, after_command=True)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("status", help="is it up; pool use, engines, hit rate, in-flight work")
-    sub.add_parser("ping", help="does it answer on its socket (exit 0), for liveness probes")
-    sub.add_parser("stats", help="every counter and pool figure as a table")
-    sub.add_parser("engines", help="registered engine workers: namespace, rank, pid, last seen")
-    sub.add_parser("namespaces", help="blocks and bytes per namespace")
-    c = sub.add_parser("clear", help="drop cached blocks (all, or one namespace)")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, parents=[common])
+
+    command("status", "is it up; pool use, engines, hit rate, in-flight work")
+    command("ping", "does it answer on its socket (exit 0), for liveness probes")
+    command("stats", "every counter and pool figure as a table")
+    command("engines", "registered engine workers: namespace, rank, pid, last seen")
+    command("namespaces", "blocks and bytes per namespace")
+    c = command("clear", "drop cached blocks (all, or one namespace)")
     c.add_argument("--namespace", default="", help="only this namespace (default: everything)")
-    e = sub.add_parser("explain", help="why would these keys miss: resident, evicted (when), never seen")
+    e = command("explain", "why would these keys miss: resident, evicted (when), never seen")
     e.add_argument("--namespace", required=True, help="the namespace the engine looks keys up in")
     e.add_argument("keys", nargs="+", metavar="KEY", help=f"block key in hex ({2 * KEY_SIZE} digits)")
+    command("vllm-config", "the --kv-transfer-config for vllm serve that points at this address")
     return p
+
+
+def _common_options(p: argparse.ArgumentParser, *, after_command: bool = False) -> None:
+    """--address, --timeout and --json. After the command they have no defaults of their own, so an
+    option left out there keeps what was given before the command."""
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if after_command else value
+
+    p.add_argument("--address", default=default(None),
+                   help="daemon address (default: $KVOFFD_ADDRESS, else the daemon's default, "
+                        f"currently {default_address()})")
+    p.add_argument("--timeout", type=_timeout, default=default(3.0),
+                   help=f"seconds to wait for an answer (default 3, at most {MAX_TIMEOUT_S:g})")
+    p.add_argument("--json", action="store_true", default=default(False), help="print JSON instead of tables")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -341,6 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "explain":
             _parse_keys(args.keys)  # a typo in a key is reported before any connection attempt
+        if args.command in OFFLINE:
+            return COMMANDS[args.command](args, None)
         client = connect(args.address, args.timeout)
         return COMMANDS[args.command](args, client)
     except Unreachable as e:
