@@ -213,3 +213,16 @@ def test_sigterm_keeps_a_held_back_backlog(rig, monkeypatch, hold):
         assert wait_until(lambda: watcher.stats()["persistence"]["verified_s"] > 0, 30)
         assert watcher.stats()["persistence"]["verify_failures"] == 0
     assert len(r.load(keys, range(nb))) == nb
+
+
+def test_the_backlog_never_holds_more_than_the_resident_blocks(rig, monkeypatch):
+    """A block evicted while its checksum is held back leaves the backlog at its eviction (its record
+    is gone: nothing to fill in), so the backlog is bounded by what the pool holds."""
+    monkeypatch.setenv(HOLD, "always")
+    r = rig(nb=192)  # 256 slots of 256 KiB
+    r.store(chain_keys(128, b"first"), range(128))
+    r.store(chain_keys(192, b"second"), range(192))  # evicts 64 of the first
+    st = r.d.client().stats()
+    p = st["persistence"]
+    assert st["resident_blocks"] == 256 and p["seal_backlog_blocks"] == 256, p
+    assert p["seal_backlog_bytes"] == 256 * (256 << 10) and p["committed_blocks"] == 320, p

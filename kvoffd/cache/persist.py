@@ -75,7 +75,17 @@ VERIFY_SLICE = 64  # adopted blocks checked per background task
 # of a restart. Both are bound by memory bandwidth past a few threads (bench/checksum.py); they may
 # take every core but two (the loop, and the copies' or the pinning's threads): 16 at most.
 CHECKSUM_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) - 2))
+CHECKSUM_NICE = 10  # how far the checksum threads stand back (they only lag: nothing waits for them)
 ADOPT_SLICE = 2048  # adopted blocks put into the index per loop turn (~8 ms on the 2-core VM)
+
+
+def _background() -> None:
+    """A checksum thread yields its core to the loop and to the copies (a CPU engine's copies run on
+    threads too): it is niced, which any thread may do to itself."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CHECKSUM_NICE)
+    except OSError:
+        pass
 
 
 def _intact(buf: np.ndarray, e: Entry) -> bool:
@@ -98,7 +108,8 @@ class Persistence(IndexObserver):
         self.on_adopted: Callable[[list[Entry]], None] | None = None  # each slice after (the KV events)
         self._events: OrderedDict[str, EventIdentity | None] = OrderedDict()  # REGISTER's layout.kv_events
         self._stopping = False
-        self._checks = ThreadPoolExecutor(verify_threads or CHECKSUM_THREADS, thread_name_prefix="kvoffd-sum")
+        self._checks = ThreadPoolExecutor(verify_threads or CHECKSUM_THREADS, thread_name_prefix="kvoffd-sum",
+                                          initializer=_background)
         self.sealer = Sealer(pool.buffer, self._checks, self._write_sums)
         self._touched: list[Entry] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -290,6 +301,7 @@ class Persistence(IndexObserver):
         if self.unverified:
             for e in entries:
                 self.unverified.discard(e)
+        self.sealer.forget(entries)
         slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
         idx = self.records.index_of(slots, slot_bytes)
         self.records.invalidate(idx[idx >= 0])

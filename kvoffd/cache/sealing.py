@@ -8,9 +8,10 @@ never wait for it; what it lags by is the **backlog**: blocks committed whose ch
 record yet, counted from the commit until the sums are back on the loop (in the queue, on a thread, or
 posted: every state in between, so a backlog of 0 means every record has its checksum).
 
-Why the backlog is bounded: a block is in it at most once, from its commit until its sums land, so it
-never holds more than the pool's resident blocks (nothing is copied, the queue holds references), and
-it costs no durability: a block in the backlog is adopted after a crash all the same, without a
+Why the backlog is bounded: a block is in it at most once, from its commit until its sums land or it
+is freed (``forget``, from the keeper's ``freeing``: its record is gone, its task skips it without
+reading it), so it never holds more than the pool's resident blocks (nothing is copied: the queued
+tasks hold references), and it costs no durability: a block in the backlog is adopted after a crash all the same, without a
 checksum (docs/architecture.md, "Crash consistency"). What it costs is the window during which a stray
 write into such a block could not be detected; ``stats`` shows it (blocks, bytes, the oldest's age) in
 STATS, ``kvoffctl status`` and ``kvoffd_seal_backlog_*``.
@@ -54,12 +55,17 @@ class Sealer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._hold = os.environ.get(HOLD_ENV, "")  # "", "until_stop" or "always" (tests)
         self._held: deque[tuple[list[Entry], int]] = deque()  # tasks the gate holds back
-        self._started: OrderedDict[int, tuple[float, int, int]] = OrderedDict()  # task -> (when, blocks, bytes)
+        self._started: OrderedDict[int, float] = OrderedDict()  # task -> when, until its sums land
+        self._pending: set[Entry] = set()  # the backlog: alive, committed, checksum not in the record yet
         self._next = 0
         self._empty: asyncio.Event | None = None
-        self.blocks = 0  # the backlog: committed, checksum not in the record yet
-        self.bytes = 0
+        self.bytes = 0  # of the backlog
         self.summed = 0  # blocks summed and handed back, in all
+
+    @property
+    def blocks(self) -> int:
+        """The backlog's blocks: never more than the resident ones (a freed block leaves it at once)."""
+        return len(self._pending)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -75,10 +81,9 @@ class Sealer:
             part = list(entries[i:i + per])
             task = self._next
             self._next += 1
-            nbytes = sum(e.table.slot_bytes for e in part)
-            self._started[task] = (time.monotonic(), len(part), nbytes)
-            self.blocks += len(part)
-            self.bytes += nbytes
+            self._started[task] = time.monotonic()
+            self._pending.update(part)
+            self.bytes += sum(e.table.slot_bytes for e in part)
             if self._empty is not None:
                 self._empty.clear()
             if self._hold:
@@ -120,20 +125,30 @@ class Sealer:
             pass
 
     def _landed(self, part: list[Entry], task: int, sums: list[int]) -> None:
+        self.forget(part)
         self._done(task)
         self.summed += len(part)
         self._deliver(part, sums)
 
     def _done(self, task: int) -> None:
-        _, n, nbytes = self._started.pop(task)
-        self.blocks -= n
-        self.bytes -= nbytes
-        if not self.blocks and self._empty is not None:
+        self._started.pop(task)
+        if not self._pending and self._empty is not None:
             self._empty.set()
 
+    def forget(self, entries: Sequence[Entry]) -> None:
+        """These leave the backlog (summed, or freed: a task skips a freed block without reading it)."""
+        pending = self._pending
+        if pending:
+            for e in entries:
+                if e in pending:
+                    pending.discard(e)
+                    self.bytes -= e.table.slot_bytes
+            if not pending and self._empty is not None:
+                self._empty.set()
+
     def oldest_s(self) -> float:
-        """Age of the oldest block in the backlog (0: none)."""
-        for when, _, _ in self._started.values():
+        """Age of the oldest task whose sums have not landed (0: none)."""
+        for when in self._started.values():
             return time.monotonic() - when
         return 0.0
 
