@@ -194,7 +194,8 @@ class KvoffdClient(JobQueue):
         now = self._last_pump = time.monotonic()
         if link.watch(now):
             log.warning("kvoffd at %s went away (link down): %d jobs in flight wait for it or its exit; "
-                        "requests fail until it is back", self.address, len(self._jobs))
+                        "until it is back its calls fail fast (in vLLM lookups miss and prompts are "
+                        "recomputed: no inference request fails)", self.address, len(self._jobs))
         if link.down_since is not None and self._wanted and now - link.down_since > self.link_grace_s:
             self._fail_requests("the connection to the daemon broke")
         self._read_all()  # first: a HELLO_OK already here must be seen before another HELLO goes out

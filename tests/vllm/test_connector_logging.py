@@ -77,6 +77,8 @@ def test_link_lines_use_vllms_format_once_each(tmp_path):
         d1.stop(signal.SIGKILL)
         down = _wait_for(lines, seen, "went away")
         assert vllm_format.search(down) and "WARNING" in down, down
+        # issue 33 point 7: it must not read as if inference requests failed (none does: recompute)
+        assert "requests fail" not in down and "no inference request fails" in down, down
         d2 = start_daemon(address, "32MiB")
         back = _wait_for(lines, seen, "kvoffd restarted")
         assert vllm_format.search(back) and "WARNING" in back, back
