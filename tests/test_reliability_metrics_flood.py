@@ -82,3 +82,50 @@ def test_probes_answer_while_another_user_floods_the_metrics_port(make_daemon, m
         if flood.poll() is None:
             flood.kill()
         flood.wait()
+
+
+def _raw(host: str, port: int, data: bytes, wait_s: float = 5.0) -> bytes:
+    """Send ``data`` and read until the server closes (or ``wait_s``)."""
+    import socket
+
+    s = socket.create_connection((host, port), timeout=wait_s)
+    try:
+        try:
+            s.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):  # closed before it took it all
+            return b""
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                return out
+            except ConnectionResetError:  # closed with bytes of ours unread
+                return out
+            if not chunk:
+                return out
+            out += chunk
+    finally:
+        s.close()
+
+
+def test_the_routes_and_what_they_answer_to_bad_requests(make_daemon):
+    """The hand-written server answers as the framework-free one before it: three GET routes, HEAD
+    without a body, 404 and 405, garbage without a traceback; an unfinished or oversized head is closed."""
+    d = make_daemon("16MiB", name="routes")
+    host, port = d.metrics_address.rsplit(":", 1)
+    port = int(port)
+    assert _probe(host, port, "/healthz")[0] == 200
+    assert _probe(host, port, "/readyz")[0] == 200
+    assert b"kvoffd_build_info" in _raw(host, port, b"GET /metrics?x=1 HTTP/1.1\r\n\r\n")
+    head = _raw(host, port, b"HEAD /healthz HTTP/1.1\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"Content-Length: 3\r\n" in head and head.endswith(b"\r\n\r\n")
+    assert _raw(host, port, b"GET /nope HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404 ")
+    assert _raw(host, port, b"POST /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 405 ")
+    assert _raw(host, port, b"GET /\xff\xfe\x80 HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404 ")
+    assert _raw(host, port, b"\xff\r\n\r\n").startswith(b"HTTP/1.1 405 ")
+    assert _raw(host, port, b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 4000) == b""  # over 16 KiB: closed
+    t0 = time.monotonic()
+    assert _raw(host, port, b"GET /healthz HTTP/1.1\r\n", wait_s=10) == b""  # never finished: closed
+    assert time.monotonic() - t0 < 5
+    assert "Traceback" not in d.log() and "HTTP request failed" not in d.log()

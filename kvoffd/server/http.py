@@ -61,7 +61,8 @@ SWEEP_S = 0.25  # how often deadlines are checked
 RETRY_ACCEPT_S = 0.05  # pause after EMFILE and the like (the pending connection would spin the loop)
 
 Route = Callable[[], tuple[int, str, bytes]]
-_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error",
+            503: "Service Unavailable"}
 
 
 def _reply(status: int, ctype: str, body: bytes, head_only: bool) -> bytes:
@@ -229,6 +230,13 @@ class MetricsServer:
             self._take(sock, peer)
 
     def _answer(self, sock: socket.socket, peer: tuple, head: bytes) -> bytes:
+        try:
+            return self._route(sock, peer, head)
+        except Exception:  # a bug in a route: answered and logged, and the connection still closed
+            log.exception("HTTP request failed")
+            return _reply(500, "text/plain", b"internal error\n", False)
+
+    def _route(self, sock: socket.socket, peer: tuple, head: bytes) -> bytes:
         method, path = request_line(head)
         if method not in ("GET", "HEAD"):
             return _reply(405, "text/plain", b"method not allowed\n", False)
