@@ -9,6 +9,7 @@ import sys
 
 from kvoffd import sdnotify
 from kvoffd.config import Config, ConfigError, check_pool_fits, check_pool_geometry, format_size, load_config
+from kvoffd.hostmem import pool_memory_problem, read_memory_view
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         pool_warning = check_pool_fits(cfg.pool_size)
         check_pool_geometry(cfg.pool_size)
+        refusal, short = pool_memory_problem(cfg.pool_size, read_memory_view())
+        if refusal:
+            raise ConfigError(refusal)
+        pool_warning = pool_warning or short
     except ConfigError as e:
         print(f"kvoffd: {e}", file=sys.stderr)
         return 2
