@@ -364,3 +364,27 @@ def test_a_client_cannot_shrink_registered_memory(tmp_path, shm, copier):
         record(f"isolation_shrink_{copier}", truncations_refused=len(refused))
     finally:
         assert d.stop() == 0, f"the daemon did not stop cleanly:\n{d.log()}"
+
+
+def test_a_shared_socket_directory_gets_advice_that_leaves_it_alone(tmp_path):
+    """Issue 33 point 1: `--address ipc:///tmp/x.sock` was refused with "run 'chmod 700 /tmp'", advice
+    that breaks the machine. The refusal (and the doctor) name private directories instead."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # what /tmp is: sticky, everyone's
+    proc = _start(f"ipc://{shared}/kvoffd.sock", tmp_path)
+    try:
+        rc = proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail("the daemon served from a shared directory")
+    err = proc.stderr.read()
+    assert rc == 1 and "cannot start" in err, err
+    assert "chmod" not in err and "mkdir -m 700" in err and "leave its mode alone" in err, err
+    from kvoffd.ops import doctor_daemon
+    from kvoffd.ops.doctor_result import Context
+
+    r = doctor_daemon.check_socket_dir(Context(pool_size=64 << 20, pool_size_source="test", bandwidth_bytes=0,
+                                               ipc=False, gpu_timeout_s=60, address=f"ipc://{shared}/kvoffd.sock"))
+    assert r.status == doctor_daemon.FAIL and "chmod" not in r.fix and "mkdir -m 700" in r.fix, r

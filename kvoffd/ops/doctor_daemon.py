@@ -11,6 +11,7 @@ import pwd
 import stat
 
 from kvoffd.ops.doctor_result import FAIL, PASS, SKIP, WARN, Context, Result
+from kvoffd.runtime import shared_dir_advice
 
 
 def _owner(uid: int) -> str:
@@ -53,6 +54,9 @@ def check_socket_dir(ctx: Context) -> Result:
                       "run the doctor (and the engines) as the daemon's user or a member of its group")
     mode = stat.S_IMODE(st.st_mode)
     who = f"{d} is {mode:04o}, owner {_owner(st.st_uid)}, group {_group(st.st_gid)}"
+    if mode & 0o022:  # never advise changing a shared directory's mode (/tmp)
+        fix_mode = shared_dir_advice(d, st, "--address", ["ipc:///run/kvoffd/kvoffd.sock (as root or from "
+                                                          "systemd's RuntimeDirectory=kvoffd)"])
     if not stat.S_ISDIR(st.st_mode):
         return Result("socket", FAIL, f"{d} is not a directory", fix_mode)
     if mode & 0o002 and not mode & stat.S_ISVTX:
