@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
 import sys
@@ -92,13 +93,21 @@ async def _serve(cfg: Config) -> int:
         try:
             http = await start_http(daemon, *hp)
         except OSError as e:
-            logging.getLogger("kvoffd").error("cannot serve metrics on %s: %s", cfg.metrics_address, e)
+            hint = ""
+            if e.errno == errno.EADDRINUSE:
+                hint = ("; another process (another kvoffd?) listens there: choose another port with "
+                        "--metrics-address HOST:PORT (port 0 takes any free one), or turn metrics off with "
+                        "--metrics-address none")
+            logging.getLogger("kvoffd").error("cannot serve metrics on %s: %s%s", cfg.metrics_address, e, hint)
             return 1
         port = http.port
         daemon.metrics_address = f"{hp[0]}:{port}"
         logging.getLogger("kvoffd").info("metrics on http://%s:%d/metrics", hp[0], port)
 
     def ready() -> None:
+        from kvoffd_client.vllm.launch import vllm_serve_argument
+
+        logging.getLogger("kvoffd").info("for vLLM: vllm serve MODEL %s", vllm_serve_argument(daemon.bound_address))
         sdnotify.ready(f"serving on {daemon.bound_address}; pool {format_size(daemon.pool.nbytes)}, "
                        f"backends {','.join(b.name for b in daemon.backends)}")
 

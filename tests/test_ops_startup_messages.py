@@ -1,0 +1,40 @@
+"""Issue 33 points 8 and 9: what the daemon says at start tells the operator what to do next.
+
+Real daemon processes: the line that connects vLLM (the exact ``--kv-transfer-config`` for the
+address it serves on, wherever that is), and a metrics port another process holds, which must name
+the flag that moves it.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+from kvtest import ROOT, wait_until
+
+from kvoffd_client.vllm.launch import vllm_serve_argument
+
+
+def test_the_start_log_says_what_to_give_vllm(make_daemon):
+    d = make_daemon("64MiB")
+    assert wait_until(lambda: "for vLLM:" in d.log(), 10), d.log()[-2000:]
+    line = next(ln for ln in d.log().splitlines() if "for vLLM:" in ln)
+    assert line.endswith(vllm_serve_argument(d.address)), line
+
+
+def test_a_busy_metrics_port_names_the_flag_that_moves_it(tmp_path):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    sock = tmp_path / "s"
+    sock.mkdir(mode=0o700)
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", f"ipc://{sock}/d.sock", "--pool-size", "64MiB",
+                            "--pool-path", "none", "--metrics-address", f"127.0.0.1:{port}"],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+    finally:
+        holder.close()
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "cannot serve metrics" in r.stderr and "--metrics-address" in r.stderr, r.stderr[-2000:]
