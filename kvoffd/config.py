@@ -154,6 +154,9 @@ class Config:
     kv_events_address: str = ""  # ZeroMQ PUB endpoint of the KV-event stream ("": off; docs/vllm.md)
     kv_events_replay_address: str = ""  # its ROUTER replay endpoint ("": the next tcp port, or <path>.replay)
     kv_events_topic: str = ""  # the topic frame of every event message (vLLM's KVEventsConfig.topic)
+    kv_events_auth: str = "curve"  # who may subscribe on tcp:// (curve: allowed keys; none: anyone who reaches it)
+    kv_events_curve_dir: str = field(default_factory=lambda: os.path.join(runtime_dir(), "kv-events-curve"))
+    kv_events_token_ids: bool = False  # BlockStored events carry the blocks' token ids (prompt content)
     disk_path: str = ""  # the disk tier's directory (kvoffd/cache/tiers/disk.py); "" = no disk tier
     disk_size: int = 0  # bytes of disk tier per block size
     numa_map: str = "auto"  # auto | off | gpu0=0,gpu1=1,... (kvoffd/topology.py): the pool's NUMA shards
@@ -188,10 +191,18 @@ _FLAGS = [
                        "random at first start (/dev/shm/kvoffd-<uid>-<address hash>-XXXXXXXX/); a pool kept "
                        "beside the socket by an older kvoffd stays there"),
     ("kv_events_address", str, "Publish vLLM-format KV events (blocks stored/removed) for routers on this "
-                               "ZeroMQ endpoint (tcp://HOST:PORT or ipc://PATH). Default: off"),
+                               "ZeroMQ endpoint: 'ipc' (a socket beside the daemon's, in its private directory), "
+                               "ipc://PATH or tcp://HOST:PORT (CURVE clients only, see --kv-events-auth). "
+                               "Default: off"),
     ("kv_events_replay_address", str, "The KV events' replay endpoint for late subscribers. Default: the next "
                                       "tcp port (any free one with port 0), or ipc://PATH.replay"),
     ("kv_events_topic", str, "Topic of every KV-event message (as vLLM's kv-events-config topic). Default: none"),
+    ("kv_events_auth", str, "Who may subscribe to a tcp:// KV-event stream: curve (clients whose public key is in "
+                            "--kv-events-curve-dir/allowed) or none (anyone who can reach the port; no token ids). "
+                            "Default: curve"),
+    ("kv_events_curve_dir", str, "The KV-event stream's CURVE keys (0700; server and router key pairs made at "
+                                 "first start, allowed/ the accepted public keys). Default: "
+                                 "<runtime dir>/kv-events-curve"),
     ("disk_path", str, "Directory of the disk (NVMe) tier under the pool: blocks evicted from the pool are "
                        "kept there and found again after a restart. Default: none (no disk tier)"),
     ("disk_size", str, "Bytes of the disk tier, with units (e.g. 2TiB; per block size). Required with "
@@ -221,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Integrity mode: checksum each block on store and verify it on load")
     p.add_argument("--cold", action="store_true", default=None,
                    help="Start with an empty pool, even if the previous daemon's could be adopted")
+    p.add_argument("--kv-events-token-ids", action="store_true", default=None,
+                   help="KV events carry each stored block's token ids (prompt content: whoever may subscribe "
+                        "reads the prompts). Off by default: block hashes only")
     return p
 
 
@@ -239,7 +253,7 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
 def _raw_settings(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:
     """Each setting given, flag over ``KVOFFD_*`` environment variable, still unparsed."""
     raw: dict[str, object] = {}
-    for name in [f[0] for f in _FLAGS] + ["allow_remote", "verify", "cold"]:
+    for name in [f[0] for f in _FLAGS] + ["allow_remote", "verify", "cold", "kv_events_token_ids"]:
         v = getattr(args, name)
         if v is None:
             v = env.get("KVOFFD_" + name.upper())
@@ -271,6 +285,9 @@ _PARSERS: dict[str, tuple[str, Callable[[object], object]]] = {
     "kv_events_address": ("kv_events_address", str),
     "kv_events_replay_address": ("kv_events_replay_address", str),
     "kv_events_topic": ("kv_events_topic", str),
+    "kv_events_auth": ("kv_events_auth", _lower),
+    "kv_events_curve_dir": ("kv_events_curve_dir", str),
+    "kv_events_token_ids": ("kv_events_token_ids", _truthy),
     "disk_path": ("disk_path", str),
     "disk_size": ("disk_size", lambda v: parse_size(str(v))),
     "disk_policy": ("disk_policy", _lower),
@@ -330,9 +347,18 @@ def _check(cfg: Config, raw: dict[str, object]) -> None:
 
 def _check_kv_events(cfg: Config) -> None:
     """The event endpoints follow --address's rules (tcp:// binds loopback unless --allow-remote: the
-    stream tells which prompts are cached); the replay endpoint needs the stream's."""
+    stream tells which prompts are cached); the replay endpoint needs the stream's. 'ipc' is the
+    private default: beside the daemon's ipc socket, else in the runtime directory. Both endpoints use
+    one transport (kvoffd/server/outlet.py says why), and token ids never go to anyone who can reach
+    a port."""
     if cfg.kv_events_replay_address and not cfg.kv_events_address:
         raise ConfigError("--kv-events-replay-address needs --kv-events-address")
+    if cfg.kv_events_auth not in ("curve", "none"):
+        raise ConfigError(f"--kv-events-auth must be curve or none, got {cfg.kv_events_auth!r}")
+    if cfg.kv_events_address == "ipc":
+        base = cfg.address[6:] if cfg.address.startswith("ipc://") else os.path.join(
+            os.path.dirname(cfg.auth_token_file) or ".", "kvoffd.sock")
+        cfg.kv_events_address = f"ipc://{base}.events"
     if len(cfg.kv_events_topic.encode()) > 256:
         raise ConfigError("--kv-events-topic must be at most 256 bytes")
     for name in ("kv_events_address", "kv_events_replay_address"):
@@ -345,3 +371,15 @@ def _check_kv_events(cfg: Config) -> None:
                 raise ConfigError(str(e).replace("--address", flag)) from None
     if cfg.kv_events_address and cfg.kv_events_address == cfg.kv_events_replay_address:
         raise ConfigError("--kv-events-replay-address must differ from --kv-events-address")
+    replay = cfg.kv_events_replay_address or cfg.kv_events_address
+    if replay.startswith("ipc://") and not cfg.kv_events_replay_address:  # the default: <path>.replay
+        try:
+            check_address(replay + ".replay", cfg.allow_remote)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("--address", "--kv-events-address (its replay socket)")) from None
+    if replay[:6] != cfg.kv_events_address[:6]:
+        raise ConfigError("--kv-events-replay-address must use the transport of --kv-events-address (both "
+                          "ipc:// or both tcp://)")
+    if cfg.kv_events_token_ids and cfg.kv_events_address.startswith("tcp://") and cfg.kv_events_auth == "none":
+        raise ConfigError("--kv-events-token-ids with --kv-events-auth none would show every prompt to anyone "
+                          "who can reach the port: use --kv-events-auth curve, or an ipc:// stream")

@@ -227,6 +227,19 @@ class Metrics:
                                            "AllBlocksCleared) sent on --kv-events-address", registry=r)
         self.kv_events_dropped = Counter("kvoffd_kv_events_dropped", "KV events dropped before sending: the "
                                          "publisher thread was behind and its queue full", registry=r)
+        self.kv_events_connections = Gauge("kvoffd_kv_events_connections", "Connections to the KV-event "
+                                           "endpoints now, by socket (publish, replay), held by the outlet "
+                                           "process", ["socket"], registry=r)
+        self.kv_events_refused = Counter("kvoffd_kv_events_refused_connections", "Connections to the KV-event "
+                                         "endpoints closed at once: the outlet's descriptor budget was tight",
+                                         registry=r)
+        self.kv_events_denied = Counter("kvoffd_kv_events_denied_handshakes", "CURVE handshakes the KV-event "
+                                        "endpoints refused: a client key not in the allowed directory", registry=r)
+        self.kv_events_replays_dropped = Counter("kvoffd_kv_events_replays_dropped", "Replay requests not "
+                                                 "answered in full: too many waiting, or a peer that read nothing "
+                                                 "for 10 s", registry=r)
+        self.kv_events_outlet_restarts = Counter("kvoffd_kv_events_outlet_restarts", "KV-event outlet processes "
+                                                 "started again after the previous one died", registry=r)
         self.start_time = Gauge("kvoffd_start_time_seconds", "When this daemon started (unix time): a change "
                                 "means a restart, and the cache it held is gone", registry=r)
         self.start_time.set_to_current_time()
@@ -250,6 +263,8 @@ class Metrics:
             self.errors.labels(code.value)
         for ev in ("registered", "unregistered", "disconnected", "timed_out"):
             self.engine_events.labels(ev)
+        for sock in ("publish", "replay"):
+            self.kv_events_connections.labels(sock)
 
     def watch_live_state(self, read_state: Callable[[], dict[str, Any]]) -> None:
         """Export the gauges ``read_state`` gives at each scrape (the server calls it once it has the

@@ -1,4 +1,5 @@
-"""The KV-event publisher on a real Index over a real Pool, with real sockets, in this process.
+"""The KV-event publisher on a real Index over a real Pool, in this process, with its real outlet (the
+process that holds the sockets, kvoffd/server/outlet.py).
 
 What a daemon test cannot hold still: the publisher thread. Here it is held at a real gate (the lock
 of the counter it increments after each send, taken by the test), so that its queue fills for
@@ -19,6 +20,7 @@ from kvoffd.cache.pool import Pool
 from kvoffd.events.publisher import Endpoints, KvEventPublisher
 from kvoffd.events.wire import MEDIUM_DISK, EventIdentity, HashForm
 from kvoffd.metrics import Metrics
+from kvoffd.server.outlet_link import OutletLink
 
 SLOT = 4096
 
@@ -41,6 +43,13 @@ def _wait(pred, timeout_s: float = 30.0) -> bool:
     return pred()
 
 
+def _held(pub: KvEventPublisher) -> bool:
+    """Every batch the publisher handed over is in the outlet's replay ring (published counts a batch
+    once it is on its way to the outlet, another process: a replay asked at once may come first)."""
+    d = pub.describe()
+    return d["outlet"].get("batches") == d["batches_sent"]
+
+
 def _no_state() -> dict:
     return {"pool": dict.fromkeys(("capacity", "used", "pinned", "free_chunks", "total"), 0), "engines": 0,
             "leases": 0, "resident_blocks": 0, "in_flight": {"store": 0, "load": 0}, "oldest_in_flight_s": 0.0}
@@ -49,7 +58,7 @@ def _no_state() -> dict:
 def test_a_publisher_behind_drops_and_counts_and_the_loop_never_waits():
     metrics = Metrics("test", _no_state)
     index = Index(Pool(64 * SLOT, chunk_bytes=64 * SLOT), "lru")
-    pub = KvEventPublisher(Endpoints("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"), metrics, queue_batches=1)
+    pub = KvEventPublisher(OutletLink(Endpoints("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")), metrics, queue_batches=1)
     pub.bind()
     pub.start()
     index.observers.append(pub)
@@ -71,6 +80,7 @@ def test_a_publisher_behind_drops_and_counts_and_the_loop_never_waits():
         gate.release()
     assert _wait(lambda: published._value.get() + dropped._value.get() == 6)
     sent = int(published._value.get())
+    assert _wait(lambda: _held(pub))
     sub = EventSubscriber(pub.bound.publish, pub.bound.replay)
     try:
         assert sub.catch_up() == sent
@@ -87,7 +97,7 @@ def test_another_tier_publishes_under_its_own_medium():
     in the same numbered stream; a namespace without an event identity publishes nothing."""
     metrics = Metrics("test", _no_state)
     index = Index(Pool(64 * SLOT, chunk_bytes=64 * SLOT), "lru")
-    pub = KvEventPublisher(Endpoints("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"), metrics)
+    pub = KvEventPublisher(OutletLink(Endpoints("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")), metrics)
     pub.bind()
     pub.start()
     index.observers.append(pub)
@@ -104,7 +114,7 @@ def test_another_tier_publishes_under_its_own_medium():
 
     asyncio.run(turns())
     published = metrics.kv_events_published
-    assert _wait(lambda: published._value.get() == 3)
+    assert _wait(lambda: published._value.get() == 3 and _held(pub))
     sub = EventSubscriber(pub.bound.publish, pub.bound.replay)
     try:
         assert sub.catch_up() == 3
@@ -141,7 +151,7 @@ def test_adopted_blocks_are_announced_in_slices_that_never_hold_the_loop():
     index = Index(Pool(n * SLOT, chunk_bytes=1024 * SLOT), "lru")
     keys = [_key(i) for i in range(n)]
     entries = _adopt(index, {"pub": keys})
-    pub = KvEventPublisher(Endpoints("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"), metrics)
+    pub = KvEventPublisher(OutletLink(Endpoints("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")), metrics)
     pub.bind()
     pub.start()
     index.observers.append(pub)
@@ -167,7 +177,7 @@ def test_adopted_blocks_are_announced_in_slices_that_never_hold_the_loop():
     asyncio.run(run())
     published = metrics.kv_events_published
     want_events = -(-n // SLICE_KEYS) + len(gone)  # the slices, and a removal event for each
-    assert _wait(lambda: published._value.get() == want_events), published._value.get()
+    assert _wait(lambda: published._value.get() == want_events and _held(pub)), published._value.get()
     sub = EventSubscriber(pub.bound.publish, pub.bound.replay)
     try:
         sub.catch_up()
@@ -193,7 +203,7 @@ def test_adopted_blocks_wait_for_their_identity_and_a_cleared_namespace_is_not_a
     index = Index(Pool(64 * SLOT, chunk_bytes=64 * SLOT), "lru")
     a, b = [_key(i) for i in range(8)], [_key(100 + i) for i in range(4)]
     entries = _adopt(index, {"later": a, "cleared": b})
-    pub = KvEventPublisher(Endpoints("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"), metrics)
+    pub = KvEventPublisher(OutletLink(Endpoints("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")), metrics)
     pub.bind()
     pub.start()
     index.observers.append(pub)
@@ -211,7 +221,7 @@ def test_adopted_blocks_wait_for_their_identity_and_a_cleared_namespace_is_not_a
             await asyncio.sleep(0)
 
     asyncio.run(run())
-    assert _wait(lambda: metrics.kv_events_published._value.get() == 1)
+    assert _wait(lambda: metrics.kv_events_published._value.get() == 1 and _held(pub))
     sub = EventSubscriber(pub.bound.publish, pub.bound.replay)
     try:
         sub.catch_up()

@@ -24,10 +24,10 @@ MiB = 1 << 20
 
 
 def _start(make_daemon, pool: str = "32MiB", *extra: str):
-    d = make_daemon(pool, "--kv-events-address", "tcp://127.0.0.1:0", "--eviction-policy", "lru", *extra,
-                    name="events")
+    """A daemon whose stream is the private default (``--kv-events-address ipc``): beside its socket."""
+    d = make_daemon(pool, "--kv-events-address", "ipc", "--eviction-policy", "lru", *extra, name="events")
     ev = d.client().stats()["daemon"]["kv_events"]
-    assert ev["endpoint"].startswith("tcp://127.0.0.1:") and ev["replay_endpoint"].startswith("tcp://127.0.0.1:")
+    assert ev["endpoint"] == d.address + ".events" and ev["replay_endpoint"] == d.address + ".events.replay", ev
     return d, ev
 
 
@@ -150,18 +150,35 @@ def test_kv_events_config():
     assert load_config([], environ={}).kv_events_address == ""  # off by default
     assert load_config(["--kv-events-address", "tcp://*:5557", "--allow-remote"], environ={}).kv_events_address \
         == "tcp://*:5557"
+    # the private default: beside the daemon's ipc socket, else in the runtime directory
+    cfg = load_config(["--address", "ipc:///run/k/kvoffd.sock", "--kv-events-address", "ipc"], environ={})
+    assert cfg.kv_events_address == "ipc:///run/k/kvoffd.sock.events"
+    cfg = load_config(["--address", "tcp://127.0.0.1:5555", "--auth-token-file", "/run/k/tok",
+                       "--kv-events-address", "ipc"], environ={})
+    assert cfg.kv_events_address == "ipc:///run/k/kvoffd.sock.events"
+    assert (cfg.kv_events_auth, cfg.kv_events_token_ids) == ("curve", False)  # tcp:// takes CURVE; no tokens
+    assert load_config(["--kv-events-address", "tcp://127.0.0.1:5557", "--kv-events-token-ids"],
+                       environ={}).kv_events_token_ids
     for argv, why in ((["--kv-events-address", "tcp://10.1.2.3:5557"], "--kv-events-address"),
                       (["--kv-events-replay-address", "tcp://127.0.0.1:5558"], "needs --kv-events-address"),
                       (["--kv-events-address", "http://x"], "--kv-events-address"),
                       (["--kv-events-address", "tcp://127.0.0.1:5557", "--kv-events-replay-address",
-                        "tcp://127.0.0.1:5557"], "must differ")):
+                        "tcp://127.0.0.1:5557"], "must differ"),
+                      (["--kv-events-address", "tcp://127.0.0.1:5557", "--kv-events-auth", "token"], "curve or none"),
+                      (["--kv-events-address", "tcp://127.0.0.1:5557", "--kv-events-replay-address",
+                        "ipc:///tmp/x/r.sock"], "transport"),
+                      (["--kv-events-address", "tcp://127.0.0.1:5557", "--kv-events-auth", "none",
+                        "--kv-events-token-ids"], "anyone who can reach the port"),
+                      (["--address", "ipc:///tmp/" + "x" * 84 + "/k.sock", "--kv-events-address", "ipc"],
+                       "replay socket")):
         with pytest.raises(ConfigError, match=why):
             load_config(argv, environ={})
 
 
 def test_malformed_replay_requests_are_ignored_and_the_stream_goes_on(make_daemon):
-    """Any local process may connect: bad requests (wrong sizes, extra frames, a 1 MiB frame) are
-    dropped with a rate-limited warning, and a good request is still answered."""
+    """Any process that may connect (the daemon's user, on the default stream): bad requests (wrong
+    sizes, extra frames, a 1 MiB frame) are dropped with a rate-limited warning, and a good request is
+    still answered."""
     import zmq
 
     d, ev = _start(make_daemon)
@@ -200,12 +217,13 @@ def test_malformed_replay_requests_are_ignored_and_the_stream_goes_on(make_daemo
 
 
 def test_described_blocks_carry_their_tokens_and_parents(make_daemon):
-    """What the connector sends a daemon whose HELLO_OK lists `kv_events`: each block's tokens and the
-    key before it. Each such block is its own BlockStored, with its tokens and its parent's hash, as
-    routers that index tokens (llm-d, Dynamo) need; sizes that do not fit are refused."""
+    """What the connector sends a daemon whose HELLO_OK lists `kv_events` (``--kv-events-token-ids``):
+    each block's tokens and the key before it. Each such block is its own BlockStored, with its tokens
+    and its parent's hash, as routers that index tokens (llm-d, Dynamo) need; sizes that do not fit are
+    refused."""
     from kvoffd_client.vllm.events import NO_PARENT, block_tokens
 
-    d, _ = _start(make_daemon)
+    d, _ = _start(make_daemon, "32MiB", "--kv-events-token-ids")
     ev = d.client().stats()["daemon"]["kv_events"]
     eng = ShmEngine(8, 4096, tag="described")
     sub = EventSubscriber(ev["endpoint"], ev["replay_endpoint"])

@@ -25,7 +25,7 @@ IDENTITY = {"hash": "int64", "block_size": 16}
 
 def _args(tmp_path) -> tuple[str, ...]:
     return ("--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB", "--eviction-policy", "lru",
-            "--pool-path", "none", "--kv-events-address", "tcp://127.0.0.1:0")
+            "--pool-path", "none", "--kv-events-address", "ipc")
 
 
 class Rig:

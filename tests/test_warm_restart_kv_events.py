@@ -43,7 +43,7 @@ def pool_path():
 
 def _start(make_daemon, pool_path: str):
     d = make_daemon("64MiB", "--pool-path", pool_path, "--copy-threads", "1", "--eviction-policy", "lru",
-                    "--kv-events-address", "tcp://127.0.0.1:0", name="warm-ev")
+                    "--kv-events-address", "ipc", name="warm-ev")
     return d, d.client().stats()["daemon"]["kv_events"]
 
 

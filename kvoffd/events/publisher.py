@@ -1,13 +1,14 @@
 """The KV-event publisher: an index observer that tells routers what this node's pool holds.
 
 It speaks vLLM's ZmqEventPublisher protocol, so a router that consumes vLLM's KV events needs only a
-second endpoint:
+second endpoint (the sockets are the outlet's, a process of their own: kvoffd/server/outlet.py):
 
 * a PUB socket sends ``[topic, seq, payload]``: ``seq`` an 8-byte big-endian batch number from 0,
   ``payload`` a msgpack EventBatch (kvoffd/events/wire.py);
 * a ROUTER socket answers a replay request ``[b"", start_seq]`` (8 bytes, big-endian) with every
   buffered batch from ``start_seq`` on, each as ``[b"", topic, seq, payload]``, then the end marker
-  ``[b"", b"", -1 as 8 signed bytes, b""]``: a subscriber that joined late or saw a gap catches up.
+  ``[b"", b"", -1 as 8 signed bytes, b""]``: a subscriber that joined late or saw a gap catches up
+  (a window at a time, bounded per peer and in all: kvoffd/server/outlet.py).
 
 Why it is shaped like this:
 
@@ -15,9 +16,13 @@ Why it is shaped like this:
   the loop thread inside its own callbacks; they only append the keys to a list (no encoding, no
   syscall). One flush per loop turn (``call_soon``)
   turns the turn's events into one batch and hands it to the publisher thread through a bounded
-  queue. When the thread is behind, the batch is dropped and counted
+  queue; the thread encodes it and hands it to its ``EventSink`` (the outlet). When the thread is
+  behind, or the outlet cannot take it, the batch is dropped and counted
   (``kvoffd_kv_events_dropped_total``): the loop never waits for a router. Batches are numbered on
   the loop, so a dropped one leaves a gap in ``seq`` that no replay fills: a subscriber can tell.
+* Token ids are prompt content: a ``BlockStored`` carries them only when the operator asked
+  (``--kv-events-token-ids``; HELLO_OK then lists the ``kv_events`` capability, and only then do
+  connectors describe their blocks). Otherwise a description is checked and thrown away.
 * A slow subscriber never slows the daemon or the other subscribers: PUB drops what exceeds its
   per-subscriber high-water mark; that subscriber sees a gap in ``seq`` and asks the replay socket.
 * Only rank 0's table of a namespace is published: a block serves a lookup only once every rank
@@ -42,13 +47,12 @@ import sys
 import threading
 import time
 from array import array
-from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
-import zmq
 
 from kvoffd.cache.index import IndexObserver
 from kvoffd.events.announce import BACKOFF_S, Adopted, Reopened
@@ -72,15 +76,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 QUEUE_BATCHES = 1024  # batches waiting for the publisher thread; beyond, a batch is dropped and counted
 REPLAY_BATCHES = 10_000  # batches kept for replay (vLLM's default buffer_steps)
-PUB_HWM = 100_000  # messages queued per subscriber before ZeroMQ drops for it (vLLM's default)
+#: batches queued per subscriber before ZeroMQ drops for it: as many as replay keeps, so that one idle
+#: subscriber pins no more than the replay buffer (vLLM's 100,000 let it pin ten times that); one that
+#: far behind sees a gap in seq and replays
+PUB_HWM = 10_000
 MAX_NAMESPACES = 4096  # namespaces whose event identity is remembered (oldest forgotten first)
 MAX_DESCRIBED = 1 << 20  # stored blocks whose tokens wait for their commit; beyond, they are not kept
 _NO_PARENT = bytes(KEY_SIZE)
-MAX_INBOUND = 4096  # bytes of any frame a subscriber sends (a bigger one drops its connection)
-_IDLE_S = 0.05  # the thread looks at the replay socket at least this often
+_IDLE_S = 0.05  # the thread looks at its sink (the outlet's reports, its health) at least this often
 
 
 class EventKind(enum.Enum):
@@ -108,6 +113,22 @@ class Endpoints:
     topic: str = ""
 
 
+class EventSink(Protocol):
+    """Where the publisher thread puts each encoded batch (kvoffd/server/outlet_link.py: the outlet)."""
+
+    bound: Endpoints
+
+    def start(self) -> Endpoints: ...
+
+    def send(self, seq: int, payload: bytes) -> bool: ...
+
+    def poll(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
 def replay_endpoint_for(endpoint: str) -> str:
     """The default replay endpoint: the next tcp port (port 0: any free one), or ``<path>.replay``."""
     if endpoint.startswith("tcp://"):
@@ -121,61 +142,45 @@ class KvEventPublisher(IndexObserver):
     needs ``committed`` (BlockStored), ``freeing`` (BlockRemoved) and ``cleared`` (adopted blocks of a
     cleared namespace are not announced); the others stay no-ops."""
 
-    def __init__(self, endpoints: Endpoints, metrics: Metrics, queue_batches: int = QUEUE_BATCHES,
-                 replay_batches: int = REPLAY_BATCHES):
-        self.endpoints = endpoints
+    def __init__(self, sink: EventSink, metrics: Metrics, queue_batches: int = QUEUE_BATCHES,
+                 token_ids: bool = False):
+        self.sink = sink
         self.metrics = metrics
-        self.bound = Endpoints("", "", endpoints.topic)
-        self._topic = endpoints.topic.encode()
+        self.token_ids = token_ids  # --kv-events-token-ids: a BlockStored may carry its tokens
         self._identities: OrderedDict[str, EventIdentity] = OrderedDict()
         self._described: dict[Entry, tuple[bytes, bytes]] = {}  # pending entry -> (tokens, parent key)
         self._pending: list[_Pending] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: queue.Queue[tuple[int, list[_Pending]] | None] = queue.Queue(maxsize=queue_batches)
         self._next_seq = 0  # numbered on the loop: a dropped batch leaves a gap subscribers can see
-        self._replay_buf: deque[tuple[int, bytes]] = deque(maxlen=replay_batches)
-        self._ctx = zmq.Context()
-        self._pub: zmq.Socket | None = None
-        self._replay: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
-        self._bad_replays = 0
+        self._bound = False
         self._adopted = Adopted()  # a warm restart's blocks, announced once their identity is known
         self._announcing: asyncio.Handle | None = None
 
+    @property
+    def bound(self) -> Endpoints:
+        return self.sink.bound
+
     # --- life ---------------------------------------------------------------------------------------
     def bind(self) -> Endpoints:
-        """Bind both sockets (on the caller's thread; the publisher thread owns them from ``start``).
-        Raises OSError with the endpoint named, as the daemon's own bind does."""
-        try:
-            self._pub = self._ctx.socket(zmq.PUB)
-            self._pub.setsockopt(zmq.LINGER, 0)
-            self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
-            self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND)  # subscriptions: a topic, never more
-            self._pub.bind(self.endpoints.publish)
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.setsockopt(zmq.SNDHWM, self._replay_buf.maxlen + 16)  # a whole replay fits
-            self._replay.setsockopt(zmq.RCVHWM, 64)
-            self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND)  # a request is 8 bytes
-            self._replay.bind(self.endpoints.replay)
-        except zmq.ZMQError as e:
-            self.close()
-            raise OSError(f"cannot bind the KV-event sockets ({self.endpoints.publish}, "
-                          f"{self.endpoints.replay}): {e}") from None
-        self.bound = Endpoints(self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
-                               self._replay.getsockopt_string(zmq.LAST_ENDPOINT), self.endpoints.topic)
+        """Bind the endpoints (on the caller's thread, before ``start``). Raises OSError with the
+        endpoints named, as the daemon's own bind does."""
+        if not self._bound:
+            self.sink.start()
+            self._bound = True
         return self.bound
 
     def start(self) -> None:
-        if self._pub is None:
-            self.bind()
+        self.bind()
         self._thread = threading.Thread(target=self._run, name="kvoffd-kv-events", daemon=True)
         self._thread.start()
-        log.info("KV events on %s (replay %s%s)", self.bound.publish, self.bound.replay,
-                 f", topic {self.bound.topic!r}" if self.bound.topic else "")
+        log.info("KV events on %s (replay %s%s)%s", self.bound.publish, self.bound.replay,
+                 f", topic {self.bound.topic!r}" if self.bound.topic else "",
+                 ", with token ids" if self.token_ids else "")
 
     def close(self) -> None:
-        """Send what is queued (the thread drains its queue first), then close the sockets."""
+        """Send what is queued (the thread drains its queue first), then close the sink."""
         if self._announcing is not None:
             self._announcing.cancel()
             self._announcing = None
@@ -184,19 +189,16 @@ class KvEventPublisher(IndexObserver):
             self._queue.put(None)
             self._thread.join(5)
             self._thread = None
-        for s in (self._pub, self._replay):
-            if s is not None:
-                s.close(0)
-        self._pub = self._replay = None
-        if not self._ctx.closed:
-            self._ctx.term()
+        self.sink.close()
 
     def describe(self) -> dict[str, object]:
         m = self.metrics
         return {"endpoint": self.bound.publish, "replay_endpoint": self.bound.replay, "topic": self.bound.topic,
-                "namespaces": len(self._identities), "published": int(m.kv_events_published._value.get()),
+                "token_ids": self.token_ids, "namespaces": len(self._identities),
+                "published": int(m.kv_events_published._value.get()),
                 "dropped": int(m.kv_events_dropped._value.get()), "adopted_announced": self._adopted.announced,
-                "adopted_waiting": self._adopted.pending, "reopened_announced": self._adopted.announced_below}
+                "adopted_waiting": self._adopted.pending, "reopened_announced": self._adopted.announced_below,
+                **self.sink.describe()}
 
     # --- what the server tells it ------------------------------------------------------------------
     def set_identity(self, namespace: str, identity: EventIdentity | None) -> None:
@@ -273,14 +275,15 @@ class KvEventPublisher(IndexObserver):
 
     def check_described(self, namespace: str, rank: int, n: int, tokens: bytes, parents: bytes) -> bool:
         """Whether a STORE's ``tokens``/``parents`` are to be kept for its events (rank 0 of a published
-        namespace); ProtocolError ``bad_field`` when their sizes do not fit ``n`` keys."""
+        namespace, token ids asked for); ProtocolError ``bad_field`` when their sizes do not fit ``n``
+        keys (checked whether they are kept or not)."""
         ident = self._identities.get(namespace)
         want = 4 * n * ident.block_size if ident is not None else None
         if want is not None and (len(tokens) != want or len(parents) != n * KEY_SIZE):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"a STORE of {n} keys describes its blocks with "
                                 f"{len(tokens)} bytes of tokens and {len(parents)} of parents; this namespace "
                                 f"needs {want} ({ident.block_size} tokens per block, uint32) and {n * KEY_SIZE}")
-        return want is not None and rank == 0 and len(self._described) < MAX_DESCRIBED
+        return self.token_ids and want is not None and rank == 0 and len(self._described) < MAX_DESCRIBED
 
     def note_described(self, entries: Sequence[Entry], idx: Sequence[int], tokens: bytes, parents: bytes,
                        block_size: int) -> None:
@@ -371,37 +374,17 @@ class KvEventPublisher(IndexObserver):
                     log.exception("KV events: a batch could not be published")
                     self.metrics.kv_events_dropped.inc(len(batch))
             try:
-                while self._replay.poll(0):
-                    self._serve_replay()
+                self.sink.poll()
             except Exception:
-                log.exception("KV events: a replay request failed")
+                log.exception("KV events: the outlet's reports could not be read")
 
     def _send(self, enc: msgspec.msgpack.Encoder, seq: int, batch: list[_Pending]) -> None:
         events = [_wire(p) for p in batch]
         payload = enc.encode(EventBatch(ts=time.time(), events=events))
-        seq_bytes = seq.to_bytes(8, "big")
-        try:
-            self._pub.send_multipart((self._topic, seq_bytes, payload), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # PUB drops per subscriber itself; a subscriber that misses it replays
-        self._replay_buf.append((seq, payload))
-        self.metrics.kv_events_published.inc(len(events))
-
-    def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart(zmq.NOBLOCK)
-        if len(frames) != 3 or len(frames[2]) != 8:
-            self._bad_replays += 1
-            if self._bad_replays in (1, 10, 100) or self._bad_replays % 1000 == 0:
-                log.warning("KV events: ignoring a malformed replay request (%d frames; %d so far)",
-                            len(frames), self._bad_replays)
-            return
-        client, _, start = frames
-        start_seq = int.from_bytes(start, "big")
-        for seq, payload in list(self._replay_buf):
-            if seq >= start_seq:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload),
-                                            flags=zmq.NOBLOCK)
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+        if self.sink.send(seq, payload):
+            self.metrics.kv_events_published.inc(len(events))
+        else:
+            self.metrics.kv_events_dropped.inc(len(events))
 
 
 def _wire(p: _Pending) -> BlockStored | BlockRemoved | AllBlocksCleared:
@@ -421,12 +404,15 @@ def _wire(p: _Pending) -> BlockStored | BlockRemoved | AllBlocksCleared:
                         ownership=OWNERSHIP)
 
 
-def make_publisher(cfg: Config, metrics: Metrics, index: Index) -> KvEventPublisher | None:
-    """The publisher ``--kv-events-address`` asks for (None when off), watching ``index``."""
+def make_publisher(cfg: Config, metrics: Metrics, index: Index,
+                   sink: Callable[[Endpoints], EventSink]) -> KvEventPublisher | None:
+    """The publisher ``--kv-events-address`` asks for (None when off), watching ``index``; ``sink``
+    makes where its batches go from the endpoints (the server's outlet: kvoffd/server/outlet_link.py)."""
     if not cfg.kv_events_address:
         return None
     replay = cfg.kv_events_replay_address or replay_endpoint_for(cfg.kv_events_address)
-    pub = KvEventPublisher(Endpoints(cfg.kv_events_address, replay, cfg.kv_events_topic), metrics)
+    pub = KvEventPublisher(sink(Endpoints(cfg.kv_events_address, replay, cfg.kv_events_topic)), metrics,
+                           token_ids=cfg.kv_events_token_ids)
     index.observers.append(pub)
     return pub
 

@@ -7,8 +7,9 @@ in ``"type"``. The fields vLLM declares without a default are always written, No
 decoder refuses an event that lacks one. A test decodes these bytes with vLLM's own classes
 (tests/vllm/test_kv_events.py), so a drift in vLLM's format shows there.
 
-The daemon never sees tokens: a ``BlockStored`` carries the block hashes, ``token_ids=[]`` and no
-parent, as vLLM's own OffloadingConnector does for a block whose request it no longer knows.
+A ``BlockStored`` carries the block hashes; its token ids and parent only with
+``--kv-events-token-ids`` (prompt content). Without them it has ``token_ids=[]`` and no parent, as
+vLLM's own OffloadingConnector does for a block whose request it no longer knows.
 """
 
 from __future__ import annotations

@@ -88,15 +88,21 @@ def _adopted(p: dict) -> str:
 
 
 def kv_events_line(ev: Any) -> str:
-    """The KV-event endpoints (--kv-events-address), or "off"; after a warm restart, how many adopted
-    blocks were announced and how many wait for their namespace's identity (an engine's REGISTER)."""
+    """The KV-event endpoints (--kv-events-address), or "off"; who may subscribe (ipc, curve, none) and
+    whether token ids go out; after a warm restart, how many adopted blocks were announced and how many
+    wait for their namespace's identity (an engine's REGISTER); the outlet's connections."""
     if not isinstance(ev, dict) or not ev.get("endpoint"):
         return "off"
     topic = f", topic {ev['topic']!r}" if ev.get("topic") else ""
     adopted = (f"; adopted blocks: {ev.get('adopted_announced', 0):,} announced, {ev.get('adopted_waiting', 0):,} "
                "waiting for a REGISTER" if ev.get("adopted_announced") or ev.get("adopted_waiting") else "")
-    return (f"{ev['endpoint']} (replay {ev.get('replay_endpoint', '?')}{topic}; "
-            f"{ev.get('published', 0):,} published, {ev.get('dropped', 0):,} dropped{adopted})")
+    access = f"; {ev['auth']}{', token ids' if ev.get('token_ids') else ''}" if ev.get("auth") else ""
+    conns = ev.get("connections") or {}
+    held = (f"; {conns.get('publish', 0)} subscribers, {conns.get('replay', 0)} replay connections"
+            + (f", outlet restarted {ev['outlet_restarts']} times" if ev.get("outlet_restarts") else "")
+            if conns else "")
+    return (f"{ev['endpoint']} (replay {ev.get('replay_endpoint', '?')}{topic}{access}; "
+            f"{ev.get('published', 0):,} published, {ev.get('dropped', 0):,} dropped{adopted}{held})")
 
 
 def tier_line(t: dict[str, Any]) -> str:

@@ -170,6 +170,7 @@ class ListenerGuard:
         self.paused = False
         self.pauses = 0
         self.refused = 0
+        self.connections = 0  # this socket's share of budget.zmq_conns
         addr = f"inproc://kvoffd-monitor-{id(self):x}"
         sock.monitor(addr, _ACCEPTED | _DISCONNECTED)
         self.mon = ctx.socket(zmq.PAIR)
@@ -196,8 +197,10 @@ class ListenerGuard:
             ev = int.from_bytes(head[:2], "little")
             if ev == _ACCEPTED:
                 self.budget.zmq_conns += 1
+                self.connections += 1
             elif ev == _DISCONNECTED:
                 self.budget.zmq_conns -= 1
+                self.connections -= 1
         self.check()
         return more
 

@@ -47,6 +47,7 @@ from kvoffd.server.limits import (
     REAP_EVERY_S,
     TRACKED_REPLY_BYTES,
 )
+from kvoffd.server.outlet_link import outlet_for
 from kvoffd.server.register import Registrar
 from kvoffd.server.sessions import Engine, Sessions
 from kvoffd.topology import parse_numa_map, read_topology
@@ -109,10 +110,11 @@ class Server:
         self.by_kind = by_kind(self.backends)
         self.fds = FdBudget()
         self.metrics = Metrics(__version__)
-        self.kv_events = make_publisher(cfg, self.metrics, self.index)  # --kv-events-address (None: off)
+        # --kv-events-address (None: off); its endpoints are another process's (kvoffd/server/outlet.py)
+        self.kv_events = make_publisher(cfg, self.metrics, self.index, outlet_for(cfg, self.metrics))
         self.sessions = Sessions(daemon_id=self.daemon_id, index=self.index, metrics=self.metrics, fds=self.fds,
                                  by_kind=self.by_kind, engine_timeout_s=cfg.engine_timeout_s, reply=self._send,
-                                 capabilities=("kv_events",) if self.kv_events is not None else ())
+                                 capabilities=("kv_events",) if self.kv_events and self.kv_events.token_ids else ())
         self.registrar = Registrar(sessions=self.sessions, index=self.index, pool=self.pool, metrics=self.metrics,
                                    fds=self.fds, by_kind=self.by_kind, kv_events=self.kv_events,
                                    topology=self.topology, persist=self.persist)

@@ -8,26 +8,46 @@ format), or vLLM's own ``msgspec.msgpack.Decoder(KVEventBatch).decode`` in tests
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import zmq
+import zmq.auth
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+def router_keys(curve_dir: str) -> tuple[bytes, bytes, bytes]:
+    """(server public, client public, client secret): what an allowed router holds of a daemon's
+    --kv-events-curve-dir (its ``server.key`` and ``router.key_secret``)."""
+    server, _ = zmq.auth.load_certificate(os.path.join(curve_dir, "server.key"))
+    public, secret = zmq.auth.load_certificate(os.path.join(curve_dir, "router.key_secret"))
+    return server, public, secret
+
+
+def stream_keys(ev: dict) -> tuple[bytes, bytes, bytes] | None:
+    """The router keys for the stream STATS describes (None: it takes no CURVE)."""
+    return router_keys(ev["curve_dir"]) if ev.get("auth") == "curve" else None
+
+
 class EventSubscriber:
+    """``curve``: (server public, client public, client secret) for a CURVE stream (``router_keys``)."""
+
     def __init__(self, endpoint: str, replay_endpoint: str, topic: bytes = b"",
-                 decode: Callable[[bytes], Any] | None = None):
+                 decode: Callable[[bytes], Any] | None = None, curve: tuple[bytes, bytes, bytes] | None = None):
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.connect(endpoint)
         self.replay = self.ctx.socket(zmq.DEALER)
         self.replay.setsockopt(zmq.LINGER, 0)
+        for s in (self.sub, self.replay):
+            if curve is not None:
+                s.curve_serverkey, s.curve_publickey, s.curve_secretkey = curve
+        self.sub.connect(endpoint)
         self.replay.connect(replay_endpoint)
         self.decode = decode or (lambda b: msgpack.unpackb(b, raw=False))
         self.batches: dict[int, Any] = {}  # seq -> decoded batch

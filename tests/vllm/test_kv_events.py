@@ -57,7 +57,7 @@ def test_kv_events_name_vllms_hashes_and_match_the_daemons_index(tiny_model, tmp
     (tmp_path / "d").mkdir()
     # 32 KiB blocks (tiny Llama, fp32, 32 tokens): the 1 MiB pool holds 32, the prompts need 48
     d = Daemon(tmp_path / "d", pool="1MiB",
-               extra=("--kv-events-address", "tcp://127.0.0.1:0", "--eviction-policy", "lru")).start()
+               extra=("--kv-events-address", "ipc", "--kv-events-token-ids", "--eviction-policy", "lru")).start()
     ev = d.stats()["daemon"]["kv_events"]
     decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
     own = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{tmp_path}/vllm-ev",
@@ -150,7 +150,7 @@ def test_after_a_warm_restart_the_stream_announces_the_adopted_blocks(tiny_model
     shm = f"/dev/shm/kvtest-ev-vllm-{uuid.uuid4().hex[:10]}"
     os.makedirs(shm, mode=0o700)
     d = Daemon(tmp_path / "d", pool="8MiB", pool_path=f"{shm}/kvoffd.pool",
-               extra=("--kv-events-address", "tcp://127.0.0.1:0")).start()
+               extra=("--kv-events-address", "ipc")).start()
     decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
     own = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{tmp_path}/vllm-ev",
                          replay_endpoint=f"ipc://{tmp_path}/vllm-ev-replay")
