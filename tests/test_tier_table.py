@@ -4,6 +4,7 @@ size imports what fits, and a table filled to its capacity places (nearly) every
 
 from __future__ import annotations
 
+import os
 import shutil
 import sysconfig
 
@@ -182,3 +183,45 @@ def test_the_kernels_agree_after_random_inserts_and_removals(seed, n):
             table_module._probe = kern
         assert c.tolist() == ref.tolist()
         assert t.probe(tid, asked.tobytes()) == ref_lead
+
+
+@pytest.mark.parametrize("writer", ["c", "python"])
+def test_the_file_follows_the_table_and_is_reserved_whole(tmp_path, writer, monkeypatch):
+    """The index file is written behind the table by its writer thread (kvoffd/cache/tiers/tablefile.py),
+    by the compiled ``write_pages`` or by the Python loop it replaces: once ``wait`` says a change is
+    written, the file holds exactly the memory (header and every record), its space is allocated whole
+    at creation (no hole a write could find the file system full in), it reopens to the same records,
+    and a file truncated under the table is written whole again at the next change."""
+    from kvoffd.cache.tiers import tablefile
+
+    if writer == "python":
+        monkeypatch.setattr(tablefile, "_probe", None)
+    elif tablefile._probe is None:
+        pytest.skip("the compiled kernel is not built here")
+    path = tmp_path / "index-4096.kvx"
+    rng = np.random.default_rng(11)
+    t = BlockTable(20_000, str(path))
+    assert os.stat(path).st_blocks * 512 >= os.path.getsize(path) == tablefile.file_bytes(t.cap)
+    assert (t._file._scratch is None) == (writer == "python")
+    live = []
+    for _ in range(12):
+        k = _keys(rng, 700)
+        pos = t.insert(2, k, rng.integers(0, 20_000, 700).astype(np.uint32), np.arange(700, dtype=np.uint32))
+        live.append((k, pos))
+        if len(live) > 3:
+            _, old = live.pop(0)
+            t.remove(old[old >= 0])
+    assert t.wait(t.mark(), 10)
+    on_disk = path.read_bytes()
+    assert on_disk == bytes(t._file.image), "the file is not the table's memory"
+    os.truncate(path, 0)
+    k = _keys(rng, 10)
+    t.insert(2, k, np.arange(10, dtype=np.uint32), np.zeros(10, dtype=np.uint32))
+    assert t.wait(t.mark(), 10) and t._file.rewrites == 1
+    assert path.read_bytes() == bytes(t._file.image)
+    t.close()
+    u = BlockTable(20_000, str(path))
+    assert u.used == t.used and u.note == ""
+    for keys, pos in live:
+        assert (u.lookup(2, keys) == pos).all()
+    u.close()

@@ -3,8 +3,18 @@
 Layout of ``--disk-path``: ``LOCK`` (one daemon per directory), ``tables.json`` (table id -> namespace,
 rank, world size and layout), and per block size ``blocks-<bytes>.dat`` (slot ``i`` at ``i * stride``,
 ``stride`` = the block size rounded up to 4 KiB, the file sparse until written) with
-``index-<bytes>.kvx`` (:class:`~kvoffd.cache.tiers.table.BlockTable`). ``--disk-size`` bounds each
-block size's file (a daemon serves one model, so one block size, in the usual case).
+``index-<bytes>.kvx`` (:class:`~kvoffd.cache.tiers.table.BlockTable`, its space reserved when made).
+``--disk-size`` bounds each block size's file (a daemon serves one model, so one block size, in the
+usual case).
+
+Trust: the directory must be the daemon's user's (or root's) and writable by no one else, and is not a
+symlink (kvoffd/runtime.py ``open_private_dir``; else the tier is disabled with the reason): whoever
+can write there could plant blocks with matching checksums, or a symlink that makes the daemon write
+over another file. Every file is opened under the directory's descriptor with O_NOFOLLOW and kept
+0600. What the files say is checked as data, not trusted: a ``tables.json`` of the wrong shape, a
+damaged index or a stray ``index-*.kvx.old`` costs the blocks it describes (a colder tier, one log
+line), never the start, and a block is served only once its bytes match the checksum of its key and
+data, verified on the I/O thread that read it (``diskio.read_blocks``).
 
 Slots are reused by CLOCK with a 2-bit count (raised by each read and each re-spill, lowered by each
 pass of the hand): a block found again n times survives n more sweeps (up to 3). With ``--disk-policy
@@ -28,10 +38,13 @@ record is still the one found at start (a removal clears its mark), and once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
+import itertools
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +58,7 @@ from kvoffd.cache.tiers.ghost import GhostFilter
 from kvoffd.cache.tiers.iopool import READ, WRITE, IoPool
 from kvoffd.cache.tiers.table import FEW, KERNEL, BlockTable, keys_u64
 from kvoffd.events.wire import MEDIUM_DISK
+from kvoffd.runtime import open_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +68,10 @@ REF_MAX = 3  # CLOCK with a 2-bit count: 77.5% vs 75.7% of unbounded for 1 bit (
 GHOST_REF = 2  # the count a returning block starts at (simulated with an exact ghost: 79.0% at 2, 79.4% at 3 = the cap)
 GHOST_SEGMENT = 1.0  # keys per filter segment, x the slots: a victim is remembered for 1-2 x slots evictions
 DISK_THREADS = max(2, min(8, os.cpu_count() or 2))  # reads verify a crc32 each: the threads are also the checksum cores
+INDEX_WAIT_S = 30.0  # a spill waits at most this long for its slots' old records to leave the index file
+MAX_TID = 0xFFFFFFFF  # table ids are 32-bit in the index (0: an empty record)
 _KEY = 32
+_INDEX_NAME = re.compile(r"index-([1-9][0-9]{0,11})\.kvx")
 
 
 @dataclass
@@ -94,12 +111,18 @@ class DiskTier:
         self.path = path
         self.size = size
         self.policy = policy
-        os.makedirs(path, exist_ok=True)
-        self._lock = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._dir = open_private_dir(path, "--disk-path")  # every file below is opened under it
+        try:
+            self._lock = os.open("LOCK", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                 dir_fd=self._dir)
+        except OSError:
+            os.close(self._dir)
+            raise
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock)
+            os.close(self._dir)
             raise OSError(f"--disk-path {path} is in use by another kvoffd") from None
         self._tids: dict[TableRef, int] = {}
         self._refs: dict[int, TableRef] = {}  # tid -> its table
@@ -116,37 +139,60 @@ class DiskTier:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.st = TierStats(self.name, capacity_bytes=size)
         self._direct_note = ""
-        for f in sorted(os.listdir(path)):  # the block sizes kept before a restart: found again now
-            if f.startswith("index-") and f.endswith(".kvx") and f[6:-4].isdigit():
-                self._cls(int(f[6:-4]))
+        self._index_errors = 0  # of the index files' failed writes, those counted in ``st.io_errors``
+        for f in sorted(os.listdir(self._dir)):  # the block sizes kept before a restart: found again now
+            m = _INDEX_NAME.fullmatch(f)
+            if m:
+                self._cls(int(m.group(1)))
 
     # --- tables and size classes ------------------------------------------------------------------
     def _load_tables(self) -> None:
+        """The tables of ``tables.json``. What is not a table of the right shape is left out (its blocks
+        are then dropped as unknown: a colder tier), with one log line, never an error at start."""
         p = os.path.join(self.path, "tables.json")
         try:
-            with open(p) as f:
-                rows = json.load(f)["tables"]
+            fd = os.open("tables.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir)
+            with os.fdopen(fd, "rb") as f:
+                doc = json.loads(f.read(64 << 20))
         except FileNotFoundError:
             return
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             log.error("disk tier: %s unreadable (%s): its blocks are not served", p, e)
             return
-        for r in rows:
-            ref = TableRef(str(r["namespace"]), int(r["rank"]), int(r["world_size"]), tuple(r["layout"]))
-            self._tids[ref] = int(r["tid"])
-            self._refs[int(r["tid"])] = ref
-            self._namespaces[int(r["tid"])] = ref.namespace
+        rows = doc.get("tables") if isinstance(doc, dict) else None
+        if not isinstance(rows, list):
+            log.error("disk tier: %s is not {\"tables\": [...]}: its blocks are not served", p)
+            return
+        parsed = [_table_row(r) for r in rows]
+        ids = [g[0] for g in parsed if g is not None]
+        twice = {t for t in ids if ids.count(t) > 1} if len(set(ids)) < len(ids) else set()
+        refs: dict[int, TableRef] = {}
+        for got in parsed:  # a table id said twice: none of its rows can be trusted
+            if got is not None and got[0] not in twice and got[1] not in refs.values():
+                refs[got[0]] = got[1]
+        bad = len(rows) - len(refs)
+        if bad:
+            log.error("disk tier: %s: %d of %d tables are not of the right shape or repeat another; their "
+                      "blocks are not served", p, bad, len(rows))
+        for tid, ref in refs.items():
+            self._tids[ref] = tid
+            self._refs[tid] = ref
+            self._namespaces[tid] = ref.namespace
 
     def _save_tables(self) -> None:
         rows = [{"tid": t, "namespace": r.namespace, "rank": r.rank, "world_size": r.world_size,
                  "layout": list(r.layout)} for r, t in self._tids.items()]
         p = os.path.join(self.path, "tables.json")
         try:
-            with open(p + ".tmp", "w") as f:
+            with contextlib.suppress(FileNotFoundError):  # a leftover (or anything else by that name) goes
+                os.unlink("tables.json.tmp", dir_fd=self._dir)
+            fd = os.open("tables.json.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600, dir_fd=self._dir)
+            with os.fdopen(fd, "w") as f:
                 json.dump({"tables": rows}, f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(p + ".tmp", p)
+            os.rename("tables.json.tmp", "tables.json", src_dir_fd=self._dir, dst_dir_fd=self._dir)
         except OSError as e:  # the table works until the restart; its blocks are then not found
             self.st.io_errors += 1
             log.error("disk tier: cannot save %s: %s", p, e)
@@ -154,7 +200,10 @@ class DiskTier:
     def _tid(self, ref: TableRef, create: bool) -> int:
         tid = self._tids.get(ref)
         if tid is None and create:
-            tid = self._tids[ref] = max(self._tids.values(), default=0) + 1
+            tid = max(self._refs, default=0) + 1
+            if tid > MAX_TID:  # ids are never reused while known, so this takes a free one below
+                tid = next(t for t in itertools.count(1) if t not in self._refs)
+            self._tids[ref] = tid
             self._refs[tid] = ref
             self._namespaces[tid] = ref.namespace
             self._save_tables()
@@ -165,24 +214,32 @@ class DiskTier:
         if c is not None or slot_bytes in self._broken:
             return c
         stride = -(-slot_bytes // diskio.ALIGN) * diskio.ALIGN
-        nslots = self.size // stride
+        nslots = min(self.size // stride, int(NONE) - 1) if slot_bytes > 0 else 0  # slot numbers are 32-bit
+        files = table = None
         try:
             if nslots < 1:
                 raise OSError(f"--disk-size {self.size} holds no block of {slot_bytes} bytes")
-            files, why = diskio.open_files(os.path.join(self.path, f"blocks-{slot_bytes}.dat"), stride)
-            table = BlockTable(nslots, os.path.join(self.path, f"index-{slot_bytes}.kvx"))
-        except (OSError, ValueError) as e:
+            files, why = diskio.open_files(f"blocks-{slot_bytes}.dat", stride, self._dir)
+            table = BlockTable(nslots, f"index-{slot_bytes}.kvx", dir_fd=self._dir)
+            if table.note:
+                log.error("disk tier %s: %s", self.path, table.note)
+            ghost = GhostFilter(int(nslots * GHOST_SEGMENT)) if self.policy == "clock2-ghost" else None
+            c = _SizeClass(slot_bytes, nslots, files, table, np.full(nslots, NONE, dtype=np.uint32),
+                           np.zeros(nslots, dtype=np.uint8), np.zeros(nslots, dtype=np.uint16), ghost)
+            self._adopt(c)
+        except Exception as e:  # a size class that cannot be opened is left out, never the tier or the daemon
             self.st.io_errors += 1
             self._broken[slot_bytes] = str(e)
-            log.error("disk tier: blocks of %d bytes cannot be kept: %s", slot_bytes, e)
+            log.error("disk tier %s: blocks of %d bytes cannot be kept: %s", self.path, slot_bytes, e,
+                      exc_info=not isinstance(e, OSError))
+            if table is not None:
+                table.close()
+            if files is not None:
+                _close_files(files)
             return None
         if why and not self._direct_note:
             log.warning("disk tier %s: %s", self.path, why)  # once per tier
         self._direct_note = self._direct_note or why
-        ghost = GhostFilter(int(nslots * GHOST_SEGMENT)) if self.policy == "clock2-ghost" else None
-        c = _SizeClass(slot_bytes, nslots, files, table, np.full(nslots, NONE, dtype=np.uint32),
-                       np.zeros(nslots, dtype=np.uint8), np.zeros(nslots, dtype=np.uint16), ghost)
-        self._adopt(c)
         self._classes[slot_bytes] = c
         threading.Thread(target=self._lock_index, args=(slot_bytes, table), name="kvoffd-index-lock",
                          daemon=True).start()
@@ -352,6 +409,26 @@ class DiskTier:
         return fut
 
     def _read_done(self, c: _SizeClass, batch: _Batch, n: int, part: diskio.Blocks, res) -> None:
+        """One task of a read landed. The future resolves once all have (never before: a task still
+        running writes into its destination), whatever the bookkeeping raises (then those blocks fail)."""
+        try:
+            oks = self._read_landed(c, part, res)
+        except Exception:
+            log.exception("disk tier: a read's bookkeeping failed; its %d blocks are misses", len(part))
+            oks = [False] * len(part)
+        batch.results.append((part, oks))
+        batch.left -= 1
+        if batch.left:
+            return
+        out = np.zeros(n, dtype=bool)
+        for p, ok in batch.results:
+            out[p.at] = ok
+        self.st.promotions += int(out.sum())
+        self.st.promotion_failures += sum(len(p) for p, _ in batch.results) - int(out.sum())
+        if not batch.fut.done():
+            batch.fut.set_result(out)
+
+    def _read_landed(self, c: _SizeClass, part: diskio.Blocks, res) -> list[bool]:
         if isinstance(res, Exception):
             res = diskio.ReadResult(ok=[False] * len(part), io_errors=len(part), first_error=str(res))
         c.busy[np.array(part.slots, dtype=np.int64)] -= 1
@@ -366,17 +443,7 @@ class DiskTier:
         bad = [j for j, ok in enumerate(res.ok) if not ok]
         if bad:  # never served again: forget the records that still name these bytes
             self._forget_slots(c, [part.slots[j] for j in bad], [part.crcs[j] for j in bad])
-        batch.results.append((part, res.ok))
-        batch.left -= 1
-        if batch.left:
-            return
-        out = np.zeros(n, dtype=bool)
-        for p, oks in batch.results:
-            out[p.at] = oks
-        st.promotions += int(out.sum())
-        st.promotion_failures += sum(len(p) for p, _ in batch.results) - int(out.sum())
-        if not batch.fut.done():
-            batch.fut.set_result(out)
+        return res.ok
 
     def _forget_slots(self, c: _SizeClass, slots: list[int], crcs: list[int]) -> None:
         s = np.array(slots, dtype=np.int64)
@@ -419,12 +486,34 @@ class DiskTier:
             blocks = diskio.Blocks(slots.tolist(), keys_u64(keys)[todo].tobytes(), [src[i] for i in todo], todo)
         tasks = blocks.split(_per_task(c.slot_bytes))
         batch = _Batch(fut, len(tasks), results=[out, tid, self._gen.get(tid, 0)])
+        mark = c.table.mark()  # the evicted slots' records removed above: out in the file before their bytes change
+
+        def ready() -> bool:
+            return c.table.wait(mark, INDEX_WAIT_S)
+
         for part in tasks:
-            self._io.submit(WRITE, lambda p=part: diskio.write_blocks(c.files, p),
+            self._io.submit(WRITE, lambda p=part: diskio.write_blocks(c.files, p, ready),
                             lambda res, p=part: self._write_done(c, batch, p, res))
         return fut
 
     def _write_done(self, c: _SizeClass, batch: _Batch, part: diskio.Blocks, res) -> None:
+        """One task of a spill landed. The future resolves once all have (never before: a task still
+        running reads its source slots), whatever the bookkeeping raises (then those blocks are dropped)."""
+        out = batch.results[0]
+        try:
+            self._write_landed(c, batch, part, res)
+        except Exception:
+            log.exception("disk tier: a spill's bookkeeping failed; its %d blocks are dropped", len(part))
+            for i in part.at:
+                if out[i] is SpillResult.WRITTEN:
+                    out[i] = SpillResult.ERROR
+        batch.left -= 1
+        if not batch.left:
+            self._count_spills(out)
+            if not batch.fut.done():
+                batch.fut.set_result(out)
+
+    def _write_landed(self, c: _SizeClass, batch: _Batch, part: diskio.Blocks, res) -> None:
         out, tid, gen = batch.results
         if isinstance(res, Exception):
             res = diskio.WriteResult(crcs=[0] * len(part), ok=[False] * len(part), full=[False] * len(part),
@@ -453,10 +542,6 @@ class DiskTier:
                 self._tell(c, pos[placed], removed=False)
             for j in written[keep][~placed].tolist():
                 out[part.at[j]] = SpillResult.FULL
-        batch.left -= 1
-        if not batch.left:
-            self._count_spills(out)
-            batch.fut.set_result(out)
 
     def _count_spills(self, out: list[SpillResult]) -> None:
         for r in out:
@@ -525,6 +610,9 @@ class DiskTier:
 
     def stats(self) -> TierStats:
         st = self.st
+        index_errors = sum(c.table.write_errors for c in self._classes.values())
+        st.io_errors += index_errors - self._index_errors  # the index files' failed writes (their own thread)
+        self._index_errors = index_errors
         st.resident_blocks = sum(c.table.used for c in self._classes.values())
         st.resident_bytes = sum(c.table.used * c.slot_bytes for c in self._classes.values())
         st.index_bytes = sum(c.table.memory_bytes + c.nslots * 7 + (c.ghost.nbytes if c.ghost else 0)
@@ -542,10 +630,28 @@ class DiskTier:
                 c.table.flush()
             except OSError as e:
                 log.error("disk tier: cannot flush the index of %d-byte blocks: %s", c.slot_bytes, e)
-            os.close(c.files.fd)
-            if c.files.dfd >= 0:
-                os.close(c.files.dfd)
+            c.table.close()
+            _close_files(c.files)
         os.close(self._lock)
+        os.close(self._dir)
+
+
+def _close_files(files: diskio.Files) -> None:
+    os.close(files.fd)
+    if files.dfd >= 0:
+        os.close(files.dfd)
+
+
+def _table_row(r: object) -> tuple[int, TableRef] | None:
+    """A ``tables.json`` row as (table id, table), None unless it has the shape this daemon writes."""
+    if not isinstance(r, dict):
+        return None
+    tid, ns, rank, world, layout = (r.get(k) for k in ("tid", "namespace", "rank", "world_size", "layout"))
+    ints = all(type(v) is int for v in (tid, rank, world))  # (not bool)
+    if not (ints and isinstance(ns, str) and isinstance(layout, list) and layout and 0 < tid <= MAX_TID
+            and 0 <= rank < world <= 1 << 16 and all(type(x) is int and 0 < x < 1 << 40 for x in layout)):
+        return None
+    return tid, TableRef(ns, rank, world, tuple(layout))
 
 
 def _per_task(slot_bytes: int) -> int:

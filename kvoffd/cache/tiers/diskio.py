@@ -11,14 +11,18 @@ of 8 (all real layouts) is two numpy reductions over the block's 64-bit words, t
 sum weighted by position (4x crc32's speed measured here, and numpy releases the GIL), folded to 32
 bits with the key's crc32: any single changed word, any two changed words, a stale or torn sector
 and a sector written in the wrong place all change it (but for a 2^-32 chance from the fold); a
-crafted collision is not the threat here (the file is the daemon's own, 0600).
+crafted collision is not the threat here: the files are the daemon's own, 0600, in a directory only
+its user can write (kvoffd/runtime.py ``open_private_dir``), so no one else can plant a block with a
+matching sum.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -130,9 +134,15 @@ class WriteResult:
     first_error: str = ""
 
 
-def write_blocks(files: Files, blocks: Blocks) -> WriteResult:
+def write_blocks(files: Files, blocks: Blocks, ready: Callable[[], bool] | None = None) -> WriteResult:
+    """Write each block to its slot and return its checksum. ``ready`` is asked first: the slots' old
+    records must be removed from the index file before their bytes change; False drops the batch."""
     n_blocks = len(blocks)
     res = WriteResult(crcs=[0] * n_blocks, ok=[False] * n_blocks, full=[False] * n_blocks)
+    if ready is not None and not ready():
+        res.io_errors = n_blocks
+        res.first_error = "the index file is not written (its writer is stuck or closed)"
+        return res
     for j, (slot, src) in enumerate(zip(blocks.slots, blocks.bufs, strict=True)):
         res.crcs[j] = block_crc(blocks.key(j), src)
         try:
@@ -153,10 +163,20 @@ def write_blocks(files: Files, blocks: Blocks) -> WriteResult:
     return res
 
 
-def open_files(path: str, stride: int) -> tuple[Files, str]:
-    """The data file, buffered and (where supported) O_DIRECT; the second value says why direct I/O is
-    off ("" when on)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def open_files(name: str, stride: int, dir_fd: int | None = None) -> tuple[Files, str]:
+    """The data file ``name`` (under ``dir_fd``), buffered and (where supported) O_DIRECT, never through a
+    symlink, a regular file of mode 0600; the second value says why direct I/O is off ("" when on)."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(name, flags | os.O_CREAT, 0o600, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{name} is not a regular file")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
     why = ""
     dfd = -1
     flag = getattr(os, "O_DIRECT", 0)
@@ -164,7 +184,11 @@ def open_files(path: str, stride: int) -> tuple[Files, str]:
         why = "O_DIRECT is not available on this platform"
     else:
         try:
-            dfd = os.open(path, os.O_RDWR | os.O_CLOEXEC | flag)
+            dfd = os.open(name, flags | flag, dir_fd=dir_fd)
+            if not os.path.samestat(os.fstat(dfd), st):  # replaced between the two opens
+                os.close(dfd)
+                dfd = -1
+                why = f"{name} changed while it was opened; using the page cache"
         except OSError as e:
             why = f"the file system refuses O_DIRECT ({e.strerror}); using the page cache"
     return Files(fd, dfd, stride), why

@@ -40,6 +40,7 @@ from kvoffd.cache.checksum import block_sum
 from kvoffd.cache.deferral import AHEAD_SHARE
 from kvoffd.cache.index import Entry, Hits, Index, IndexObserver, StorePlan, Table
 from kvoffd.cache.tiers.base import SpillResult, TableRef, Tier, TierEvents, TierStats
+from kvoffd.runtime import UnsafePath
 from kvoffd_client.protocol import KEY_SIZE, MissReason, split_keys
 
 log = logging.getLogger(__name__)
@@ -537,15 +538,16 @@ def _views(buf: np.ndarray, slots: Sequence[int], size: int) -> list[memoryview]
 
 def make_tiers(index: Index, disk_path: str, disk_size: int, verify: bool, disk_policy: str = "clock2-ghost"
                ) -> Tiers:
-    """The tiers the configuration asks for. A tier that cannot start (an unusable ``--disk-path``) is
-    logged and left out: the daemon serves from the pool alone rather than not at all."""
+    """The tiers the configuration asks for. A tier that cannot start (an unusable ``--disk-path``, or
+    one another user could write) is logged and left out: the daemon serves from the pool alone rather
+    than not at all."""
     tiers: list[Tier] = []
     disabled = ""
     if disk_path:
         from kvoffd.cache.tiers.disk import DiskTier
         try:
             tiers.append(DiskTier(disk_path, disk_size, policy=disk_policy))
-        except OSError as e:
+        except (OSError, UnsafePath) as e:
             disabled = f"disk tier disabled: {e}"
             log.error("%s; serving from the pool alone", disabled)
     out = Tiers(index, tiers, verify)

@@ -2,9 +2,10 @@
 
 Why not a dict of Entry objects: the DRAM index costs ~530 bytes per block (issue 15), which at the
 67M blocks of a 16 TiB disk tier would be 35 GB. Here a block is one 44-byte record in a numpy
-structured array at a load factor of 0.6 (73 bytes per block), and the array *is* the file: it is a
-``numpy.memmap`` next to the data, so it survives a restart and a SIGKILL (the kernel keeps the dirty
-pages) without a write-ahead log.
+structured array at a load factor of 0.6 (73 bytes per block), kept in private memory and mirrored
+in a file next to the data (kvoffd/cache/tiers/tablefile.py: read once at open, each change written
+back with ``pwrite`` by one thread, never a mapping of the file, which a full or truncated file system
+would answer with SIGBUS), so it survives a restart and a SIGKILL without a write-ahead log.
 
 Layout: buckets of ``BUCKET`` records; a key may live in either of two buckets (its first and second
 key words, mixed with the table id, pick them: the key is already a hash) and goes to the emptier
@@ -24,15 +25,14 @@ Both run in the compiled kernel (kvoffd/cache/tiers/_probe.c, one call per batch
 keys) or, where it is not built, in numpy (a dozen calls, ~80 us hot and ~200 us cold) with ``find``
 for a few keys in plain Python.
 
-Crash safety: a record is published by writing its ``tid`` last (0 = empty); a torn record (SIGKILL
-between the field stores) is either invisible or names a slot whose bytes fail the checksum, which
-covers the key as well as the data (``kvoffd/cache/tiers/disk.py``). The fingerprints are derived data
-and never reach the file.
+Crash safety: a record is published by writing its ``tid`` last (0 = empty) and removed by clearing
+its ``tid`` alone; a torn record (SIGKILL between the field stores, or a file behind the memory) is
+either invisible or names a slot whose bytes fail the checksum, which covers the key as well as the
+data (``kvoffd/cache/tiers/disk.py``). The fingerprints are derived data and never reach the file.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import math
@@ -40,11 +40,13 @@ import mmap
 import os
 import struct
 import sys
+import weakref
 from array import array
 
 import numpy as np
 
-RECORD = np.dtype([("k", "<u8", (4,)), ("tid", "<u4"), ("slot", "<u4"), ("crc", "<u4")])
+from kvoffd.cache.tiers.tablefile import RECORD, Damaged, TableFile, anonymous, header_of, read_live
+
 EMPTY = 0
 BUCKET = 8
 # At 3/4 a full table's churn (a disk tier always full: one removal, one insert per spill) found both
@@ -52,8 +54,6 @@ BUCKET = 8
 # 1,514 of 202,521 spills of the conversation trace replay); at 0.6, none in 208,000 (bench-free check:
 # 3,000 rounds of 64 removals and 64 inserts at 16,000 blocks). 73 bytes per block instead of 59.
 LOAD_FACTOR = 0.6
-_HEADER = 64
-_MAGIC = b"KVOFFTB2"
 _MIX = 0x9E3779B97F4A7C15
 _FP_MIX_INT = 0xD6E8FEB86659FD93  # an odd multiplier: the fingerprint is its product's top bits
 _FP_MIX = np.uint64(_FP_MIX_INT)
@@ -92,36 +92,34 @@ def _fingerprint(mixed: np.ndarray) -> np.ndarray:
     return (((mixed * _FP_MIX) >> _U32) | _U1).astype(np.uint32)
 
 
-def _anonymous(nbytes: int) -> np.ndarray:
-    """Zeroed private memory for a big array, in transparent huge pages where the kernel allows
-    (madvise mode): the fingerprints are read at random, one or two TLB entries per 2 MiB, not 512."""
-    if nbytes < 2 << 20:
-        return np.zeros(nbytes, dtype=np.uint8)
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no MADV_HUGEPAGE here: 4 KiB pages, still correct
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(mm, dtype=np.uint8)
-
-
 class BlockTable:
-    """Records for up to ``max_blocks`` blocks, in memory or in the file ``path``."""
+    """Records for up to ``max_blocks`` blocks, in memory only or mirrored in the file ``path`` (a name
+    under the directory ``dir_fd`` when given, opened without following symlinks). ``note`` says why
+    the file was started over ("" when it was found whole, or imported)."""
 
-    def __init__(self, max_blocks: int, path: str | None = None):
+    def __init__(self, max_blocks: int, path: str | None = None, dir_fd: int | None = None):
         self.max_blocks = max_blocks
         self.nbuckets = max(2, math.ceil(max_blocks / LOAD_FACTOR / BUCKET))
         self.cap = self.nbuckets * BUCKET
         self.path = path
-        self._mm = self._open(path, self.cap)
-        self.recs = np.asarray(self._mm)  # a plain ndarray on the same pages: memmap's subclass hooks cost µs per op
+        self.note = ""
+        self._file: TableFile | None = None
+        if path is None:
+            self.recs = np.zeros(self.cap, dtype=RECORD)
+        else:
+            opened = TableFile.open(path, dir_fd, self.cap)
+            self._file, self.note = opened.file, opened.note
+            weakref.finalize(self, self._file.close)  # the writer thread and the descriptor go with the table
+            self.recs = self._file.records
         self._tids = self.recs["tid"]
-        self._fp = _anonymous(self.cap * 4).view(np.uint32)
+        self._fp = anonymous(self.cap * 4).view(np.uint32)
         self._fp_rows = self._fp.reshape(self.nbuckets, BUCKET)
         self._fp_view = memoryview(self._fp)  # read without numpy by ``find``
         self._raw = memoryview(self.recs.view(np.uint8))
         self._scratch = bytearray(1024)  # the kernel's per-key answers in ``probe``
         self.used = self._build_fingerprints()
-        if path is not None and os.path.exists(path + ".old"):
-            self._import(path + ".old")
+        if path is not None:
+            self._import(path + ".old", dir_fd)
 
     def _build_fingerprints(self) -> int:
         """The fingerprints of the records found in the file, a bounded chunk at a time (at 100M blocks
@@ -135,38 +133,34 @@ class BlockTable:
                 self._fp[lo + live] = fingerprints(tids[live], self.recs["k"][lo + live, 2])
         return used
 
-    @staticmethod
-    def _open(path: str | None, cap: int) -> np.ndarray:
-        if path is None:
-            return np.zeros(cap, dtype=RECORD)
-        size = _HEADER + cap * RECORD.itemsize
-        if not os.path.exists(path) or os.path.getsize(path) != size:
-            if os.path.exists(path):
-                os.replace(path, path + ".old")  # another capacity: imported by __init__
-            with open(path + ".tmp", "wb") as f:
-                f.write(_MAGIC + cap.to_bytes(8, "little") + bytes(_HEADER - 16))
-                f.truncate(size)
-            os.replace(path + ".tmp", path)
-        with open(path, "rb") as f:
-            if f.read(8) != _MAGIC:
-                raise ValueError(f"{path} is not a kvoffd block table")
-        return np.memmap(path, dtype=RECORD, mode="r+", offset=_HEADER, shape=(cap,))
-
-    def _import(self, old_path: str) -> None:
-        """The records of a table of another capacity (``--disk-size`` changed), rehashed into this one;
-        those that do not fit are dropped (their blocks become misses)."""
-        with open(old_path, "rb") as f:
-            head = f.read(16)
-        if head[:8] == _MAGIC:
-            cap = int.from_bytes(head[8:16], "little")
-            old = np.memmap(old_path, dtype=RECORD, mode="r", offset=_HEADER, shape=(cap,))
-            sel = np.array(old[old["tid"] != EMPTY])[: self.max_blocks]
-            del old
-            for tid in np.unique(sel["tid"]):
-                s = sel[sel["tid"] == tid]
-                self.insert(int(tid), s["k"], s["slot"], s["crc"])
-            self.flush()
-        os.unlink(old_path)
+    def _import(self, old_name: str, dir_fd: int | None) -> None:
+        """The records of a table of another capacity (``--disk-size`` changed), left as ``old_name`` by
+        ``TableFile.open`` (or by a daemon killed while importing), rehashed into this one and written
+        in one pass; those that do not fit are dropped (their blocks become misses). A file there that
+        is not a table's is a note, and removed: it never stops the tier."""
+        try:
+            sel = read_live(old_name, dir_fd, self.max_blocks)
+        except FileNotFoundError:
+            return
+        except (OSError, Damaged) as e:
+            self.note = f"{old_name} not imported ({e})"
+            sel = None
+        if sel is not None and len(sel):
+            file, self._file = self._file, None  # filled in memory, then written once (not page by page)
+            try:
+                for tid in np.unique(sel["tid"]).tolist():
+                    s = sel[sel["tid"] == tid]
+                    self.insert(int(tid), s["k"], s["slot"], s["crc"])
+            finally:
+                self._file = file
+            if file is not None:
+                file.write_all()
+        try:
+            os.unlink(old_name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # (a directory by that name: left for the operator, said once per start)
+            self.note = (self.note or f"{old_name} not imported") + f"; cannot remove it: {e.strerror}"
 
     @property
     def nbytes(self) -> int:
@@ -320,6 +314,8 @@ class BlockTable:
             keep = np.ones(active.size, dtype=bool)
             keep[first] = False
             active = active[keep]
+        if self._file is not None:
+            self._file.changed(out[out >= 0])
         return out
 
     def save(self, path: str) -> None:
@@ -329,8 +325,9 @@ class BlockTable:
         random inserts, and the kernel writes them back over and over (a 100M-block table, 5.9 GB,
         had written 2 TB after 7 minutes on a small VM). Built in memory and saved once, it is written
         once. Atomic (a temporary file, renamed)."""
-        with open(path + ".tmp", "wb") as f:
-            f.write(_MAGIC + self.cap.to_bytes(8, "little") + bytes(_HEADER - 16))
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(header_of(self.cap))
             self.recs.tofile(f)
             f.flush()
             os.fsync(f.fileno())
@@ -342,6 +339,8 @@ class BlockTable:
             self._tids[positions] = EMPTY
             self._fp[positions] = EMPTY
             self.used -= len(positions)
+            if self._file is not None:
+                self._file.changed(positions)
 
     def live(self) -> np.ndarray:
         """Positions of the live records."""
@@ -367,6 +366,28 @@ class BlockTable:
                 return f"mlock: {os.strerror(err)}{hint}"
         return ""
 
+    # --- the file ------------------------------------------------------------------------------------
+    def mark(self) -> int:
+        """A point in this table's changes (0 without a file): see ``wait``."""
+        return self._file.mark() if self._file is not None else 0
+
+    def wait(self, mark: int, timeout: float | None = None) -> bool:
+        """Block (an I/O thread) until the changes before ``mark`` are in the file: a slot's data is
+        rewritten only once the removal of the record that named it is out."""
+        return self._file.wait(mark, timeout) if self._file is not None and mark else True
+
+    @property
+    def write_errors(self) -> int:
+        """Writes to the file that failed (a full, failing or truncated file: those changes may be lost
+        at a restart, never served wrong: the checksum decides)."""
+        return self._file.write_errors if self._file is not None else 0
+
     def flush(self) -> None:
-        if self.path is not None:
-            self._mm.flush()
+        """Every change in the file, and the file durable."""
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        """Write what is pending and release the file (the table stays readable in memory)."""
+        if self._file is not None:
+            self._file.close()
