@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if pool_warning:
         logging.getLogger("kvoffd").warning("%s", pool_warning)
+    for notice in cfg.notices:
+        logging.getLogger("kvoffd").warning("%s", notice)
     from kvoffd.server.fdbudget import raise_nofile_limit
 
     before, after = raise_nofile_limit()  # before the daemon sizes its descriptor budget

@@ -110,8 +110,11 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def check_address(address: str, allow_remote: bool) -> str:
-    """Validate a ZeroMQ endpoint; ``tcp://`` binds loopback unless remote access is allowed."""
+def check_address(address: str, allow_remote: bool, notices: list[str] | None = None) -> str:
+    """Validate a ZeroMQ endpoint; ``tcp://`` binds loopback unless remote access is allowed. Every
+    interface (``*``, 0.0.0.0, ::) without --allow-remote is bound on loopback, and ``notices`` gets a
+    line saying so (the daemon logs it: an operator who wrote 0.0.0.0 must not be left thinking other
+    hosts can connect); any other non-loopback host is refused."""
     if address.startswith("ipc://"):
         if len(address) <= 6:
             raise ConfigError("ipc:// address needs a path")
@@ -125,6 +128,9 @@ def check_address(address: str, allow_remote: bool) -> str:
         if host in ("*", "0.0.0.0", "::"):
             if not allow_remote:
                 host = LOOPBACK
+                if notices is not None:
+                    notices.append(f"{address} is bound on {LOOPBACK}:{port} only (loopback): other hosts "
+                                   "cannot connect; pass --allow-remote to listen on every interface")
         elif not _is_loopback(host) and not allow_remote:
             raise ConfigError(f"--address {address} would accept connections from other hosts; "
                               "pass --allow-remote if that is intended")
@@ -143,6 +149,8 @@ class Config:
     log_level: str = "info"
     backend: str = "auto"  # auto | cpu | cuda
     allow_remote: bool = False
+    #: What validation changed that the operator should hear about (logged as WARNINGs at start).
+    notices: list[str] = field(default_factory=list, compare=False)
     engine_timeout_s: float = 10.0  # an engine silent this long (no request, no heartbeat) is gone
     copy_threads: int = 0  # CPU copy threads (0: min(4, cores))
     verify: bool = False  # per-block checksums (integrity mode)
@@ -336,7 +344,7 @@ def _check(cfg: Config, raw: dict[str, object]) -> None:
         raise ConfigError("--pool-size must be at least 1MiB")
     if cfg.pool_path and cfg.pool_path != "none" and not os.path.isabs(cfg.pool_path):
         raise ConfigError(f"--pool-path must be an absolute path or 'none', got {cfg.pool_path!r}")
-    cfg.address = check_address(cfg.address, cfg.allow_remote)
+    cfg.address = check_address(cfg.address, cfg.allow_remote, cfg.notices)
     cfg.metrics_host_port  # noqa: B018 - validates
     _check_kv_events(cfg)
     try:
@@ -366,7 +374,7 @@ def _check_kv_events(cfg: Config) -> None:
         value = getattr(cfg, name)
         if value:
             try:
-                setattr(cfg, name, check_address(value, cfg.allow_remote))
+                setattr(cfg, name, check_address(value, cfg.allow_remote, cfg.notices))
             except ConfigError as e:
                 raise ConfigError(str(e).replace("--address", flag)) from None
     if cfg.kv_events_address and cfg.kv_events_address == cfg.kv_events_replay_address:

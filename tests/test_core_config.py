@@ -49,7 +49,10 @@ def test_default_address_prefers_xdg_runtime_dir(tmp_path, monkeypatch):
 
 
 def test_tcp_binds_loopback_unless_told():
-    assert load_config(["--address", "tcp://*:5555"], environ={}).address == "tcp://127.0.0.1:5555"
+    cfg = load_config(["--address", "tcp://*:5555"], environ={})
+    assert cfg.address == "tcp://127.0.0.1:5555"
+    assert any("loopback" in n and "--allow-remote" in n for n in cfg.notices), cfg.notices  # said, not silent
+    assert load_config(["--address", "tcp://127.0.0.1:5555"], environ={}).notices == []
     assert load_config(["--address", "tcp://*:5555", "--allow-remote"], environ={}).address == "tcp://*:5555"
     with pytest.raises(ConfigError, match="--allow-remote"):
         load_config(["--address", "tcp://10.1.2.3:5555"], environ={})

@@ -38,3 +38,29 @@ def test_a_busy_metrics_port_names_the_flag_that_moves_it(tmp_path):
         holder.close()
     assert r.returncode == 1, r.stderr[-2000:]
     assert "cannot serve metrics" in r.stderr and "--metrics-address" in r.stderr, r.stderr[-2000:]
+
+
+def test_every_interface_without_allow_remote_is_said_to_be_loopback(tmp_path, monkeypatch):
+    """`--address tcp://0.0.0.0:P` binds loopback unless --allow-remote; the daemon says so at start
+    (test_reliability_security.py checks the socket the kernel has)."""
+    from kvoffd_client.client import KvoffdClient
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    holder.close()
+    monkeypatch.setenv("KVOFFD_AUTH_TOKEN_FILE", str(tmp_path / "run" / "auth-token"))  # daemon and client
+    log = tmp_path / "d.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", f"tcp://0.0.0.0:{port}",
+                                 "--pool-size", "16MiB", "--pool-path", "none", "--metrics-address", "off"],
+                                stderr=f, cwd=ROOT)
+    c = KvoffdClient(f"tcp://127.0.0.1:{port}", heartbeat=False)
+    try:
+        assert c.connect(20), log.read_text()[-2000:]
+        line = next((ln for ln in log.read_text().splitlines() if "bound on 127.0.0.1" in ln), "")
+        assert "WARNING" in line and "--allow-remote" in line, log.read_text()[-2000:]
+    finally:
+        c.close()
+        proc.kill()
+        proc.wait(10)
