@@ -104,7 +104,7 @@ _TIER_GAUGES = (
     ("spills_in_flight", "kvoffd_tier_spills_in_flight", "Blocks whose spill to this tier is being written (a "
      "disk slower than the evictions: it grows, up to the spill budget)"),
 )
-SPILL_DROP_REASONS = ("full", "busy", "error")
+SPILL_DROP_REASONS = ("full", "busy", "error", "corrupt")
 
 
 class _TierState(Collector):
@@ -132,7 +132,8 @@ class _TierState(Collector):
                 fam.add_metric([t["name"]], t.get(key, 0))
             yield fam
         fam = CounterMetricFamily("kvoffd_tier_spills_dropped", "Blocks not spilled to this tier, by reason (full: "
-                                  "no room or ENOSPC; busy: too many spills in flight; error: I/O error)",
+                                  "no room or ENOSPC; busy: too many spills in flight; error: I/O error; corrupt: "
+                                  "an adopted block that failed its checksum)",
                                   labels=["tier", "reason"])
         for t in tiers:  # the pool too (zero: it spills to the tier below it): every tier has every series
             for r in SPILL_DROP_REASONS:

@@ -1,7 +1,8 @@
 """The disk tier against what its directory and file system can do to it (issue 28, items 4, 5, 8, 9 and
 13), through real daemons: a full file system (a real small tmpfs, mounted here), an index truncated
 under the daemon, damaged or malformed files at start, a directory another user controls (uid 65534),
-planted symlinks. What must hold: the daemon never dies and never serves a wrong byte, a bad file costs the
+planted symlinks, corrupt adopted pool blocks on their way to the disk, and a tier that raises inside
+an eviction. What must hold: the daemon never dies and never serves a wrong byte, a bad file costs the
 blocks it describes (a colder tier, one log line) and never the start, and every STORE is answered.
 
 Tests that mount a file system or play another user need root; they skip cleanly without it.
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 from kvtest import chain_keys, start_daemon, wait_until
 from test_tier_disk import LRU, POOL, SLOT, Rig, _disk, _fill_and_spill
+from test_warm_restart import _flip
 
 ROOT_ONLY = pytest.mark.skipif(os.getuid() != 0, reason="mounts a file system / plays another user (needs root)")
 
@@ -348,6 +350,84 @@ def test_symlinks_in_the_directory_are_never_followed_and_files_are_private(tmp_
     finally:
         d.stop()
     assert target.read_bytes() == before
+
+
+# --- item 8: adopted blocks that fail their checksum never reach the disk -------------------------------
+@pytest.fixture
+def pool_path():
+    d = f"/dev/shm/kvtest-hostile-{os.getpid()}-{os.urandom(4).hex()}"
+    os.makedirs(d, mode=0o700)
+    yield f"{d}/kvoffd.pool"
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_corrupt_adopted_blocks_are_not_laundered_through_the_disk(tmp_path, pool_path, monkeypatch):
+    """A warm restart adopts 60 blocks whose bytes were flipped in the pool file; the background check is
+    held back (KVOFFD_TEST_NO_VERIFY_PASS, as on a big host where it takes seconds), and new stores evict
+    them to the disk. Before, the disk gave them a fresh checksum of its own and served them (LOAD ok,
+    flipped bytes in the engine). Now each is checked against its adopted checksum as it is spilled: not
+    kept (counted ``corrupt``), a miss; the intact ones among them are spilled and come back exact."""
+    args = ("--pool-path", pool_path, *_disk(tmp_path))
+    d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *args)
+    keys = chain_keys(64, b"adopted")
+    try:
+        rig = Rig(d)
+        rig.store(keys)
+        slots = [int(e["slots"]["0"]) for e in rig.c.explain("disk", keys)]
+        assert wait_until(lambda: rig.c.stats()["persistence"]["sealed_blocks"] >= len(keys), 10)
+        rig.close()
+    finally:
+        assert d.stop() == 0
+    for s in slots[:60]:
+        _flip(pool_path, POOL, s)
+    monkeypatch.setenv("KVOFFD_TEST_NO_VERIFY_PASS", "1")
+    d = start_daemon(f"ipc://{tmp_path}/b.sock", POOL, *args)
+    try:
+        rig = Rig(d)
+        assert wait_until(lambda: rig.c.stats()["persistence"]["adopted_blocks"] == len(keys), 10)
+        for r in range(3):  # evict every adopted block from the pool
+            rig.store(chain_keys(100, b"evict%d" % r), base=100)
+        t = lambda: rig.tier()  # noqa: E731
+        assert wait_until(lambda: t()["spills_dropped"].get("corrupt", 0) + t()["spills"] >= len(keys), 30), t()
+        assert rig.c.explain("disk", keys[:1])[0]["state"] != "resident"
+        for i in range(0, len(keys), 8):  # from each eighth block on: misses, or their own bytes
+            hits, notice = rig.lookup_load(keys[i:], 200)
+            if hits:
+                assert rig.exact(keys[i:i + hits], 200, notice) == hits
+        assert t()["spills_dropped"].get("corrupt", 0) == 60, t()
+        hits, notice = rig.lookup_load(keys[60:], 200)  # the intact ones came through the disk
+        assert hits == 4 and notice.ok and rig.exact(keys[60:], 200, notice) == 4
+        rig.close()
+    finally:
+        d.stop()
+
+
+# --- item 13: every STORE is answered, whatever fails inside --------------------------------------------
+def test_every_store_gets_its_notice_when_the_tier_fails_inside(tmp_path):
+    """A tables.json of the right shape whose table id does not fit the index's 32 bits: before, the first
+    eviction raised inside the STORE's planning (the tier opened its index then), the daemon answered an
+    ``internal`` ERROR without the job id, and that STORE and every later one that evicted waited for a
+    notice for ever (and their slots were lost). Now every STORE gets its notice, the eviction stays
+    whole, and the pool serves."""
+    (tmp_path / "disk").mkdir(mode=0o700)
+    row = dict(_GOOD_ROW, tid=2**32, namespace="zz")
+    (tmp_path / "disk" / "tables.json").write_text(json.dumps({"tables": [row]}))
+    d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *_disk(tmp_path))
+    try:
+        rig = Rig(d)
+        for r in range(5):
+            keys = chain_keys(100, b"ans%d" % r)
+            rig.eng.fill(range(100), keys)
+            rig.job += 1
+            rig.c.submit_store("disk-0", rig.job, keys, range(100))
+            n = rig.c.wait_notices({rig.job}, 15)
+            assert n, f"STORE {rig.job} got no notice:\n{d.log()}"
+            assert n[0].ok, n  # the pool had the room: the evictions went through
+        assert rig.c.lookup("disk", keys).hits == 100
+        _alive_and_serving(rig, b"ans-after")
+        rig.close()
+    finally:
+        d.stop()
 
 
 def _records_in_file(path) -> int:

@@ -339,9 +339,10 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
         if self.observers:
             gone = [owner.pop(s) for s in slots]
             kept: list[Entry] = []
-            for o in self.observers:
-                if evicted and gone:
+            if evicted and gone:  # every observer hears ``evicted`` before any hears ``freeing``: a tier
+                for o in self.observers:  # asks the keeper about blocks it forgets at their freeing
                     kept += o.evicted(slot_bytes, gone) or ()
+            for o in self.observers:
                 o.freeing(slot_bytes, gone)
             if kept:
                 slots = self._defer(slot_bytes, slots, kept)

@@ -30,6 +30,7 @@ class Job:
     code: str  # the notice code for ``failed`` when the copy succeeds
     future: Awaitable[None] | None  # the copy (None: a LOAD that checks its checksums first submits after)
     plan: StorePlan | None = None  # a STORE's plan, completed when the copy ends
+    answered: bool = False  # its notice went out (``Jobs._notice``): a failure later sends no second one
 
     @property
     def job_id(self) -> int:

@@ -14,6 +14,11 @@ With tiers below the pool (kvoffd/cache/tiers/manager.py), a LOOKUP's hits exten
 there (their promotion into the pool starts before the answer), and a LOAD of such blocks first waits
 for their promotions, then copies from the pool as usual.
 
+Every STORE or LOAD gets an answer naming its job, whatever fails inside the daemon (the client waits
+for it without a timer): an exception before the copy starts is an ``internal`` ERROR with the
+``job_id`` (nothing was copied); one after it fails the job with a notice once its copy has ended
+(``_faulted``), and a job's task that raises before its notice sends it (``_guarded``).
+
 Handlers answer through the ``reply`` callable and start tasks through ``spawn``; they never import
 the server loop.
 """
@@ -21,6 +26,7 @@ the server loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -168,9 +174,46 @@ class Jobs(LoadVerify):
         except Exception as e:
             return _failed_future(e)
 
+    # --- a job's answer, whatever fails ------------------------------------------------------------------
+    @staticmethod
+    def _refused(msg: P.Store | P.Load, e: Exception) -> ProtocolError:
+        """A bug before the job's copy started: an ``internal`` ERROR naming the job (the client ends it:
+        nothing was copied), the traceback in the log."""
+        log.error("%s job %d failed inside the daemon before its copy started", msg.op.value, msg.job_id,
+                  exc_info=e)
+        return ProtocolError(ErrorCode.INTERNAL, "internal error; see the daemon log", seq=msg.seq,
+                             job_id=msg.job_id)
+
+    async def _guarded(self, job: Job, run: Coroutine[Any, Any, None]) -> None:
+        """A job's task: whatever it raises before its notice went out, the job ends with one (all its
+        blocks failed), so no accepted job is left unanswered."""
+        try:
+            await run
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if job.answered:  # its notice is out: only the bookkeeping after it failed
+                log.exception("%s job %d: bookkeeping after its notice failed", job.direction.value, job.job_id)
+                return
+            log.exception("%s job %d of engine %s failed inside the daemon", job.direction.value, job.job_id,
+                          job.engine.engine_id)
+            self.metrics.failed_jobs.labels(job.direction.value).inc()
+            if job in self.running:
+                self._end(job)
+            self._notice(job, list(range(P.count_keys(job.msg.keys))), NoticeCode.COPY_FAILED.value,
+                         "internal error; see the daemon log")
+
     # --- STORE ------------------------------------------------------------------------------------------
     def store(self, conn: Conn, msg: P.Store) -> P.Message | None:
         eng, keys, ids = self._check(conn, msg)
+        try:
+            return self._store(conn, msg, eng, keys, ids)
+        except ProtocolError:
+            raise
+        except Exception as e:
+            raise self._refused(msg, e) from e
+
+    def _store(self, conn: Conn, msg: P.Store, eng: Engine, keys: list[bytes], ids: np.ndarray) -> P.Message | None:
         if eng.table.rank != eng.rank:  # replicas: its run's first rank stores the one copy, the others read it
             raise ProtocolError(ErrorCode.BAD_FIELD, f"rank {eng.rank} of namespace {eng.namespace!r} reads the copy "
                                 f"rank {eng.table.rank} stores (replicas); it does not store", seq=msg.seq,
@@ -196,15 +239,28 @@ class Jobs(LoadVerify):
         block_ids = ids[plan.copy_idx]
         # the copy starts first; the per-key bookkeeping below runs while the bytes move
         fut = self._submit(eng, Direction.STORE, block_ids, slots, msg)
-        self.index.add_pending(plan)
-        if described:
-            self._note_described(eng, msg, plan)
+        fault: Exception | None = None
+        try:
+            self.index.add_pending(plan)
+            if described:
+                self._note_described(eng, msg, plan)
+        except Exception as e:  # the copy is running: the job fails once it has ended, never before
+            fault = e
         job = Job(conn=conn, engine=eng, msg=msg, direction=Direction.STORE, started=t0, entries=plan.entries,
                   idx=plan.copy_idx, block_ids=block_ids, slots=slots, failed=dropped, code=code, future=fut,
                   plan=plan)
         self._begin(job)
-        self.spawn(self._finish_store(job))
+        self.spawn(self._guarded(job, self._faulted(job, fault) if fault else self._finish_store(job)))
         return None
+
+    async def _faulted(self, job: Job, fault: Exception) -> None:
+        """A job whose bookkeeping raised after its copy started: it fails once the copy has ended (the
+        engine's blocks are not touched after the notice), its planned entries aborted."""
+        with contextlib.suppress(Exception):
+            await job.future
+        if job.plan is not None and job.entries:
+            self.index.complete_store(job.plan, False)
+        raise fault
 
     def _described(self, eng: Engine, msg: P.Store, n: int) -> bool:
         """Whether this STORE's ``tokens``/``parents`` are kept for its blocks' events; ``bad_field``
@@ -241,7 +297,11 @@ class Jobs(LoadVerify):
             self.metrics.dropped_stores.labels(DropReason.FAILED.value).inc(len(entries))
             return
         if self.verify:
-            sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, entries)
+            try:
+                sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, entries)
+            except Exception:
+                self.index.complete_store(plan, False)  # not committed without its sums
+                raise
             for e, c in zip(entries, sums, strict=True):
                 e.checksum = c
         self._end(job)
@@ -257,15 +317,20 @@ class Jobs(LoadVerify):
     # --- LOAD -------------------------------------------------------------------------------------------
     def load(self, conn: Conn, msg: P.Load) -> P.Message | None:
         eng, keys, ids = self._check(conn, msg)
-        waiting = self.tiers.promotions(eng.table, keys)
-        if waiting:  # blocks a LOOKUP found below the pool, still on their way into it
-            job = Job(conn=conn, engine=eng, msg=msg, direction=Direction.LOAD, started=time.monotonic(),
-                      entries=[], idx=[], block_ids=ids[:0], slots=np.empty(0, dtype=np.int64), failed=[],
-                      code="", future=None)
-            self._begin(job)  # in flight from now: it waits for the promotions first
-            self.spawn(self._load_promoted(job, keys, ids, waiting))
-            return None
-        return self._load_resident(conn, eng, msg, keys, ids)
+        try:
+            waiting = self.tiers.promotions(eng.table, keys)
+            if waiting:  # blocks a LOOKUP found below the pool, still on their way into it
+                job = Job(conn=conn, engine=eng, msg=msg, direction=Direction.LOAD, started=time.monotonic(),
+                          entries=[], idx=[], block_ids=ids[:0], slots=np.empty(0, dtype=np.int64), failed=[],
+                          code="", future=None)
+                self._begin(job)  # in flight from now: it waits for the promotions first
+                self.spawn(self._guarded(job, self._load_promoted(job, keys, ids, waiting)))
+                return None
+            return self._load_resident(conn, eng, msg, keys, ids)
+        except ProtocolError:
+            raise
+        except Exception as e:  # (``_load_resident`` submits its copy only as its last fallible step)
+            raise self._refused(msg, e) from e
 
     async def _load_promoted(self, job: Job, keys: list[bytes], ids: np.ndarray,
                              waiting: list[asyncio.Future]) -> None:
@@ -289,29 +354,35 @@ class Jobs(LoadVerify):
         """The LOAD of what the pool holds now (the blocks not resident are reported failed)."""
         lp = self.index.prepare_load(eng.table, keys)  # a ref on each entry, released when the copy ends
         entries, failed = lp.entries, lp.missing_idx
-        if msg.lease_id and entries:
-            self.sessions.consume_lease(msg.lease_id, eng, entries[0])
-        if failed:
-            self.metrics.misses.labels(MissReason.ABSENT.value).inc(len(failed))
-        if not entries:
-            return P.Notice(seq=msg.seq, job_id=msg.job_id, ok=not failed, failed=failed,
-                            code=NoticeCode.NOT_RESIDENT.value if failed else "")
-        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
-        if eng.placement.shard >= 0:  # a sharded pool: blocks read from another node than the engine's
-            far = int(np.count_nonzero(self.pool.chunk_node[slots // self.pool.chunk_bytes] != eng.placement.node))
-            if far:
-                self.metrics.cross_numa_loads.inc(far)
+        try:
+            if msg.lease_id and entries:
+                self.sessions.consume_lease(msg.lease_id, eng, entries[0])
+            if failed:
+                self.metrics.misses.labels(MissReason.ABSENT.value).inc(len(failed))
+            if not entries:
+                return P.Notice(seq=msg.seq, job_id=msg.job_id, ok=not failed, failed=failed,
+                                code=NoticeCode.NOT_RESIDENT.value if failed else "")
+            slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+            if eng.placement.shard >= 0:  # a sharded pool: blocks read from another node than the engine's
+                far = int(np.count_nonzero(self.pool.chunk_node[slots // self.pool.chunk_bytes]
+                                           != eng.placement.node))
+                if far:
+                    self.metrics.cross_numa_loads.inc(far)
+            ids = ids[lp.found_idx] if failed else ids
+            checks_first = self.verify or self.persist.must_check(entries)
+        except Exception:
+            self.index.release(entries)  # the refs ``prepare_load`` took: no job holds them
+            raise
         t0 = time.monotonic()
-        ids = ids[lp.found_idx] if failed else ids
         fut: Awaitable[None] | None = None
         # start the copy now, not one loop turn later in the job's task, unless checksums come first
-        if not (self.verify or self.persist.must_check(entries)):
+        if not checks_first:
             fut = self._submit(eng, Direction.LOAD, ids, slots, msg)
         job = Job(conn=conn, engine=eng, msg=msg, direction=Direction.LOAD, started=t0, entries=entries,
                   idx=lp.found_idx, block_ids=ids, slots=slots, failed=failed,
                   code=NoticeCode.NOT_RESIDENT.value if failed else "", future=fut)
         self._begin(job)
-        self.spawn(self._run_load(job))
+        self.spawn(self._guarded(job, self._run_load(job)))
         return None
 
     async def _run_load(self, job: Job) -> None:
@@ -330,12 +401,15 @@ class Jobs(LoadVerify):
             code = self._job_failed(job, e)
             failed = sorted(failed + job.idx)
             text = str(e)[:200]
-        else:
-            self._account(job, moved)
-            self.persist.touched(job.entries)  # last-use stamps, for the next daemon's LRU order
+            moved = -1
         self._end(job)
         self._notice(job, failed, code, text)  # first: the engine is waiting on it
-        self.index.release(job.entries)
+        try:
+            if moved >= 0:
+                self._account(job, moved)
+                self.persist.touched(job.entries)  # last-use stamps, for the next daemon's LRU order
+        finally:
+            self.index.release(job.entries)
 
     # --- a job's life -----------------------------------------------------------------------------------
     def _begin(self, job: Job) -> None:
@@ -367,7 +441,8 @@ class Jobs(LoadVerify):
     def _notice(self, job: Job, failed: list[int], code: str, text: str) -> None:
         """Sent even when the connection was dropped meanwhile (an engine silent past engine_timeout_s,
         e.g. a client frozen for a while): its client waits for this notice before it reuses the
-        blocks, and a peer that is gone is just not routed to."""
+        blocks, and a peer that is gone is just not routed to. Once per job."""
+        job.answered = True
         self.reply(job.conn.ident, P.Notice(job_id=job.job_id, ok=not failed, failed=failed, code=code,
                                             message=text))
 

@@ -100,7 +100,7 @@ class Server:
         self.persist = keeper(pool_file, self.pool, self.index)  # adopts the previous daemon's blocks
         t_adopt = time.monotonic()
         self.tiers = make_tiers(self.index, cfg.disk_path, cfg.disk_size, cfg.verify,
-                                cfg.disk_policy)  # below the pool
+                                cfg.disk_policy, keeper=self.persist)  # below the pool
         t_tiers = time.monotonic()
         self.backends = make_backends(cfg, self.pool)
         # where a start's time goes (the serving line says it: a warm restart's first hit is this)

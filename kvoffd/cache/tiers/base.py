@@ -56,6 +56,7 @@ class SpillResult(enum.Enum):
     FULL = "full"  # no room (every slot busy, or the file system said ENOSPC/EFBIG)
     BUSY = "busy"  # the tier's write queue is full: dropped rather than delay promotions
     ERROR = "error"  # an I/O error
+    CORRUPT = "corrupt"  # a block adopted at a warm restart whose bytes failed their checksum: never spilled
 
 
 @dataclass

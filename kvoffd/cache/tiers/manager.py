@@ -23,6 +23,13 @@ A promotion takes pool slots the way a STORE does (evicting as needed, bypassing
 was just asked for) as pending entries, visible only once the tier has verified the bytes; a block that
 fails is aborted (its LOAD reports it failed, the engine recomputes). A slot is never freed while a
 read into it is in flight: the entry keeps its store ref until the tier resolves the read.
+
+A block adopted at a warm restart whose checksum the keeper has not verified yet (kvoffd/cache/persist.py)
+is checked against it before it is spilled, on a thread, and dropped (counted ``corrupt``) when it
+fails: the tier would otherwise give the corrupt bytes a fresh checksum of its own and serve them.
+Until its check is done such a block is neither staged nor written. And a tier that raises is a
+dropped spill (counted ``error``, logged), never an error in the eviction that called it: the index
+must stay whole whatever a tier does.
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ import asyncio
 import contextlib
 import logging
 import mmap
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -43,12 +52,16 @@ from kvoffd.cache.tiers.base import SpillResult, TableRef, Tier, TierEvents, Tie
 from kvoffd.runtime import UnsafePath
 from kvoffd_client.protocol import KEY_SIZE, MissReason, split_keys
 
+if TYPE_CHECKING:
+    from kvoffd.cache.keeper import Keeper
+
 log = logging.getLogger(__name__)
 
 _K = KEY_SIZE
 PROMOTE_WAIT_S = 10.0  # a LOAD waits at most this long for a promotion (then those blocks fail)
 SPILL_BUFFER_BYTES = 256 << 20
 _POPULATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+FAULT_LOG_S = 60.0  # a tier that keeps raising: its traceback once, then a line at most this often
 
 
 @dataclass
@@ -62,6 +75,7 @@ class _Spill:
     slots: list[int]  # deferred pool slots, given back when the write resolves ([] once copied out)
     src: list[memoryview] = field(default_factory=list)
     copied: int = 0  # bytes in a staging copy (the fallback), counted against the budget
+    unchecked: list[tuple[int, int]] = field(default_factory=list)  # (position, checksum): adopted, not verified yet
 
 
 @dataclass
@@ -89,11 +103,19 @@ class Below:
 
 
 class Tiers(IndexObserver):
+    """``keeper``: the pool file's keeper (kvoffd/cache/keeper.py), asked which evicted blocks are adopted
+    and not verified yet (``must_check``) and whether their bytes still match (``intact``); None: a
+    pool without one (nothing adopted)."""
+
     def __init__(self, index: Index, tiers: Sequence[Tier], verify: bool = False,
-                 spill_buffer_bytes: int = SPILL_BUFFER_BYTES):
+                 spill_buffer_bytes: int = SPILL_BUFFER_BYTES, keeper: Keeper | None = None):
         self.index = index
         self.tiers = list(tiers)
         self.verify = verify
+        self.keeper = keeper
+        self.spill_corrupt = 0  # adopted blocks not spilled: their bytes failed the checksum they were adopted with
+        self.spill_errors = 0  # blocks not spilled because the tier raised (a bug: logged)
+        self._fault_logged = -FAULT_LOG_S
         self.spill_buffer_bytes = spill_buffer_bytes
         self._refs: dict[Table, TableRef] = {}
         self._promoting: dict[Entry, asyncio.Future] = {}
@@ -186,23 +208,51 @@ class Tiers(IndexObserver):
                 groups.setdefault(e.table, []).append(e)
         kept: list[Entry] = []
         for t, es in groups.items():
-            keys = b"".join([e.key for e in es])
-            have_it = tier.contains(self._ref(t), keys, touch=True).tolist()  # used in the pool since
-            todo = [e for e, have in zip(es, have_it, strict=True)
-                    if not have and (t, e.key) not in self._staged]
-            room = max(0, index.defer_budget - index.deferred_bytes - self._copied_bytes
-                       - len(kept) * slot_bytes) // slot_bytes
-            if len(todo) > room:
-                self.spill_busy += len(todo) - room
-                todo = todo[:room]
-            if todo:
-                sp = _Spill(tier, t, slot_bytes, [e.key for e in todo], [e.slot for e in todo])
-                if index.defer_ok:
-                    kept += todo
-                else:  # the STORE needs these slots now: the one case the loop still copies (bounded)
+            sp: _Spill | None = None
+            try:
+                keys = b"".join([e.key for e in es])
+                have_it = tier.contains(self._ref(t), keys, touch=True).tolist()  # used in the pool since
+                todo = [e for e, have in zip(es, have_it, strict=True)
+                        if not have and (t, e.key) not in self._staged]
+                room = max(0, index.defer_budget - index.deferred_bytes - self._copied_bytes
+                           - len(kept) * slot_bytes) // slot_bytes
+                if len(todo) > room:
+                    self.spill_busy += len(todo) - room
+                    todo = todo[:room]
+                if not todo:
+                    continue
+                sp = _Spill(tier, t, slot_bytes, [e.key for e in todo], [e.slot for e in todo],
+                            unchecked=self._unchecked(todo))
+                if not index.defer_ok:  # the STORE needs these slots now: the one case the loop still copies (bounded)
                     self._copy_out(sp)
                 self._spill(sp)
+            except Exception:  # the index must stay whole whatever a tier does: these blocks are just not spilled
+                self._fault("a spill", len(es))
+                if sp is not None:
+                    sp.slots = []  # not deferred: the index frees them itself
+                    self._spilled(sp)
+                continue
+            if index.defer_ok:
+                kept += todo
         return kept
+
+    def _unchecked(self, entries: list[Entry]) -> list[tuple[int, int]]:
+        """The adopted blocks among ``entries`` that the keeper has not verified yet, with the checksum
+        they were adopted with (asked now: the keeper forgets them at their ``freeing``, just after)."""
+        k = self.keeper
+        if k is None or not k.must_check(entries):
+            return []
+        return [(i, e.checksum) for i, e in enumerate(entries) if k.must_check((e,))]
+
+    def _fault(self, what: str, blocks: int) -> None:
+        """A tier raised: ``blocks`` dropped (counted ``error``); the traceback once, then a line a minute."""
+        self.spill_errors += blocks
+        now = time.monotonic()
+        if now - self._fault_logged >= FAULT_LOG_S:
+            first = self._fault_logged < 0
+            self._fault_logged = now
+            log.error("disk tier: %s failed (%d blocks dropped, %d in all); the daemon goes on without them",
+                      what, blocks, self.spill_errors, exc_info=first)
 
     def _copy_out(self, sp: _Spill) -> None:
         """Copy the blocks out of their slots into a page-aligned staging buffer (O_DIRECT writes
@@ -225,6 +275,9 @@ class Tiers(IndexObserver):
     def _spill(self, sp: _Spill) -> None:
         if not sp.src:
             sp.src = _views(self.index.pool.buffer, sp.slots, sp.slot_bytes)  # the pool's memory: no copy
+        if sp.unchecked:  # adopted blocks not verified yet: checked first, off the loop
+            self._check_then_spill(sp)
+            return
         for k, v in zip(sp.keys, sp.src, strict=True):  # until the write lands, a lookup is served from here
             self._staged[(sp.table, k)] = v
         if self._held is not None:  # a LOOKUP is promoting: its reads go first (see extend_lookup)
@@ -232,21 +285,62 @@ class Tiers(IndexObserver):
         else:
             self._write(sp)
 
+    def _check_then_spill(self, sp: _Spill) -> None:
+        """Compare the unverified adopted blocks of ``sp`` with their checksums on a thread (their bytes
+        stay put meanwhile: deferred slots, or the staging copy), then spill those that match."""
+        keeper = self.keeper
+        assert keeper is not None
+        todo, src = list(sp.unchecked), sp.src
+
+        def check() -> list[int]:
+            return [i for i, want in todo if not keeper.intact(src[i], want)]
+
+        fut = asyncio.get_running_loop().run_in_executor(None, check)
+        self._spilling.add(fut)
+
+        def checked(f: asyncio.Future) -> None:
+            self._spilling.discard(f)
+            bad = set(f.result()) if not f.cancelled() and f.exception() is None else {i for i, _ in todo}
+            if bad:
+                self.spill_corrupt += len(bad)
+                log.warning("%d blocks adopted at the restart failed their checksum as they left the pool: "
+                            "not spilled", len(bad))
+                sp.keys = [k for i, k in enumerate(sp.keys) if i not in bad]
+                sp.src = [v for i, v in enumerate(sp.src) if i not in bad]
+            sp.unchecked = []
+            if sp.keys:
+                self._spill(sp)
+            else:
+                self._spilled(sp)
+
+        fut.add_done_callback(checked)
+
     def _write(self, sp: _Spill) -> None:
-        fut = sp.tier.write(self._ref(sp.table), b"".join(sp.keys), sp.src)
+        try:
+            fut = sp.tier.write(self._ref(sp.table), b"".join(sp.keys), sp.src)
+        except Exception:  # a tier that raises: the spill is dropped, its slots given back as if written
+            self._fault("a spill", len(sp.keys))
+            asyncio.get_running_loop().call_soon(self._spilled, sp)  # (after ``evicted`` deferred them)
+            return
         self._spilling.add(fut)
 
         def done(f: asyncio.Future) -> None:  # every task of the write has read its slots
             self._spilling.discard(f)
-            for k, v in zip(sp.keys, sp.src, strict=True):
-                if self._staged.get((sp.table, k)) is v:
-                    del self._staged[(sp.table, k)]
-            sp.src = []
-            self._copied_bytes -= sp.copied
-            if sp.slots:
-                self.index.release_deferred(sp.slot_bytes, sp.slots)
+            self._spilled(sp)
 
         fut.add_done_callback(done)
+
+    def _spilled(self, sp: _Spill) -> None:
+        """The spill's bytes are read (written, or dropped): unstaged, its slots back to the pool."""
+        for k, v in zip(sp.keys, sp.src, strict=True):
+            if self._staged.get((sp.table, k)) is v:
+                del self._staged[(sp.table, k)]
+        sp.src = []
+        self._copied_bytes -= sp.copied
+        sp.copied = 0
+        if sp.slots:
+            slots, sp.slots = sp.slots, []
+            self.index.release_deferred(sp.slot_bytes, slots)
 
     # --- lookups and loads ------------------------------------------------------------------------
     def extend_lookup(self, namespace: str, keys: bytes, hits: Hits) -> Hits:
@@ -514,6 +608,11 @@ class Tiers(IndexObserver):
             st.promotions += self.staged_hits  # served from a spill still in flight
             if self.spill_busy:
                 st.spills_dropped[SpillResult.BUSY.value] = self.spill_busy
+            if self.spill_errors:  # the tier raised (its own I/O errors are in its count already)
+                st.spills_dropped[SpillResult.ERROR.value] = st.spills_dropped.get(SpillResult.ERROR.value, 0) \
+                    + self.spill_errors
+            if self.spill_corrupt:
+                st.spills_dropped[SpillResult.CORRUPT.value] = self.spill_corrupt
             st.staged_hits = self.staged_hits
             st.spill_copies = self.spill_copies  # the fallback that copies on the loop
             st.promotions_no_room = self.no_room
@@ -536,8 +635,8 @@ def _views(buf: np.ndarray, slots: Sequence[int], size: int) -> list[memoryview]
     return [mv[s:s + size] for s in slots]
 
 
-def make_tiers(index: Index, disk_path: str, disk_size: int, verify: bool, disk_policy: str = "clock2-ghost"
-               ) -> Tiers:
+def make_tiers(index: Index, disk_path: str, disk_size: int, verify: bool, disk_policy: str = "clock2-ghost",
+               keeper: Keeper | None = None) -> Tiers:
     """The tiers the configuration asks for. A tier that cannot start (an unusable ``--disk-path``, or
     one another user could write) is logged and left out: the daemon serves from the pool alone rather
     than not at all."""
@@ -550,7 +649,7 @@ def make_tiers(index: Index, disk_path: str, disk_size: int, verify: bool, disk_
         except (OSError, UnsafePath) as e:
             disabled = f"disk tier disabled: {e}"
             log.error("%s; serving from the pool alone", disabled)
-    out = Tiers(index, tiers, verify)
+    out = Tiers(index, tiers, verify, keeper=keeper)
     out.disabled = disabled
     return out
 
