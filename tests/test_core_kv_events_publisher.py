@@ -18,7 +18,7 @@ from kvevents_sub import EventSubscriber
 from kvoffd.cache.index import Index
 from kvoffd.cache.pool import Pool
 from kvoffd.events.publisher import Endpoints, KvEventPublisher
-from kvoffd.events.wire import MEDIUM_DISK, EventIdentity, HashForm
+from kvoffd.events.wire import MEDIUM_STORAGE, EventIdentity, HashForm
 from kvoffd.metrics import Metrics
 from kvoffd.server.outlet_link import OutletLink
 
@@ -93,7 +93,7 @@ def test_a_publisher_behind_drops_and_counts_and_the_loop_never_waits():
 
 
 def test_another_tier_publishes_under_its_own_medium():
-    """The seam a disk tier uses: its blocks are published like the pool's, with medium "DISK",
+    """The seam a disk tier uses: its blocks are published like the pool's, with medium "STORAGE",
     in the same numbered stream; a namespace without an event identity publishes nothing."""
     metrics = Metrics("test", _no_state)
     index = Index(Pool(64 * SLOT, chunk_bytes=64 * SLOT), "lru")
@@ -106,10 +106,10 @@ def test_another_tier_publishes_under_its_own_medium():
     async def turns() -> None:
         _store(index, [_key(1), _key(2)])
         await asyncio.sleep(0)
-        pub.tier_changed(MEDIUM_DISK, "pub", stored=[_key(1)], removed=[])
-        pub.tier_changed(MEDIUM_DISK, "unknown-namespace", stored=[_key(3)], removed=[])
+        pub.tier_changed(MEDIUM_STORAGE, "pub", stored=[_key(1)], removed=[])
+        pub.tier_changed(MEDIUM_STORAGE, "unknown-namespace", stored=[_key(3)], removed=[])
         await asyncio.sleep(0)
-        pub.tier_changed(MEDIUM_DISK, "pub", stored=[], removed=[_key(1)])
+        pub.tier_changed(MEDIUM_STORAGE, "pub", stored=[], removed=[_key(1)])
         await asyncio.sleep(0)
 
     asyncio.run(turns())
@@ -120,7 +120,7 @@ def test_another_tier_publishes_under_its_own_medium():
         assert sub.catch_up() == 3
         low = [int.from_bytes(_key(i)[-8:], "big") for i in (1, 2)]
         got = [(e["type"], e["medium"], e["block_hashes"]) for e in sub.events()]
-        assert got == [("BlockStored", "CPU", low), ("BlockStored", "DISK", low[:1]), ("BlockRemoved", "DISK", low[:1])]
+        assert got == [("BlockStored", "CPU", low), ("BlockStored", "STORAGE", low[:1]), ("BlockRemoved", "STORAGE", low[:1])]
     finally:
         sub.close()
         pub.close()

@@ -1,4 +1,4 @@
-"""KV events of the disk tier (medium DISK), through real daemons: its spills and removals are published
+"""KV events of the disk tier (medium STORAGE), through real daemons: its spills and removals are published
 as they happen, and after a restart (SIGTERM or SIGKILL) the blocks its persistent index reopened are
 announced once the namespace's identity is known, so that a subscriber replaying from seq 0 sees,
 per medium, what the pool and the disk hold.
@@ -65,7 +65,7 @@ def _h(key: bytes) -> int:
 
 
 def _by_medium(events: list[dict]) -> dict[str, set]:
-    held: dict[str, set] = {"CPU": set(), "DISK": set()}
+    held: dict[str, set] = {"CPU": set(), "STORAGE": set()}
     for e in events:
         if e["type"] == "BlockStored":
             held[e["medium"]].update(e["block_hashes"])
@@ -90,10 +90,10 @@ def test_disk_blocks_are_published_and_announced_again_after_a_restart(tmp_path,
 
         def matches(s: EventSubscriber) -> bool:
             held = _by_medium(s.events())
-            return len(held["DISK"]) == on_disk and held["CPU"] == rig.in_pool(keys)
+            return len(held["STORAGE"]) == on_disk and held["CPU"] == rig.in_pool(keys)
 
-        assert rig.sub.wait_for(matches, 30), (len(_by_medium(rig.sub.events())["DISK"]), on_disk)
-        before = _by_medium(rig.sub.events())["DISK"]
+        assert rig.sub.wait_for(matches, 30), (len(_by_medium(rig.sub.events())["STORAGE"]), on_disk)
+        before = _by_medium(rig.sub.events())["STORAGE"]
         assert before <= {_h(k) for k in keys}
         rig.close()
     finally:
@@ -109,13 +109,13 @@ def test_disk_blocks_are_published_and_announced_again_after_a_restart(tmp_path,
             early.close()
         rig = Rig(d)  # REGISTER with the identity: the reopened blocks are announced, once
         assert rig.disk()["resident_blocks"] == len(before)
-        assert rig.sub.wait_for(lambda s: _by_medium(s.events())["DISK"] == before, 30), \
-            (len(_by_medium(rig.sub.events())["DISK"]), len(before))
+        assert rig.sub.wait_for(lambda s: _by_medium(s.events())["STORAGE"] == before, 30), \
+            (len(_by_medium(rig.sub.events())["STORAGE"]), len(before))
         stored = [h for e in rig.sub.events() if e["type"] == "BlockStored" for h in e["block_hashes"]]
         assert len(stored) == len(set(stored)) == len(before)
         assert probe.stats()["daemon"]["kv_events"]["reopened_announced"] == len(before)
         rig.c.clear(NS)  # a CLEAR of the namespace: its disk blocks' removals
-        assert rig.sub.wait_for(lambda s: not _by_medium(s.events())["DISK"], 30)
+        assert rig.sub.wait_for(lambda s: not _by_medium(s.events())["STORAGE"], 30)
         rig.close()
     finally:
         d.stop()

@@ -262,7 +262,7 @@ class KvEventPublisher(IndexObserver):
             self._schedule_announce()
 
     def tier_changed(self, medium: str, namespace: str, stored: list[bytes], removed: list[bytes]) -> None:
-        """Another tier (a disk tier: ``MEDIUM_DISK``) now holds ``stored`` and no longer ``removed``,
+        """Another tier (a disk tier: ``MEDIUM_STORAGE``) now holds ``stored`` and no longer ``removed``,
         rank 0's keys of ``namespace``; published like the pool's own, under its ``medium``. Loop
         thread only, like the observer calls."""
         ident = self._identities.get(namespace)

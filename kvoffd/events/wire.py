@@ -22,9 +22,10 @@ import msgspec
 
 from kvoffd_client.protocol import KEY_SIZE, KvEventsLayout
 
-#: ``medium`` of the blocks in the DRAM pool (vLLM's MEDIUM_CPU); a disk tier says MEDIUM_DISK.
+#: ``medium`` of the blocks in the DRAM pool; a disk tier says MEDIUM_STORAGE. vLLM's own names
+#: (``vllm.distributed.kv_events``), so a router keyed on them takes both.
 MEDIUM_CPU = "CPU"
-MEDIUM_DISK = "DISK"
+MEDIUM_STORAGE = "STORAGE"
 #: ``locality``: the daemon publishes what its own node holds.
 LOCALITY = "LOCAL"
 #: ``ownership`` ("secondary offloading tier identifier" in vLLM): tells kvoffd's events from vLLM's.

@@ -194,3 +194,13 @@ def test_after_a_warm_restart_the_stream_announces_the_adopted_blocks(tiny_model
             ours.close()
         d.stop()
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_the_media_are_vllms_own_names():
+    """Issue 33 point 12: a router keyed on vLLM's media (``vllm.distributed.kv_events``) must take the
+    pool's blocks and the disk tier's: the daemon's names are vLLM's constants, not look-alikes."""
+    from vllm.distributed import kv_events as vk
+
+    from kvoffd.events.wire import MEDIUM_CPU, MEDIUM_STORAGE
+
+    assert (MEDIUM_CPU, MEDIUM_STORAGE) == (vk.MEDIUM_CPU, vk.MEDIUM_STORAGE)

@@ -57,7 +57,7 @@ from kvoffd.cache.tiers.base import SpillResult, TableRef, TierStats
 from kvoffd.cache.tiers.ghost import GhostFilter
 from kvoffd.cache.tiers.iopool import READ, WRITE, IoPool
 from kvoffd.cache.tiers.table import FEW, KERNEL, BlockTable, keys_u64
-from kvoffd.events.wire import MEDIUM_DISK
+from kvoffd.events.wire import MEDIUM_STORAGE
 from kvoffd.runtime import open_private_dir
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ Changed = Callable[[TableRef, bytes, bytes], None]
 
 class DiskTier:
     name = "disk"
-    medium = MEDIUM_DISK
+    medium = MEDIUM_STORAGE
 
     def __init__(self, path: str, size: int, threads: int = DISK_THREADS, policy: str = DISK_POLICIES[0]):
         if policy not in DISK_POLICIES:
