@@ -15,10 +15,13 @@ from kvoffd_client import protocol as P
 HEARTBEAT_S = 2.0  # told to clients in HELLO_OK: they ping this often
 IDLE_CONN_S = 600.0  # a connection that holds nothing and said nothing this long is forgotten
 QUIET_CONN_S = 3 * HEARTBEAT_S  # a connection silent this long is no longer protected from eviction
+ROOM_SCAN_EVERY_S = 0.25  # a full table of live clients: newcomers refused without a scan in between
 HOUSEKEEPING_S = 0.1  # Server.tick: lease expiry, silent engines, the systemd watchdog
 STALL_S = 0.5  # housekeeping this long after the last: the daemon was stopped or blocked (Sessions.expire)
 REAP_EVERY_S = 1.0  # idle connections, descriptor calibration, sent big replies: once a second
 VERSION_WARN_EVERY_S = 60.0  # HELLOs of another protocol version: one WARNING per interval
+REFUSAL_LOG_EVERY_S = 10.0  # refused requests: one line per error code per interval (kvoffd.server.ratelog)
+INTERNAL_LOG_EVERY_S = 60.0  # internal errors: one traceback per interval, the rest counted
 
 # --- connections and the socket ---------------------------------------------------------------------
 #: client connections known at once. KVOFFD_TEST_MAX_CONNS lowers it, for tests only (a burst past the

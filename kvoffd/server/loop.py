@@ -43,11 +43,14 @@ from kvoffd.server.jobs import Jobs
 from kvoffd.server.limits import (
     DRAIN_BATCH,
     HOUSEKEEPING_S,
+    INTERNAL_LOG_EVERY_S,
     MAX_UNREAD_REPLY_BYTES_PER_PEER,
     REAP_EVERY_S,
+    REFUSAL_LOG_EVERY_S,
     TRACKED_REPLY_BYTES,
 )
 from kvoffd.server.outlet_link import outlet_for
+from kvoffd.server.ratelog import RateLimitedLog
 from kvoffd.server.register import Registrar
 from kvoffd.server.sessions import Engine, Sessions
 from kvoffd.topology import parse_numa_map, read_topology
@@ -141,6 +144,8 @@ class Server:
         self._zmq_fd = -1  # libzmq's duplicate of it
         self._socket_ino = 0  # the ipc socket file this daemon made (removed at stop only if still it)
         self._unread = UnreadReplies()  # big replies libzmq has not sent yet
+        self._refusals = RateLimitedLog(log, REFUSAL_LOG_EVERY_S)  # per error code
+        self._internals = RateLimitedLog(log, INTERNAL_LOG_EVERY_S)
         self._last_reap = 0.0
         self._watchdog_s: float | None = None  # systemd's WatchdogSec, halved (read when serving starts)
         self._last_watchdog = 0.0
@@ -324,6 +329,7 @@ class Server:
         recv, getsockopt = sock.recv, sock.getsockopt
         for _ in range(DRAIN_BATCH):
             if not getsockopt(_EVENTS) & _POLLIN:
+                self.sessions.heard_all_at = time.monotonic()  # silence is counted up to here (Sessions)
                 return
             try:  # ROUTER: [identity, body]; not recv_multipart, whose flag enums cost more than the rest
                 ident = recv(_NOBLOCK)
@@ -391,7 +397,9 @@ class Server:
 
     def _reject(self, ident: bytes, e: ProtocolError) -> None:
         self.metrics.errors.labels(e.code.value).inc()
-        log.debug("client %s: %s", ident.hex(), e)
+        malformed = e.code in (ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE)  # a broken or hostile client
+        self._refusals(e.code.value, logging.WARNING if malformed else logging.DEBUG, "client %s: %s",
+                       ident.hex(), e)
         self._send(ident, P.error_for(e))
 
     def _on_message(self, ident: bytes, body: bytes) -> None:
@@ -429,7 +437,8 @@ class Server:
             self._send(ident, reply)
 
     def _internal_error(self, ident: bytes, seq: int) -> None:
-        log.exception("internal error handling a message from %s", ident.hex())
+        self._internals("internal", logging.ERROR, "internal error handling a message from %s", ident.hex(),
+                        exc_info=True)
         self.metrics.errors.labels(ErrorCode.INTERNAL.value).inc()
         self._send(ident, P.Error(seq=seq, code=ErrorCode.INTERNAL.value, message="internal error; see the daemon log"))
 

@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from kvoffd.server.limits import (
     MAX_LEASED_KEYS_PER_CONN,
     MAX_LEASES_PER_CONN,
     QUIET_CONN_S,
+    ROOM_SCAN_EVERY_S,
     STALL_S,
     VERSION_WARN_EVERY_S,
 )
@@ -158,6 +160,13 @@ class Sessions:
         self._lease_ids = itertools.count(1)
         self._pids: PidWatcher | None = None
         self._dropped: dict[bytes, str] = {}  # connections dropped by the daemon -> why (bounded)
+        self._fresh: dict[bytes, Conn] = {}  # connections that said nothing after HELLO, oldest first
+        self._quiet: deque[Conn] = deque()  # the last scan's proven-silent connections, longest first
+        self._next_room_scan = 0.0  # monotonic: a scan for room that found none is not repeated before
+        #: the last moment the loop had read every message that had arrived (set by the loop when it
+        #: finds its queue empty). Silence is counted up to it, never up to now: a client whose requests
+        #: wait behind a burst is not silent, it is waiting to be read.
+        self.heard_all_at = time.monotonic()
         self._version_warned = -VERSION_WARN_EVERY_S  # monotonic time of the last version WARNING
         self._version_refused = 0  # HELLOs of another version refused since that WARNING
 
@@ -182,13 +191,11 @@ class Sessions:
                          fd_socket=self.fd_handover.path if self.fd_handover is not None else "")
 
     def _open_conn(self, ident: bytes, msg: P.Hello) -> Conn:
-        if len(self.conns) >= MAX_CONNS:
-            self.reap_idle_conns(force=True)
-        if len(self.conns) >= MAX_CONNS:
+        if len(self.conns) >= MAX_CONNS and not self._make_room():
             raise ProtocolError(ErrorCode.TOO_MANY, f"all {MAX_CONNS} connections are in use by clients that "
                                 "hold engines, jobs or leases or spoke recently; try again later", seq=msg.seq)
         self._dropped.pop(ident, None)
-        conn = self.conns[ident] = Conn(ident=ident, pid=msg.pid, client=msg.client)
+        conn = self.conns[ident] = self._fresh[ident] = Conn(ident=ident, pid=msg.pid, client=msg.client)
         if self._pids is None:
             self._pids = PidWatcher(asyncio.get_running_loop(), self._on_pid_exit)
         conn.watched = self._pids.watch(ident, msg.pid, msg.start_ticks)
@@ -214,7 +221,9 @@ class Sessions:
         if conn is None:
             raise ProtocolError(ErrorCode.HELLO_REQUIRED, self._dropped.pop(ident, "send HELLO first"), seq=seq)
         conn.last_seen = time.monotonic()
-        conn.active = True
+        if not conn.active:
+            conn.active = True
+            self._fresh.pop(ident, None)
         return conn
 
     # --- UNREGISTER -------------------------------------------------------------------------------------
@@ -339,6 +348,7 @@ class Sessions:
 
     def close_conn(self, conn: Conn, why: Departure = Departure.DISCONNECTED) -> None:
         self.conns.pop(conn.ident, None)
+        self._fresh.pop(conn.ident, None)
         if conn.watched and self._pids is not None:
             self._pids.unwatch(conn.ident)
             conn.watched = False
@@ -373,28 +383,51 @@ class Sessions:
                 log.warning("client pid %d silent for %.1f s: unregistering its engines", conn.pid, idle)
                 self.close_conn(conn, Departure.TIMED_OUT)
 
-    def reap_idle_conns(self, force: bool = False) -> None:
+    @staticmethod
+    def _holds_nothing(c: Conn) -> bool:
+        return not (c.engines or c.jobs or c.leases or c.registering)
+
+    def silence(self, conn: Conn) -> float:
+        """How long the connection has provably said nothing: up to ``heard_all_at``, not up to now."""
+        return max(0.0, self.heard_all_at - conn.last_seen)
+
+    def reap_idle_conns(self) -> None:
         """Forget connections that hold nothing and said nothing for a while (ZeroMQ does not tell
-        the daemon when a peer goes). Clients heartbeat every few seconds, so a live one is never
-        idle this long. When the table is full (``force``), room is made by evicting connections
-        that never sent anything after HELLO, then the longest-silent of those silent past
-        QUIET_CONN_S; never one that holds engines, jobs or leases, or spoke recently. The "oldest
-        idle" alone is the wrong victim: ZeroMQ queues each peer fairly, so in a burst of HELLOs
-        the busy client's last message is older than every newcomer's HELLO."""
+        the daemon when a peer goes): IDLE_CONN_S, or QUIET_CONN_S once the table is half full.
+        Clients heartbeat every few seconds, so a live one is never idle this long. Once a second
+        (a scan of the table)."""
+        limit = QUIET_CONN_S if len(self.conns) > MAX_CONNS // 2 else IDLE_CONN_S
+        for c in [c for c in self.conns.values() if self._holds_nothing(c) and self.silence(c) > limit]:
+            self._forget_conn(c, DROPPED_SILENT)
+
+    def _make_room(self) -> bool:
+        """One slot for a newcomer when the table is full: the oldest connection that never sent
+        anything after HELLO, else the longest-silent one that holds nothing and has provably said
+        nothing for QUIET_CONN_S; never one that holds engines, jobs or leases, or spoke recently.
+        Found without a scan of the table per HELLO (else a burst of newcomers costs a scan each, and
+        the requests of the clients waiting behind them make those look silent): the never-active are
+        kept in order, the silent come from one scan at most every ROOM_SCAN_EVERY_S. The "oldest idle"
+        alone is the wrong victim: ZeroMQ queues each peer fairly, so in a burst of HELLOs a busy
+        client's last message is older than every newcomer's HELLO."""
+        if self._fresh:
+            self._forget_conn(next(iter(self._fresh.values())), DROPPED_FOR_ROOM)
+            return True
+        while self._quiet:
+            c = self._quiet.popleft()
+            if self.conns.get(c.ident) is c and self._holds_nothing(c) and self.silence(c) > QUIET_CONN_S:
+                self._forget_conn(c, DROPPED_FOR_ROOM)
+                return True
         now = time.monotonic()
-        empty = [c for c in self.conns.values() if not (c.engines or c.jobs or c.leases or c.registering)]
-        limit = IDLE_CONN_S
-        if force or len(self.conns) > MAX_CONNS // 2:
-            limit = min(limit, QUIET_CONN_S)
-        for c in empty:
-            if now - c.last_seen > limit:
-                self._forget_conn(c, DROPPED_SILENT)
-        if not force or len(self.conns) < MAX_CONNS:
-            return
-        victims = [c for c in empty if c.ident in self.conns and (not c.active or now - c.last_seen > QUIET_CONN_S)]
-        victims.sort(key=lambda c: (c.active, c.last_seen))
-        for c in victims[: len(self.conns) - MAX_CONNS + 1]:
-            self._forget_conn(c, DROPPED_FOR_ROOM)
+        if now < self._next_room_scan:
+            return False
+        self._next_room_scan = now + ROOM_SCAN_EVERY_S
+        quiet = [c for c in self.conns.values() if self._holds_nothing(c) and self.silence(c) > QUIET_CONN_S]
+        quiet.sort(key=lambda c: c.last_seen)
+        self._quiet = deque(quiet)
+        if not self._quiet:
+            return False
+        self._forget_conn(self._quiet.popleft(), DROPPED_FOR_ROOM)
+        return True
 
     def _forget_conn(self, conn: Conn, why: str) -> None:
         """Close a connection the daemon gave up on, remembering why: its next message is answered

@@ -31,6 +31,7 @@ _ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
 _HINTS = {"keys": f"must be one binary of {KEY_SIZE}-byte keys back to back",
           "block_ids": "must be one binary of little-endian int32"}
 _FIELD = re.compile(r"`\$\.([A-Za-z_]\w*)")
+_TOO_DEEP = "msgpack nested too deeply (no message of this protocol nests more than a few levels)"
 
 
 def encode(msg: Message) -> bytes:
@@ -50,9 +51,12 @@ def decode(frame: bytes, *, requests_only: bool = False) -> Message:
     except ProtocolError as e:  # raised by a __post_init__ check
         err = e
     except RecursionError:  # msgspec's answer to maps nested thousands deep: no message is that deep
-        err = ProtocolError(ErrorCode.BAD_FRAME, "msgpack nested too deeply")
+        err = ProtocolError(ErrorCode.BAD_FRAME, _TOO_DEEP)
     if err.code is not ErrorCode.BAD_FRAME:
-        err.seq, err.job_id = _echo(frame)
+        try:
+            err.seq, err.job_id = _echo(frame)
+        except RecursionError:  # e.g. a seq nested 100k deep: refused above for its type, at the first level
+            err = ProtocolError(ErrorCode.BAD_FRAME, _TOO_DEEP)
     raise err
 
 
