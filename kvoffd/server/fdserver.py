@@ -11,7 +11,9 @@ kvoffd_client.protocol.fdsocket's (docs/protocol.md, "The fd socket").
 A small AF_UNIX SOCK_SEQPACKET listener served by the asyncio loop, never blocking it. Every resource
 a client can make it hold is bounded, and counted in descriptors, not tokens: connections (MAX_CONNS,
 each closed after one batch, CONN_TIMEOUT_S to say how many descriptors follow and BATCH_TIMEOUT_S to
-send them), descriptors per message (MAX_FDS_PER_MESSAGE; the control buffer has room for one more, so
+send them; when all are taken a newcomer takes a slot from the process that holds the most, or one
+that has said nothing for IDLE_GRACE_S: else one process holding every slot makes every engine's
+REGISTER fail), descriptors per message (MAX_FDS_PER_MESSAGE; the control buffer has room for one more, so
 one too many is seen and closed, the kernel closes anything beyond), descriptors held per client pid
 and in all (promised by a batch in progress, received, or waiting for their REGISTER:
 MAX_PENDING_FDS_PER_PID, MAX_PENDING_FDS), the daemon's descriptor budget (a batch that would reach
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from kvoffd.server.ratelog import RateLimitedLog
 from kvoffd_client.protocol import (
     FD_SOCKET_VERSION,
     MAX_BATCH_FDS,
@@ -59,6 +62,7 @@ MAX_PENDING_FDS_PER_PID = MAX_BATCH_FDS
 MAX_PENDING_FDS = 4 * MAX_BATCH_FDS
 TOKEN_TTL_S = 30.0
 CONN_TIMEOUT_S = 2.0  # connect to FdBatch
+IDLE_GRACE_S = 0.5  # a connection silent this long may lose its slot to a newcomer (a client speaks at once)
 BATCH_TIMEOUT_S = 10.0  # FdReply.ready to the last chunk (16,384 descriptors take ~50 ms)
 _CMSG_SPACE = socket.CMSG_SPACE((MAX_FDS_PER_MESSAGE + 1) * 4)
 _UCRED = struct.Struct("3i")  # the kernel's struct ucred (SO_PEERCRED): pid, uid, gid
@@ -98,8 +102,9 @@ class Handover:
 class _Client:
     sock: socket.socket
     deadline: float
-    pid: int = 0
+    pid: int = 0  # SO_PEERCRED, at accept: (uid, pid) is the peer that shares the table fairly
     uid: int = 0
+    opened: float = 0.0  # monotonic
     count: int = 0  # descriptors promised (FdBatch.count); 0 until the client said
     fds: list[int] = field(default_factory=list)  # received so far: closed unless they become a Handover
     sizes: list[int] = field(default_factory=list)
@@ -119,6 +124,9 @@ class FdServer:
         self._clients: dict[int, _Client] = {}
         self._held: dict[int, int] = {}  # pid -> descriptors promised, received or pending
         self._held_total = 0
+        self._conns_of: dict[tuple[int, int], int] = {}  # (uid, pid) -> its connections in _clients
+        self.turned_away = 0  # connections refused (all slots taken by fair holders) or evicted for room
+        self._warn = RateLimitedLog(log, 60.0)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -231,13 +239,57 @@ class FdServer:
             except OSError as e:  # EMFILE and friends: leave the backlog, try again on the next event
                 log.warning("fd socket: accept failed: %s", e.strerror)
                 return
-            if len(self._clients) >= MAX_CONNS:
-                conn.close()
+            try:
+                pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            except OSError:
+                conn.close()  # gone already
+                continue
+            now = time.monotonic()
+            if len(self._clients) >= MAX_CONNS and not self._make_room((uid, pid), now):
+                self._turn_away(conn, pid, uid)
                 continue
             conn.setblocking(False)
-            c = _Client(conn, time.monotonic() + CONN_TIMEOUT_S)
+            c = _Client(conn, now + CONN_TIMEOUT_S, pid=pid, uid=uid, opened=now)
             self._clients[conn.fileno()] = c
+            self._conns_of[uid, pid] = self._conns_of.get((uid, pid), 0) + 1
             self._loop.add_reader(conn.fileno(), self._read, c)
+
+    def _make_room(self, peer: tuple[int, int], now: float) -> bool:
+        """A slot for a newcomer from ``peer`` when all are taken: the peer that holds the most (by at
+        least two more than the newcomer's) gives up its oldest connection that has not started a batch
+        (else its oldest); otherwise the oldest connection silent past IDLE_GRACE_S, from the peers that
+        hold the most first. False: every slot is held fairly and is in use (the newcomer is turned away)."""
+        mine = self._conns_of.get(peer, 0)
+        top, most = max(self._conns_of.items(), key=lambda kv: kv[1])
+        if most > mine + 1:
+            victim = min((c for c in self._clients.values() if (c.uid, c.pid) == top),
+                         key=lambda c: (c.count > 0, c.opened))
+        else:
+            idle = [c for c in self._clients.values() if not c.count and now - c.opened > IDLE_GRACE_S]
+            if not idle:
+                return False
+            victim = min(idle, key=lambda c: (-self._conns_of[c.uid, c.pid], c.opened))
+        held = self._conns_of[victim.uid, victim.pid]
+        self.turned_away += 1
+        self._warn("evicted", logging.WARNING, "fd socket: all %d connections in use; one of pid %d's %d gave its "
+                   "slot to a newcomer", MAX_CONNS, victim.pid, held)
+        self._refuse(victim, Refused(ErrorCode.TOO_MANY, f"all {MAX_CONNS} fd-socket connections were in use and "
+                                     f"this process held {held} of them: its slot went to another process"))
+        return True
+
+    def _turn_away(self, conn: socket.socket, pid: int, uid: int) -> None:
+        """A newcomer with no slot: told why (a client reports it), then closed."""
+        self.turned_away += 1
+        self._warn("refused", logging.WARNING, "fd socket: all %d connections in use by clients that are "
+                   "sending batches; refused a connection from pid %d", MAX_CONNS, pid)
+        msg = FdReply(error=ErrorCode.TOO_MANY.value, message=f"all {MAX_CONNS} fd-socket connections are in use; "
+                      f"this process holds {self._conns_of.get((uid, pid), 0)} of them; try again")
+        try:
+            conn.setblocking(False)
+            conn.send(_ENC.encode(msg))
+        except OSError:
+            pass
+        conn.close()
 
     def _drop_client(self, c: _Client) -> None:
         """Close the connection and every descriptor it brought that did not become a Handover."""
@@ -246,6 +298,11 @@ class FdServer:
             self._loop.remove_reader(fd)
             if c.count:
                 self._release(c.pid, c.count)
+            left = self._conns_of[c.uid, c.pid] - 1
+            if left:
+                self._conns_of[c.uid, c.pid] = left
+            else:
+                del self._conns_of[c.uid, c.pid]
         c.sock.close()
         fds, c.fds = c.fds, []
         for f in fds:
@@ -302,7 +359,6 @@ class FdServer:
         if batch.v != FD_SOCKET_VERSION:
             raise Refused(ErrorCode.VERSION_MISMATCH, f"fd socket version {batch.v}; this daemon speaks "
                           f"{FD_SOCKET_VERSION}")
-        c.pid, c.uid, _ = _UCRED.unpack(c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         now = time.monotonic()
         self._expire_tokens(now)  # (not the connections: this one may be past its deadline by now)
         n = batch.count
@@ -353,6 +409,8 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, what: str, not_msgpac
         raise Refused(ErrorCode.BAD_FIELD, f"{what}: {e}") from None
     except msgspec.DecodeError:
         raise Refused(ErrorCode.BAD_FRAME, not_msgpack) from None
+    except RecursionError:  # nested thousands deep: no fd-socket message nests at all
+        raise Refused(ErrorCode.BAD_FRAME, "msgpack nested too deeply") from None
 
 
 def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
