@@ -16,6 +16,7 @@ import logging
 import os
 import resource
 import socket
+from collections.abc import Callable
 
 import zmq
 
@@ -166,6 +167,7 @@ class ListenerGuard:
         self._listener = listener
         self._zmq_fd = zmq_fd
         self._dummy: socket.socket | None = None
+        self.on_event: Callable[[int, int], None] | None = None  # (event, descriptor): kvoffd.server.tcpgate
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.paused = False
         self.pauses = 0
@@ -195,6 +197,8 @@ class ListenerGuard:
             while self.mon.getsockopt(zmq.RCVMORE):
                 recv(zmq.NOBLOCK)
             ev = int.from_bytes(head[:2], "little")
+            if self.on_event is not None:
+                self.on_event(ev, int.from_bytes(head[2:6], "little"))
             if ev == _ACCEPTED:
                 self.budget.zmq_conns += 1
                 self.connections += 1

@@ -53,6 +53,7 @@ from kvoffd.server.outlet_link import outlet_for
 from kvoffd.server.ratelog import RateLimitedLog
 from kvoffd.server.register import Registrar
 from kvoffd.server.sessions import Engine, Sessions
+from kvoffd.server.tcpgate import TcpGate
 from kvoffd.topology import parse_numa_map, read_topology
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import ErrorCode, ProtocolError
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 # plain ints: pyzmq's flag enums cost microseconds per ``&``, several times per message
 _EVENTS, _POLLIN, _NOBLOCK, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.RCVMORE)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+_SRCFD = int(zmq.SRCFD)
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,7 @@ class Server:
         self._guard: ListenerGuard | None = None
         self._listener: socket.socket | None = None  # the ZeroMQ listener's socket, owned here
         self._zmq_fd = -1  # libzmq's duplicate of it
+        self._gate: TcpGate | None = None  # tcp://: connections that have not shown the token yet
         self._socket_ino = 0  # the ipc socket file this daemon made (removed at stop only if still it)
         self._unread = UnreadReplies()  # big replies libzmq has not sent yet
         self._refusals = RateLimitedLog(log, REFUSAL_LOG_EVERY_S)  # per error code
@@ -185,6 +188,7 @@ class Server:
                 "uptime_s": round(time.time() - self.started, 3), "address": self.bound_address,
                 "metrics_address": self.metrics_address, "backends": [b.describe() for b in self.backends],
                 "fds": self.fds.describe(), "listening": not (self._guard and self._guard.paused),
+                "unauthenticated": self._gate.describe() if self._gate is not None else None,
                 "kv_events": self.kv_events.describe() if self.kv_events is not None else None}
 
     # ------------------------------------------------------------------------------------------------
@@ -197,6 +201,7 @@ class Server:
             prepare_ipc_path(addr[6:])
         elif addr.startswith("tcp://"):  # any local user can connect: only token holders may talk
             self.sessions.auth_token = load_or_create_token(self.cfg.auth_token_file)
+            self._gate = TcpGate(self.fds.limit)
             if addr.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
         self._listener = open_listener(addr, LISTEN_BACKLOG)
@@ -252,6 +257,8 @@ class Server:
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain)
         self._guard = ListenerGuard(self._ctx, self.sock, self._listener, self._zmq_fd, self.fds)
+        if self._gate is not None:
+            self._guard.on_event = self._gate.on_event
         loop.add_reader(self._guard.fd, self._drain_monitor)
         self._drain_monitor()  # edge-triggered like the ROUTER's fd: take what is queued already
         self._watchdog_s = sdnotify.watchdog_interval()
@@ -314,6 +321,8 @@ class Server:
             sdnotify.watchdog()
             self._last_watchdog = now
         self.sessions.expire(now)
+        if self._gate is not None:
+            self._gate.expire(now)
         if now - self._last_reap > REAP_EVERY_S:
             self.sessions.reap_idle_conns()
             self._last_reap = now
@@ -327,13 +336,14 @@ class Server:
         flooding client cannot hold the loop."""
         sock = self.sock
         recv, getsockopt = sock.recv, sock.getsockopt
+        gated = self._gate is not None  # tcp://: HELLO must say which connection it came on (a zmq.Frame)
         for _ in range(DRAIN_BATCH):
             if not getsockopt(_EVENTS) & _POLLIN:
                 self.sessions.heard_all_at = time.monotonic()  # silence is counted up to here (Sessions)
                 return
             try:  # ROUTER: [identity, body]; not recv_multipart, whose flag enums cost more than the rest
                 ident = recv(_NOBLOCK)
-                body = recv(_NOBLOCK)
+                body = recv(_NOBLOCK, copy=False) if gated else recv(_NOBLOCK)
             except zmq.Again:
                 return
             if getsockopt(_RCVMORE):  # a message arrives whole, so the rest is here: drop it
@@ -402,11 +412,13 @@ class Server:
                        ident.hex(), e)
         self._send(ident, P.error_for(e))
 
-    def _on_message(self, ident: bytes, body: bytes) -> None:
+    def _on_message(self, ident: bytes, body: bytes | zmq.Frame) -> None:
         seq = 0
         try:
             msg = P.decode(body, requests_only=True)
             seq = msg.seq
+            if self._gate is not None and msg.op is P.Op.HELLO:  # the token, on this connection: it may stay
+                self._gate.hello(body.get(_SRCFD), self.sessions.token_ok(msg.token))
             route = self._routes[msg.op]
             who = self.sessions.session_of(ident, msg.seq) if route.needs_session else ident
             if route.is_async:

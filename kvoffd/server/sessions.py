@@ -176,7 +176,7 @@ class Sessions:
             self._warn_version(msg)
             raise ProtocolError(ErrorCode.VERSION_MISMATCH, f"this daemon speaks protocol v{P.PROTOCOL_VERSION}, "
                                 f"the client v{msg.version}; upgrade the older side", seq=msg.seq)
-        if self.auth_token is not None and not hmac.compare_digest(msg.token.encode(), self.auth_token):
+        if not self.token_ok(msg.token):
             raise ProtocolError(ErrorCode.UNAUTHORIZED, "this daemon serves tcp:// to holders of its auth token "
                                 "only (--auth-token-file; clients read KVOFFD_AUTH_TOKEN_FILE)", seq=msg.seq)
         conn = self.conns.get(ident)
@@ -189,6 +189,10 @@ class Sessions:
                                  "max_jobs": MAX_JOBS_PER_CONN, "key_size": P.KEY_SIZE},
                          heartbeat_s=HEARTBEAT_S,
                          fd_socket=self.fd_handover.path if self.fd_handover is not None else "")
+
+    def token_ok(self, token: str) -> bool:
+        """Whether a HELLO's token lets it in (always, but over tcp://)."""
+        return self.auth_token is None or hmac.compare_digest(token.encode(), self.auth_token)
 
     def _open_conn(self, ident: bytes, msg: P.Hello) -> Conn:
         if len(self.conns) >= MAX_CONNS and not self._make_room():
