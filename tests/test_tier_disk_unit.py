@@ -354,3 +354,56 @@ async def _counted(path: str, seed: int) -> None:
 @pytest.mark.parametrize("seed", range(8))
 def test_a_lookups_count_below_the_pool_follows_the_exact_rule(tmp_path, seed):
     asyncio.run(_counted(str(tmp_path / "disk"), seed))
+
+
+async def _restart_part_full(path: str) -> None:
+    size = 256 * SLOT  # 256 slots
+    tier = DiskTier(path, size, threads=2)
+    tier.start(asyncio.get_running_loop())
+    keys, src, want = _blocks(0, 8)  # 3% full
+    try:
+        assert all(r is SpillResult.WRITTEN for r in await tier.write(REF, keys, src))
+    finally:
+        tier.close()
+    tier = DiskTier(path, size, threads=2)  # the daemon restarted: the hand and the counts start over
+    tier.start(asyncio.get_running_loop())
+    try:
+        assert tier.contains(REF, keys).all()
+        for r in range(5):  # 240 more: every slot but 8 taken, and still no block evicted
+            k2, s2, _ = _blocks(100 + 48 * r, 48)
+            assert all(x is SpillResult.WRITTEN for x in await tier.write(REF, k2, s2))
+        assert tier.stats().evictions == 0 and tier.stats().resident_blocks == 248
+        dv = _dest(8)
+        assert (await tier.read(REF, keys, dv)).all()  # the adopted blocks, intact
+        assert [bytes(v) for v in dv] == want
+        k3, s3, _ = _blocks(1000, 16)  # past full: now the hand takes victims, the adopted ones last
+        assert all(x is SpillResult.WRITTEN for x in await tier.write(REF, k3, s3))
+        assert tier.stats().evictions == 8
+        assert tier.contains(REF, keys).all()
+    finally:
+        tier.close()
+
+
+def test_a_restarted_tier_fills_its_free_slots_before_evicting_anything(tmp_path):
+    """Issue 33 point 2: a tier 3% full restarted, then filled: 0 evictions until it is full (every
+    adopted block was evicted before: the hand and the counts restart at zero and took a victim
+    before a free slot), and then the adopted blocks are not the first victims."""
+    asyncio.run(_restart_part_full(str(tmp_path / "disk")))
+
+
+async def _free_before_victims(path: str) -> None:
+    tier = DiskTier(path, 256 * SLOT, threads=2)
+    tier.start(asyncio.get_running_loop())
+    try:
+        keys, src, _ = _blocks(0, 256)
+        assert all(r is SpillResult.WRITTEN for r in await tier.write(REF, keys, src))  # full
+        tier.remove(REF, keys[156 * 32:])  # the last 100 freed, far from where the hand stands
+        k2, s2, _ = _blocks(500, 50)
+        assert all(r is SpillResult.WRITTEN for r in await tier.write(REF, k2, s2))
+        assert tier.stats().evictions == 0 and tier.contains(REF, keys[:156 * 32]).all()
+    finally:
+        tier.close()
+
+
+def test_free_slots_are_taken_before_any_block_is_evicted(tmp_path):
+    asyncio.run(_free_before_victims(str(tmp_path / "disk")))

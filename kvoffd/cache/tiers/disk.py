@@ -86,6 +86,8 @@ class _SizeClass:
     ghost: GhostFilter | None = None  # the hand's recent victims (clock2-ghost)
     hand: int = 0
     reopened: np.ndarray | None = None  # record position -> found at start, not yet announced nor removed
+    writing: int = 0  # slots handed out to spills that have not landed (no record yet)
+    free_hand: int = 0  # where the search for free slots goes on
 
 
 @dataclass
@@ -267,6 +269,7 @@ class DiskTier:
         ok &= ~np.isin(slots, uniq[counts > 1])
         t.remove(pos[~ok])
         c.owner[slots[ok]] = pos[ok]
+        c.ref[slots[ok]] = 1  # they earned their place before the restart: not the hand's first victims
         if len(pos):
             log.info("disk tier: %d blocks of %d bytes found in %s (%d dropped)", int(ok.sum()), c.slot_bytes,
                      self.path, int((~ok).sum()))
@@ -520,6 +523,7 @@ class DiskTier:
                                      io_errors=len(part), first_error=str(res))
         slots = np.array(part.slots, dtype=np.int64)
         c.busy[slots] -= 1
+        c.writing -= len(slots)
         self.st.write_bytes += res.nbytes
         self.st.io_errors += res.io_errors
         if res.first_error:
@@ -551,10 +555,13 @@ class DiskTier:
                 self.st.spills_dropped[r.value] = self.st.spills_dropped.get(r.value, 0) + 1
 
     def _alloc(self, c: _SizeClass, k: int) -> np.ndarray:
-        """Up to ``k`` slots by CLOCK: free ones, or ones whose count the hand has worn down to 0 (its record removed now, before the slot is rewritten). Busy slots are skipped; the
-        slots returned are busy (the caller's write) until ``_write_done``."""
-        got: list[np.ndarray] = []
-        need, scanned = k, 0
+        """Up to ``k`` slots: free ones first, then by CLOCK, ones whose count the hand has worn down to
+        0 (its record removed now, before the slot is rewritten). Busy slots are skipped; the slots
+        returned are busy (the caller's write) until ``_write_done``. No block is evicted while a slot
+        is free: a restarted tier's hand and counts start over, and taking victims before free slots
+        threw away every adopted block of a tier 2% full."""
+        got = [self._take_free(c, min(k, c.nslots - c.table.used - c.writing))]
+        need, scanned = k - len(got[0]), 0
         # Each pass lowers every count it crosses, so within REF_MAX + 1 passes any slot not busy is
         # taken: stopping after two (as before) dropped spills as "full" while every block held a
         # count of 2 or 3 (1,514 of 202,521 spills of the conversation trace replay; a dropped head
@@ -583,7 +590,28 @@ class DiskTier:
             need -= len(sel)
             scanned += end - lo
             c.hand = end % c.nslots
-        return np.concatenate(got) if got else np.zeros(0, dtype=np.int64)
+        out = np.concatenate(got)
+        c.writing += len(out)
+        return out
+
+    def _take_free(self, c: _SizeClass, n: int) -> np.ndarray:
+        """Up to ``n`` slots no record owns and no read or write holds, searched from where the last
+        search stopped (``n``: how many the counts say are free; a slot being read when its record went
+        is counted but skipped, so the search ends after one lap)."""
+        got: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
+        scanned, h = 0, c.free_hand
+        while n > 0 and scanned < c.nslots:
+            hi = min(c.nslots, h + max(n * 4, 4096))
+            sel = (np.flatnonzero((c.owner[h:hi] == NONE) & (c.busy[h:hi] == 0)) + h)[:n]
+            c.busy[sel] += 1
+            c.ref[sel] = 0
+            got.append(sel)
+            n -= len(sel)
+            scanned += hi - h
+            h = int(sel[-1]) + 1 if n == 0 and len(sel) else hi
+            h %= c.nslots
+        c.free_hand = h
+        return np.concatenate(got)
 
     def remove(self, table: TableRef, keys: bytes) -> None:
         c, _, pos = self._find(table, keys)
