@@ -79,7 +79,7 @@ if has busy; then  # issue 29: >= 99.9% of acknowledged blocks adopted, store GB
   df -h /dev/shm | tail -n 1 >> "$summary"
   PYTHONPATH=$new_pp timeout ${BUSY_TIMEOUT:-540} python3 bench/restart.py --busy --pool-size ${RESTART_POOL:-64GiB} \
     --backend auto --engine ${BUSY_ENGINE:-gpu} --engine-blocks 1024 --signal ${BUSY_SIGNALS:-TERM,KILL} \
-    --lag-ms ${BUSY_LAG_MS:-50} --json "$OUT/busy.json" > "$OUT/busy.log" 2>&1
+    --lag-ms ${BUSY_LAG_MS:-50} --log "$OUT/busy_daemon.log" --json "$OUT/busy.json" > "$OUT/busy.log" 2>&1
   echo "busy (rc $?): $(grep '^{' "$OUT/busy.log" | tr '\n' ' ')" >> "$summary"
   rm -rf /dev/shm/kvoffd-restart-*
 fi

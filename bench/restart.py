@@ -250,7 +250,7 @@ def busy(args: argparse.Namespace) -> int:
     """``--busy``: the restart of a daemon signalled while it is busy (module docstring)."""
     tmp = tempfile.mkdtemp(prefix="kvoffd-restart-")
     shm = tempfile.mkdtemp(prefix="kvoffd-restart-", dir="/dev/shm")
-    log = f"{tmp}/kvoffd.log"
+    log = args.log or f"{tmp}/kvoffd.log"
     eng = _GpuEngine(args.engine_blocks, 64) if args.engine == "gpu" else \
         _CpuEngine(args.engine_blocks, 64, args.block_bytes)
     procs: list[subprocess.Popen] = []
@@ -281,7 +281,9 @@ def busy(args: argparse.Namespace) -> int:
             t0 = time.monotonic()
             procs.append(_spawn(address, args, pool_path, log))
             first_hit_s = _first_answer(address, rounds[-1][-1], True, t0)
-            eng.attach(address)
+            t_reg = time.monotonic()
+            eng.attach(address)  # while the adopted pool is still being pinned
+            register_s = time.monotonic() - t_reg
             adopted = sum(eng.lookup(keys) for keys in rounds)
             p = _wait_stats(address, lambda s: s["persistence"]["indexing_blocks"] == 0)["persistence"]
             per = max(1, args.sample // max(1, len(rounds)))
@@ -294,10 +296,12 @@ def busy(args: argparse.Namespace) -> int:
             eng.detach()
             procs[-1].send_signal(signal.SIGTERM)
             procs[-1].wait(120)
+            shutil.rmtree(os.path.dirname(pool_path), ignore_errors=True)  # its RAM, before the next round's pools
             run = {"signal": sig, "lag_ms": args.lag_ms, "acknowledged_blocks": acked, "adopted_acknowledged": adopted,
                    "adopted_ratio": round(adopted / max(1, acked), 5), "adopted_blocks": p["adopted_blocks"],
                    "adopted_without_checksum": p.get("adopted_unchecked", 0), "stop_s": round(stop_s, 3),
-                   "first_hit_s": round(first_hit_s, 3), "sample_exact": f"{exact}/{sampled}",
+                   "first_hit_s": round(first_hit_s, 3), "register_s": round(register_s, 3),
+                   "sample_exact": f"{exact}/{sampled}",
                    "store_gbps_pool_file": round(file_gbps, 2), "store_gbps_private": round(none_gbps, 2),
                    "store_file_over_private": round(file_gbps / max(none_gbps, 1e-9), 3)}
             runs.append(run)
@@ -333,6 +337,7 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=4, help="--busy: STORE jobs in flight at a time")
     ap.add_argument("--engine", default="cpu", choices=["cpu", "gpu"], help="--busy: the engine's memory")
     ap.add_argument("--sample", type=int, default=512, help="--busy: blocks loaded back and compared")
+    ap.add_argument("--log", default="", help="--busy: the daemons' log file (default: in a temporary directory)")
     args = ap.parse_args()
     if args.busy:
         return busy(args)

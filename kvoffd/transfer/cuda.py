@@ -19,6 +19,7 @@ touches CUDA at import time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable
@@ -163,9 +164,10 @@ class CudaBackend(TransferBackend):
     # --- attach / detach ------------------------------------------------------------------------------
     def attach(self, engine_id: str, memory: dict[str, Any], num_blocks: int,
                segments: list[Segment]) -> MappedMemory:
-        if memory.get("kind") == "cuda_vmm":
-            return self._maps.open_vmm(engine_id, memory, num_blocks, segments)
-        return self._maps.open(engine_id, memory, num_blocks, segments)
+        with self.pinner.yielding() if self.pinner is not None else contextlib.nullcontext():
+            if memory.get("kind") == "cuda_vmm":
+                return self._maps.open_vmm(engine_id, memory, num_blocks, segments)
+            return self._maps.open(engine_id, memory, num_blocks, segments)
 
     def detach(self, mapped: CudaMapping) -> None:  # type: ignore[override]  # the mapping attach returned
         self.abort(mapped)

@@ -36,7 +36,8 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -131,6 +132,7 @@ class Pinner:
         self._libc = _libc()
         self._failed = False
         self._short = False  # a region will never be provisioned (the pool file's allocation stopped)
+        self._yielding = 0  # callers inside ``yielding()``: no region starts meanwhile
 
     # --- control ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -189,10 +191,35 @@ class Pinner:
         self.stats.pinned_bytes = 0
         self.pool.pinned_bytes = 0
 
+    @contextmanager
+    def yielding(self) -> Iterator[None]:
+        """Hold back the next region's touch and registration while the caller runs.
+
+        An engine's REGISTER maps its memory (cuIpcOpenMemHandle, cuMemMap) through the same CUDA
+        driver and address space that registration and touching keep busy back to back: behind them
+        it waited until the whole pool was pinned (64 GiB: 4 s, past the client's 2 s), the first
+        REGISTER after a warm restart above all. With this it waits for the regions in progress only.
+        """
+        with self._cond:
+            self._yielding += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._yielding -= 1
+                self._cond.notify_all()
+
+    def _wait_turn(self) -> None:
+        """Return once no caller is in ``yielding()`` (or pinning stops)."""
+        with self._cond:
+            while self._yielding and not self._stop.is_set():
+                self._cond.wait(0.1)
+
     # --- work -------------------------------------------------------------------------------------
     def _touch_work(self) -> None:
         self._go.wait()
         while True:
+            self._wait_turn()
             with self._lock:
                 if self._stop.is_set() or self._failed or self._next >= len(self._regions):
                     return
@@ -236,6 +263,7 @@ class Pinner:
             if short:
                 self._give_up(f"the pool file was allocated only up to {self.pool.provisioned.nbytes} bytes")
                 return
+            self._wait_turn()
             t0 = time.monotonic()
             try:
                 drv.host_register(base + off, length)

@@ -49,3 +49,23 @@ def test_pinner_gives_up_cleanly_without_cuda(monkeypatch):
     assert p.wait(10)
     assert p.stats.error and got == [pool.nbytes]
     pool.close()
+
+
+def test_no_region_starts_while_a_registration_is_mapping():
+    """``Pinner.yielding`` (held by the CUDA backend's attach): while it is held no further region is
+    touched or registered, so an engine's mapping waits for the regions in progress only, never for the
+    whole pool (the first REGISTER after a warm restart of a 64 GiB pool timed out behind it). The
+    gate, not a clock: the count of pinned regions is read while the gate is held."""
+    pool = Pool(4 << 30)
+    pool.set_usable_bytes(0)
+    p = Pinner(pool, pool.set_usable_bytes, region_bytes=256 << 20, threads=2)
+    try:
+        with p.yielding():
+            p.start()
+            time.sleep(0.5)  # time for regions to start, were they let
+            assert len(p.stats.regions) == 0 and p.stats.touch_s == 0  # taken before any region began
+        assert p.wait(120) and p.stats.pinned_bytes == pool.nbytes, p.stats.error
+    finally:
+        p.stop()
+        p.unpin()
+        pool.close()
