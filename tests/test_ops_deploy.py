@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffd import sdnotify
 from kvoffd.config import Config, build_parser, load_config
+from kvoffd_client.vllm.launch import kv_transfer_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -265,9 +266,9 @@ def _env(c: dict) -> dict[str, str]:
 def _engine_address(c: dict) -> str:
     args = c.get("args", []) + c.get("command", [])
     cfg = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert cfg["kv_connector"] == "KvoffdConnector"
-    assert cfg["kv_connector_module_path"] == "kvoffd_client.vllm.connector"
-    return cfg["kv_connector_extra_config"]["kvoffd_address"]
+    address = cfg["kv_connector_extra_config"]["kvoffd_address"]
+    assert cfg == kv_transfer_config(address)  # the one configuration (tests/test_docs_recipes.py)
+    return address
 
 
 def _mount_for(c: dict, path: str) -> dict:

@@ -46,6 +46,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -53,7 +54,7 @@ import numpy as np
 
 from kvoffd.cache.policy import DISK_POLICIES
 from kvoffd.cache.tiers import diskio
-from kvoffd.cache.tiers.base import SpillResult, TableRef, TierStats
+from kvoffd.cache.tiers.base import Held, SpillResult, TableRef, TierStats
 from kvoffd.cache.tiers.ghost import GhostFilter
 from kvoffd.cache.tiers.iopool import READ, WRITE, IoPool
 from kvoffd.cache.tiers.table import FEW, KERNEL, BlockTable, keys_u64
@@ -68,6 +69,9 @@ REF_MAX = 3  # CLOCK with a 2-bit count: 77.5% vs 75.7% of unbounded for 1 bit (
 GHOST_REF = 2  # the count a returning block starts at (simulated with an exact ghost: 79.0% at 2, 79.4% at 3 = the cap)
 GHOST_SEGMENT = 1.0  # keys per filter segment, x the slots: a victim is remembered for 1-2 x slots evictions
 DISK_THREADS = max(2, min(8, os.cpu_count() or 2))  # reads verify a crc32 each: the threads are also the checksum cores
+#: after a spill into a never-written slot found the file system full: this long, slots are taken only
+#: from blocks already on disk (their space is allocated), then free ones are tried again
+DISK_FULL_RETRY_S = 10.0
 INDEX_WAIT_S = 30.0  # a spill waits at most this long for its slots' old records to leave the index file
 MAX_TID = 0xFFFFFFFF  # table ids are 32-bit in the index (0: an empty record)
 _KEY = 32
@@ -88,6 +92,7 @@ class _SizeClass:
     reopened: np.ndarray | None = None  # record position -> found at start, not yet announced nor removed
     writing: int = 0  # slots handed out to spills that have not landed (no record yet)
     free_hand: int = 0  # where the search for free slots goes on
+    full_until: float = 0.0  # the file system was full (monotonic): reuse occupied slots only until then
 
 
 @dataclass
@@ -529,6 +534,8 @@ class DiskTier:
         if res.first_error:
             log.warning("disk tier: %s (%d blocks of this spill dropped)", res.first_error, res.ok.count(False))
         ok = np.array(res.ok, dtype=bool)
+        if any(res.full):
+            c.full_until = time.monotonic() + DISK_FULL_RETRY_S
         for i, good, full in zip(part.at, res.ok, res.full, strict=True):
             out[i] = SpillResult.WRITTEN if good else SpillResult.FULL if full else SpillResult.ERROR
         if ok.any() and self._gen.get(tid, 0) == gen:  # not cleared meanwhile
@@ -559,8 +566,11 @@ class DiskTier:
         0 (its record removed now, before the slot is rewritten). Busy slots are skipped; the slots
         returned are busy (the caller's write) until ``_write_done``. No block is evicted while a slot
         is free: a restarted tier's hand and counts start over, and taking victims before free slots
-        threw away every adopted block of a tier 2% full."""
-        got = [self._take_free(c, min(k, c.nslots - c.table.used - c.writing))]
+        threw away every adopted block of a tier 2% full. While the file system is full
+        (``full_until``) only occupied slots are taken: a free slot may be a hole the disk has no room
+        for, an occupied one has its space already."""
+        reuse_only = time.monotonic() < c.full_until
+        got = [self._take_free(c, 0 if reuse_only else min(k, c.nslots - c.table.used - c.writing))]
         need, scanned = k - len(got[0]), 0
         # Each pass lowers every count it crosses, so within REF_MAX + 1 passes any slot not busy is
         # taken: stopping after two (as before) dropped spills as "full" while every block held a
@@ -571,7 +581,9 @@ class DiskTier:
             lo = c.hand
             hi = min(c.nslots, lo + max(need * 4, 1024, scanned))
             idx = np.arange(lo, hi)
-            ok = (c.busy[lo:hi] == 0) & ((c.owner[lo:hi] == NONE) | (c.ref[lo:hi] == 0))
+            occupied = c.owner[lo:hi] != NONE
+            ok = (c.busy[lo:hi] == 0) & ((c.ref[lo:hi] == 0) & occupied if reuse_only else
+                                         ~occupied | (c.ref[lo:hi] == 0))
             sel = idx[ok][:need]
             end = int(sel[-1]) + 1 if len(sel) == need else hi
             passed = c.ref[lo:end]
@@ -622,19 +634,38 @@ class DiskTier:
             c.table.remove(pos)
             c.owner[slots] = NONE
 
-    def clear(self, namespace: str) -> None:
+    def clear(self, namespace: str) -> int:
         tids = [t for t, ns in self._namespaces.items() if not namespace or ns == namespace]
         for t in tids:
             self._gen[t] = self._gen.get(t, 0) + 1
+        removed = 0
         for c in self._classes.values():
+            if not any(t in c.table.by_table for t in tids):
+                continue  # holds none of them: no scan of its records
             pos = c.table.live()
             pos = pos[np.isin(c.table.recs["tid"][pos], np.array(tids, dtype=np.uint32))]
+            removed += len(pos)
             c.owner[c.table.recs["slot"][pos].astype(np.int64)] = NONE
             if namespace:  # a CLEAR of all is one AllBlocksCleared on the stream: no removal per block
                 self._removing(c, pos)
             elif c.reopened is not None:
                 c.reopened[pos] = False
             c.table.remove(pos)
+        return removed
+
+    def namespace_blocks(self) -> dict[str, Held]:
+        """What each namespace has here, from the tables' live counts (no scan of the records)."""
+        out: dict[str, Held] = {}
+        for c in self._classes.values():
+            for tid, n in c.table.by_table.items():
+                ref = self._refs.get(tid)
+                if ref is None:
+                    continue  # (records of unknown tables are dropped at open: none are live)
+                h = out.setdefault(ref.namespace, Held(world_size=ref.world_size))
+                h.blocks += n
+                h.bytes += n * c.slot_bytes
+                h.ranks.add(ref.rank)
+        return out
 
     def stats(self) -> TierStats:
         st = self.st

@@ -169,6 +169,10 @@ class TableFile:
         self.write_errors = 0
         self.first_error = ""
         self.rewrites = 0  # times the file was found truncated and written whole again
+        # Whether the file system shows the file wholly allocated (it was reserved, or written whole):
+        # then a hole in it, which a truncation followed by one of our writes past it leaves, is seen
+        # too (not on a file system that stores zeros in no blocks, which never looks whole).
+        self._dense = self._allocated(fd) >= len(image)
         self._scratch = bytearray(RUN_PAGES_C * PAGE) if _probe is not None else None
         self._pending: list[np.ndarray] = []  # pages changed since the writer last took them (the loop appends)
         self._gen = 0  # changes told (the loop)
@@ -295,11 +299,21 @@ class TableFile:
                 if self._closing and not self._pending:
                     return
 
-    def _truncated(self) -> bool:
+    @staticmethod
+    def _allocated(fd: int) -> int:
         try:
-            return os.fstat(self.fd).st_size < len(self.image)
+            return os.fstat(fd).st_blocks * 512
+        except OSError:
+            return 0
+
+    def _truncated(self) -> bool:
+        """Shorter than the image, or (a file that was whole) holes in it: cut under the daemon, even if
+        a write of ours past the cut made its size whole again meanwhile."""
+        try:
+            st = os.fstat(self.fd)
         except OSError:
             return False
+        return st.st_size < len(self.image) or (self._dense and st.st_blocks * 512 < len(self.image))
 
     def _rewrite(self) -> None:
         """The whole file again from memory (it was truncated under the daemon: the pages cut are gone)."""
