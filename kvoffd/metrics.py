@@ -43,6 +43,10 @@ class _LiveState(Collector):
         yield GaugeMetricFamily("kvoffd_leases", "Lookup leases holding blocks now", value=s["leases"])
         yield GaugeMetricFamily("kvoffd_resident_blocks", "Blocks resident and visible in the pool",
                                 value=s["resident_blocks"])
+        # the index's own count, read here: every eviction, whatever needed the room (a STORE, a
+        # promotion from a lower tier, the reserve kept ahead for spills, a chunk for another block size)
+        yield CounterMetricFamily("kvoffd_evicted_blocks", "Blocks evicted from the pool to make room (the "
+                                  "dram tier's evictions)", value=s.get("evicted_blocks", 0))
         backlog = s.get("checksum_backlog") or {}
         yield GaugeMetricFamily("kvoffd_checksum_backlog_blocks", "Blocks committed to the pool file whose "
                                 "checksum is not in their record yet (kept across a crash all the same)",
@@ -181,7 +185,7 @@ class Metrics:
             self.watch_live_state(read_state)
 
     def _block_series(self, r: CollectorRegistry) -> None:
-        """What happened to blocks: missed, stored, loaded, evicted, refused, dropped."""
+        """What happened to blocks: missed, stored, loaded, refused, dropped (evicted: ``_LiveState``)."""
         self.misses = Counter("kvoffd_misses", "Missed blocks by the reason of the first miss in the lookup",
                               ["reason"], registry=r)
         self.stored_blocks = Counter("kvoffd_stored_blocks", "Blocks copied into the pool", registry=r)
@@ -189,7 +193,6 @@ class Metrics:
                                          "Blocks a STORE named that were already resident (no copy)", registry=r)
         self.loaded_blocks = Counter("kvoffd_loaded_blocks", "Blocks copied back into an engine: the hits "
                                      "served", registry=r)
-        self.evicted_blocks = Counter("kvoffd_evicted_blocks", "Blocks evicted (LRU) to make room", registry=r)
         self.cross_numa_loads = Counter("kvoffd_cross_numa_loads", "Blocks a LOAD read from a pool shard on another "
                                         "NUMA node than the engine's (a sharded pool only)", registry=r)
         self.admission_refused = Counter("kvoffd_admission_refused_blocks", "New blocks of a STORE the "

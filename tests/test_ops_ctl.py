@@ -12,7 +12,8 @@ import subprocess
 import sys
 
 import pytest
-from kvtest import chain_keys
+from kvtest import chain_keys, start_daemon, wait_until
+from test_tier_disk import POOL, Rig, _disk, _fill_and_spill
 
 NS = "ops-ctl"
 
@@ -95,7 +96,8 @@ def test_clear_namespace_then_lookup_misses(loaded):
     # store again, then clear everything
     assert eng.store(2, keys, list(range(6)))["ok"]
     r = ctl(d.address, "--json", "clear")
-    assert json.loads(r.stdout) == {"namespace": "", "removed_blocks": 6, "in_flight_jobs": 0}
+    assert json.loads(r.stdout) == {"namespace": "", "removed_blocks": 6, "in_flight_jobs": 0,
+                                    "removed_tier_blocks": {}}  # no tier below the pool
     assert eng.lookup(keys)["hits"] == 0
 
 
@@ -189,3 +191,82 @@ def test_options_after_the_command_and_a_mistyped_namespace(loaded):
     r = ctl(d.address, "clear", "--namespace", NS)
     assert r.returncode == 0, r.stderr
     assert eng.lookup(keys)["hits"] == 0
+
+
+def _spaces(address: str) -> dict[str, dict]:
+    r = ctl(address, "--json", "namespaces")
+    assert r.returncode == 0, r.stderr
+    return {n["namespace"]: n for n in json.loads(r.stdout)}
+
+
+def _disk_blocks(n: dict | None) -> int:
+    return ((n or {}).get("tiers") or {}).get("disk", {}).get("blocks", 0)
+
+
+def _two_namespaces_on_disk(d) -> None:
+    for ns in ("tenant-a", "tenant-b"):
+        rig = Rig(d, ns=ns)
+        _fill_and_spill(rig, rounds=2)
+        rig.c.unregister("disk-0")
+        rig.close()
+    c = d.client()
+    assert wait_until(lambda: next(t for t in c.stats()["tiers"] if t["name"] == "disk")["spills_in_flight"] == 0,
+                      30)
+
+
+def test_namespaces_and_clear_count_the_disk_tier_and_one_namespace_leaves_every_tier(tmp_path):
+    """Issue 33 point 10: `kvoffctl namespaces` shows each namespace's blocks in the pool and on disk
+    (before: the pool's only), `kvoffctl clear --namespace` says what it removed from each, and it
+    purges that namespace from every tier while another keeps all its blocks in both."""
+    d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *_disk(tmp_path))
+    try:
+        _two_namespaces_on_disk(d)
+        before = _spaces(d.address)
+        disk = next(t for t in d.client().stats()["tiers"] if t["name"] == "disk")
+        assert _disk_blocks(before["tenant-a"]) >= 100 and _disk_blocks(before["tenant-b"]) >= 100, before
+        assert _disk_blocks(before["tenant-a"]) + _disk_blocks(before["tenant-b"]) == disk["resident_blocks"]
+        table = ctl(d.address, "namespaces").stdout
+        assert "POOL BLOCKS" in table and "DISK BLOCKS" in table, table
+        row = next(ln for ln in table.splitlines() if ln.startswith("tenant-a")).split()
+        assert row[2] == f"{before['tenant-a']['blocks']:,}" and f"{_disk_blocks(before['tenant-a']):,}" in row[4:]
+
+        r = ctl(d.address, "clear", "--namespace", "tenant-a")
+        assert r.returncode == 0, r.stderr
+        assert (f"removed {before['tenant-a']['blocks']} blocks from the pool, "
+                f"{_disk_blocks(before['tenant-a'])} from the disk tier") in r.stdout, r.stdout
+        after = _spaces(d.address)
+        assert "tenant-a" not in after or (after["tenant-a"]["blocks"], _disk_blocks(after["tenant-a"])) == (0, 0)
+        assert after["tenant-b"]["blocks"] == before["tenant-b"]["blocks"]
+        assert _disk_blocks(after["tenant-b"]) == _disk_blocks(before["tenant-b"])
+        c = d.client()
+        assert c.lookup("tenant-a", chain_keys(100, b"old")).hits == 0
+        assert c.lookup("tenant-b", chain_keys(100, b"old")).hits == 100  # from disk: untouched
+    finally:
+        d.stop()
+
+
+def test_a_namespace_only_the_disk_holds_after_a_restart_is_listed_and_cleared(tmp_path):
+    """After a restart, before any engine registers again, the disk's blocks are the daemon's all the
+    same: `kvoffctl namespaces` lists their namespaces (before: "no namespaces") and `kvoffctl clear
+    --namespace` takes one (before: refused as a namespace the daemon does not hold)."""
+    args = _disk(tmp_path)
+    d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *args)
+    try:
+        _two_namespaces_on_disk(d)
+        held = {ns: _disk_blocks(n) for ns, n in _spaces(d.address).items()}
+    finally:
+        d.stop()
+    d = start_daemon(f"ipc://{tmp_path}/b.sock", POOL, *args)
+    try:
+        spaces = _spaces(d.address)
+        assert {ns: _disk_blocks(n) for ns, n in spaces.items()} == held, spaces
+        assert spaces["tenant-a"]["blocks"] == 0 and spaces["tenant-a"]["world_size"] == 1
+        r = ctl(d.address, "clear", "--namespace", "tenant-a")
+        assert r.returncode == 0, r.stderr
+        assert f"removed 0 blocks from the pool, {held['tenant-a']} from the disk tier" in r.stdout, r.stdout
+        assert set(_spaces(d.address)) == {"tenant-b"}
+        r = ctl(d.address, "--json", "clear")
+        assert json.loads(r.stdout)["removed_tier_blocks"] == {"disk": held["tenant-b"]}, r.stdout
+        assert ctl(d.address, "namespaces").stdout.startswith("no namespaces")
+    finally:
+        d.stop()

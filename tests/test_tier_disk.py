@@ -110,6 +110,28 @@ def test_evicted_blocks_come_back_from_disk_byte_exact(make_daemon, tmp_path):
     rig.close()
 
 
+def test_the_pools_counters_agree_when_promotions_evict(make_daemon, tmp_path):
+    """Issue 33 point 10: promotions from disk evict pool blocks too, and every count of the pool's
+    evictions is the index's own: ``kvoffd_evicted_blocks_total``, the dram tier's evictions and STATS'
+    ``evicted_blocks`` (before: the first was 100 below the other two here, the promotions' evictions left out).
+    Promotions are counted (``promoted_blocks``), so the pool's books balance: stored + promoted -
+    evicted = resident."""
+    d = make_daemon(POOL, *_disk(tmp_path))
+    rig = Rig(d)
+    old = _fill_and_spill(rig)
+    hits, notice = rig.lookup_load(old, 200)  # 100 promotions into a full pool: 100 more evictions
+    assert hits == len(old) and notice.ok
+    st = rig.c.stats()
+    c, dram, disk = st["counters"], rig.tier("dram"), rig.tier("disk")
+    evicted = metric_value(d.metrics(), "kvoffd_evicted_blocks_total")
+    assert evicted == dram["evictions"] == c["evicted_blocks"] == metric_value(
+        d.metrics(), 'kvoffd_tier_evictions_total{tier="dram"}'), (evicted, dram, c)
+    assert c["promoted_blocks"] == disk["promotions"] >= len(old), (c, disk)
+    assert c["stored_blocks"] + c["promoted_blocks"] - c["evicted_blocks"] == st["resident_blocks"], (c, st)
+    assert c["evicted_blocks"] > c["stored_blocks"] - st["resident_blocks"]  # the promotions did evict
+    rig.close()
+
+
 def test_disk_blocks_survive_a_restart(tmp_path):
     args = _disk(tmp_path)
     d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *args)

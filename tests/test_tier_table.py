@@ -29,6 +29,10 @@ def _check(t: BlockTable, model: dict[tuple[int, bytes], int]) -> None:
             assert (pos >= 0).all()
             assert [int(s) for s in t.recs["slot"][pos]] == [model[(tid, k)] for k in ks]
     assert t.used == len(model)
+    per_table: dict[int, int] = {}
+    for tid, _ in model:
+        per_table[tid] = per_table.get(tid, 0) + 1
+    assert t.by_table == per_table  # what STATS' namespaces read: kept as records come and go, never scanned
 
 
 @settings(max_examples=40, deadline=None)
@@ -66,15 +70,20 @@ def test_persists_and_resizes(tmp_path):
     k = _keys(rng, 5000)
     t.insert(3, k, np.arange(5000, dtype=np.uint32), np.arange(5000, dtype=np.uint32) * 7)
     t.remove(t.lookup(3, k[:1000]))
+    k9 = _keys(rng, 100)
+    t.insert(9, k9, np.arange(5000, 5100, dtype=np.uint32), np.zeros(100, dtype=np.uint32))
     t.flush()
     del t
     t = BlockTable(10_000, path)  # reopened: the same records, the removed ones still gone
     pos = t.lookup(3, k)
-    assert (pos[:1000] == -1).all() and (pos[1000:] >= 0).all() and t.used == 4000
+    assert (pos[:1000] == -1).all() and (pos[1000:] >= 0).all() and t.used == 4100
+    assert t.by_table == {3: 4000, 9: 100}  # counted again from the records at open
     assert (t.recs["crc"][pos[1000:]] == np.arange(1000, 5000) * 7).all()
     del t
     small = BlockTable(3000, path)  # --disk-size shrank: what fits is imported, the rest dropped
-    assert 2950 <= small.used <= 3000 and (small.lookup(3, k[1000:]) >= 0).sum() == small.used
+    assert 2950 <= small.used <= 3000
+    assert (small.lookup(3, k[1000:]) >= 0).sum() + (small.lookup(9, k9) >= 0).sum() == small.used
+    assert sum(small.by_table.values()) == small.used
 
 
 def test_a_full_table_places_nearly_every_block():

@@ -204,9 +204,18 @@ def cmd_namespaces(args: argparse.Namespace, client: Any) -> int:
     if not spaces:
         print("no namespaces (nothing stored and no engine registered)")
         return EXIT_OK
-    rows = [(n.get("namespace", "?"), n.get("world_size", "?"), f"{n.get('blocks', 0):,}", fmt_size(n.get("bytes")))
-            for n in spaces]
-    print(table(rows, header=("NAMESPACE", "RANKS", "BLOCKS", "SIZE")))
+    below = sorted({name for n in spaces for name in (n.get("tiers") or {})})  # tiers under the pool ("disk")
+    rows = []
+    for n in spaces:
+        row = [n.get("namespace", "?"), n.get("world_size", "?"), f"{n.get('blocks', 0):,}", fmt_size(n.get("bytes"))]
+        for name in below:
+            held = (n.get("tiers") or {}).get(name) or {}
+            row += [f"{held.get('blocks', 0):,}", fmt_size(held.get("bytes", 0))]
+        rows.append(row)
+    header = ["NAMESPACE", "RANKS", "POOL BLOCKS", "POOL SIZE"]
+    for name in below:
+        header += [f"{name.upper()} BLOCKS", f"{name.upper()} SIZE"]
+    print(table(rows, header=header))
     return EXIT_OK
 
 
@@ -220,13 +229,17 @@ def cmd_clear(args: argparse.Namespace, client: Any) -> int:
     res = _call(lambda: client.clear(namespace=args.namespace or ""))
     removed = getattr(res, "removed_blocks", None)
     in_flight = getattr(res, "in_flight_jobs", None)
+    below = getattr(res, "removed_tier_blocks", None) or {}
     if isinstance(res, dict):
         removed, in_flight = res.get("removed_blocks"), res.get("in_flight_jobs")
+        below = res.get("removed_tier_blocks") or {}
     if args.json:
-        emit_json({"namespace": args.namespace or "", "removed_blocks": removed, "in_flight_jobs": in_flight})
+        emit_json({"namespace": args.namespace or "", "removed_blocks": removed, "in_flight_jobs": in_flight,
+                   "removed_tier_blocks": below})
         return EXIT_OK
     scope = f"namespace {args.namespace!r}" if args.namespace else "all namespaces"
-    print(f"cleared {scope}: removed {removed} blocks")
+    print(f"cleared {scope}: removed {removed} blocks from the pool"
+          + "".join(f", {n} from the {name} tier" for name, n in sorted(below.items())))
     if in_flight:
         print(f"{in_flight} jobs were in flight; their stores will not become visible")
     else:
@@ -347,9 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     command("ping", "does it answer on its socket (exit 0), for liveness probes")
     command("stats", "every counter and pool figure as a table")
     command("engines", "registered engine workers: namespace, rank, pid, last seen")
-    command("namespaces", "blocks and bytes per namespace")
-    c = command("clear", "drop cached blocks (all, or one namespace)")
-    c.add_argument("--namespace", default="", help="only this namespace (default: everything)")
+    command("namespaces", "blocks and bytes per namespace, in the pool and each tier below it")
+    c = command("clear", "drop cached blocks from every tier (all, or one namespace)")
+    c.add_argument("--namespace", default="", help="only this namespace, in the pool and on disk (default: "
+                   "everything)")
     e = command("explain", "why would these keys miss: resident, evicted (when), never seen")
     e.add_argument("--namespace", required=True, help="the namespace the engine looks keys up in")
     e.add_argument("keys", nargs="+", metavar="KEY", help=f"block key in hex ({2 * KEY_SIZE} digits)")

@@ -49,23 +49,22 @@ class Admin:
         self.kv_events = kv_events
 
     def clear(self, conn: Conn, msg: P.Clear) -> P.Message:
-        if msg.namespace and not self.index.knows(msg.namespace):
-            self.tiers.cleared(msg.namespace)  # blocks below the pool from before a restart
-            return P.Cleared(seq=msg.seq, removed_blocks=0, in_flight_jobs=0)
+        """Every tier forgets the namespace (or all): the pool's blocks are the reply's
+        ``removed_blocks``, each tier's below it ``removed_tier_blocks`` (a block may be in both: the
+        disk keeps its copy of a block promoted back into the pool). A namespace only a tier knows
+        (blocks on disk from before a restart, no engine since) is cleared there."""
         engines = self.sessions.engines.values()
         in_flight = sum(1 for e in engines if not msg.namespace or e.namespace == msg.namespace
                         for _ in range(e.mapped.in_flight))
         in_use = {e.namespace for e in engines}
-        if msg.namespace:
+        with self.tiers.clearing(msg.namespace) as below:
             removed = self.index.clear(msg.namespace, in_use=in_use)
-        else:
-            with self.tiers.clearing_all():  # the tiers below clear every namespace, known here or not
-                removed = self.index.clear("", in_use=in_use)
-            if self.kv_events is not None:  # one AllBlocksCleared, not a removal per block
-                self.kv_events.all_cleared()
-        log.info("cleared %s: %d blocks removed, %d jobs in flight", msg.namespace or "all namespaces", removed,
-                 in_flight)
-        return P.Cleared(seq=msg.seq, removed_blocks=removed, in_flight_jobs=in_flight)
+        if not msg.namespace and self.kv_events is not None:  # one AllBlocksCleared, not a removal per block
+            self.kv_events.all_cleared()
+        log.info("cleared %s: %d blocks removed from the pool%s, %d jobs in flight", msg.namespace or "all namespaces",
+                 removed, "".join(f", {n} from {name}" for name, n in below.items()), in_flight)
+        return P.Cleared(seq=msg.seq, removed_blocks=removed, in_flight_jobs=in_flight,
+                         removed_tier_blocks=dict(below))
 
     def explain(self, conn: Conn, msg: P.Explain) -> P.Message:
         if P.count_keys(msg.keys) > MAX_EXPLAIN_KEYS:  # ~100 bytes of reply per key
@@ -88,7 +87,7 @@ class Admin:
                                      "oldest_s": kept.get("seal_backlog_oldest_s", 0.0)},
                 "engines": len(self.sessions.engines), "leases": len(self.sessions.leases),
                 "resident_blocks": self.index.resident, "in_flight": counts, "oldest_in_flight_s": oldest,
-                "shards": p.shard_stats()}
+                "shards": p.shard_stats(), "evicted_blocks": self.index.evictions}
 
     def tier_stats(self) -> list[dict[str, Any]]:
         """Per tier (the pool first): ``kvoffctl status`` and the metrics collector read this."""
@@ -101,9 +100,27 @@ class Admin:
             out.append({"name": "disk", "disabled": self.tiers.disabled})
         return out
 
+    def namespace_stats(self) -> list[dict[str, Any]]:
+        """Each namespace the pool or a tier holds: the pool's ``blocks``/``bytes`` (as before tiers) and
+        ``tiers`` (tier name -> blocks, bytes). One only a tier knows (blocks on disk from before a
+        restart, no engine registered since) has 0 in the pool, the world size its tables were written
+        with, and no ``replicas``."""
+        below = self.tiers.namespace_blocks()
+        out = self.index.namespace_stats()
+        for n in out:
+            n["tiers"] = {name: {"blocks": h.blocks, "bytes": h.bytes}
+                          for name, h in below.pop(n["namespace"], {}).items()}
+        for ns, held in sorted(below.items()):
+            h0 = next(iter(held.values()))
+            out.append({"namespace": ns, "world_size": h0.world_size,
+                        "ranks": sorted(set().union(*(h.ranks for h in held.values()))), "blocks": 0, "bytes": 0,
+                        "tiers": {name: {"blocks": h.blocks, "bytes": h.bytes} for name, h in held.items()}})
+        return out
+
     def stats(self) -> dict[str, Any]:
         m = self.metrics
         counts, oldest = self.jobs.in_flight()
+        tiers = self.tier_stats()
 
         def c(counter, *labels) -> int:
             return int((counter.labels(*labels) if labels else counter)._value.get())
@@ -119,7 +136,9 @@ class Admin:
                 "lookup_miss_blocks": m.lookup.miss_blocks, "stored_blocks": c(m.stored_blocks),
                 "store_noop_blocks": c(m.store_noop_blocks), "loaded_blocks": c(m.loaded_blocks),
                 "store_bytes": c(m.transfer_bytes, "store"), "load_bytes": c(m.transfer_bytes, "load"),
-                "evicted_blocks": c(m.evicted_blocks), "cross_numa_load_blocks": c(m.cross_numa_loads),
+                "evicted_blocks": self.index.evictions,  # every eviction, whatever needed the room
+                "promoted_blocks": sum(t.get("promotions", 0) for t in tiers),
+                "cross_numa_load_blocks": c(m.cross_numa_loads),
                 "admission_refused_blocks": c(m.admission_refused),
                 "dropped_stores": sum(c(m.dropped_stores, r.value) for r in DropReason),
                 "errors": sum(c(m.errors, code.value) for code in ErrorCode),
@@ -127,8 +146,8 @@ class Admin:
             "resident_blocks": self.index.resident,
             "leases": len(self.sessions.leases),
             "engines": [e.describe() for e in self.sessions.engines.values()],
-            "namespaces": self.index.namespace_stats(),
-            "tiers": self.tier_stats(),
+            "namespaces": self.namespace_stats(),
+            "tiers": tiers,
             "in_flight_jobs": counts["store"] + counts["load"],
             "oldest_in_flight_s": round(oldest, 6),
         }

@@ -221,8 +221,6 @@ class Jobs(LoadVerify):
         described = self._described(eng, msg, len(keys))  # KV events: the blocks' tokens and parents
         plan = self.index.prepare_store(eng.table, keys, shard=eng.placement.shard)  # on its NUMA node's shard
         m = self.metrics
-        if plan.evicted:
-            m.evicted_blocks.inc(plan.evicted)
         if plan.present:
             m.store_noop_blocks.inc(plan.present)
         dropped = plan.dropped

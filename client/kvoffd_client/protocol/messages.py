@@ -196,8 +196,9 @@ class Clear(Message, tag="clear"):
 
 
 class Cleared(Message, tag="cleared"):
-    removed_blocks: int = 0
+    removed_blocks: int = 0  # the pool's
     in_flight_jobs: int = 0  # jobs still running; their stores will not become visible
+    removed_tier_blocks: dict[str, int] = {}  # each tier's below the pool, by name ("disk"); {} without one
 
 
 class Explain(Message, tag="explain"):

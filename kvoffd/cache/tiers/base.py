@@ -94,6 +94,17 @@ class TierStats:
         return d
 
 
+@dataclass
+class Held:
+    """What a tier holds of one namespace: blocks and bytes over its ranks' tables, the world size its
+    tables were written with and the ranks that have blocks here (with replicas, a run's first rank)."""
+
+    blocks: int = 0
+    bytes: int = 0
+    world_size: int = 0
+    ranks: set[int] = field(default_factory=set)
+
+
 class TierEvents(Protocol):
     """Where a tier's changes go when the daemon publishes KV events (kvoffd/events/publisher.py)."""
 
@@ -148,8 +159,12 @@ class Tier(Protocol):
     def remove(self, table: TableRef, keys: bytes) -> None:
         """Forget these blocks (a read in flight still completes or fails cleanly)."""
 
-    def clear(self, namespace: str) -> None:
-        """Forget every block of ``namespace`` ("" = all)."""
+    def clear(self, namespace: str) -> int:
+        """Forget every block of ``namespace`` ("" = all); returns how many it held (the CLEAR's reply)."""
+
+    def namespace_blocks(self) -> dict[str, Held]:
+        """What each namespace has in this tier now (STATS' namespaces): cheap, no I/O, no scan of
+        every block (an operator's ``kvoffctl namespaces`` runs on the loop)."""
 
     def stats(self) -> TierStats: ...
 

@@ -5,8 +5,9 @@ published under its medium, and what it found at start is announced (kvoffd/even
 
 It is an index observer (a subclass of kvoffd/cache/index.py's ``IndexObserver``): blocks evicted from
 the pool are spilled (``evicted``), a CLEAR clears the tiers (``cleared``, per namespace; the server
-wraps a CLEAR of all in ``clearing_all`` and calls ``cleared`` itself for a namespace the index does
-not know: blocks left on disk from before a restart). And it is the one object the server calls
+wraps every CLEAR in ``clearing``, which counts what each tier forgot for the reply, makes a CLEAR of
+all one pass over the tiers, and clears a namespace the index does not know: blocks left on disk from
+before a restart). And it is the one object the server calls
 for the rest, at two places: ``extend_lookup`` after the pool's leading hits (the blocks found below are
 hits too, and their promotion into pool slots starts at once) and ``promotions`` before a LOAD (which
 then waits for them, so the LOAD itself is an ordinary pool -> engine copy).
@@ -48,7 +49,7 @@ import numpy as np
 from kvoffd.cache.checksum import block_sum
 from kvoffd.cache.deferral import AHEAD_SHARE
 from kvoffd.cache.index import Entry, Hits, Index, IndexObserver, StorePlan, Table
-from kvoffd.cache.tiers.base import SpillResult, TableRef, Tier, TierEvents, TierStats
+from kvoffd.cache.tiers.base import Held, SpillResult, TableRef, Tier, TierEvents, TierStats
 from kvoffd.runtime import UnsafePath
 from kvoffd_client.protocol import KEY_SIZE, MissReason, split_keys
 
@@ -76,6 +77,16 @@ class _Spill:
     src: list[memoryview] = field(default_factory=list)
     copied: int = 0  # bytes in a staging copy (the fallback), counted against the budget
     unchecked: list[tuple[int, int]] = field(default_factory=list)  # (position, checksum): adopted, not verified yet
+
+
+@dataclass
+class _Clearing:
+    """A CLEAR under way (``Tiers.clearing``): its namespace ("" = all), the blocks each tier forgot,
+    and whether the tiers were cleared yet."""
+
+    namespace: str
+    removed: dict[str, int]
+    done: bool = False
 
 
 @dataclass
@@ -128,7 +139,7 @@ class Tiers(IndexObserver):
         self.no_room = 0  # blocks a LOOKUP answered before their promotion that no pool slot was found for
         self.hits: dict[str, int] = {t.name: 0 for t in self.tiers}
         self.spill_busy = 0
-        self._clearing_all = False  # inside ``clearing_all``
+        self._clearing: _Clearing | None = None  # inside ``clearing``
         self.disabled = ""  # why a configured tier is not running (kvoffctl status shows it)
         if self.tiers:
             index.observers.append(self)
@@ -175,24 +186,45 @@ class Tiers(IndexObserver):
     # ``evicted`` moment, just before its ``freeing``), not when it enters; other frees are not kept.
     def cleared(self, namespace: str) -> None:
         """Forget ``namespace`` below the pool too ("" = every namespace: the server's CLEAR of all)."""
-        if self._clearing_all:
+        c = self._clearing
+        if c is not None and not c.namespace:
             return  # one pass over the tiers for all of them, when the CLEAR of all ends
+        self._clear_tiers(namespace, c)
+
+    def _clear_tiers(self, namespace: str, c: _Clearing | None) -> None:
         for t in self.tiers:
-            t.clear(namespace)
+            n = t.clear(namespace)
+            if c is not None:
+                c.removed[t.name] += n
+        if c is not None:
+            c.done = True
         self._refs = {t: r for t, r in self._refs.items() if namespace and r.namespace != namespace}
         self._staged = {k: v for k, v in self._staged.items() if namespace and k[0].namespace != namespace}
 
     @contextlib.contextmanager
-    def clearing_all(self) -> Iterator[None]:
-        """Around the index's CLEAR of every namespace: its per-namespace ``cleared`` moments become one
-        clear of the tiers at the end (a tier's clear walks its whole block table), which also takes
-        the namespaces only the tiers know (blocks left on disk from before a restart)."""
-        self._clearing_all = True
+    def clearing(self, namespace: str) -> Iterator[dict[str, int]]:
+        """Around the index's CLEAR of ``namespace`` ("" = all); yields the blocks each tier forgot, by
+        tier name, filled in when the block ends (the CLEAR's reply says them beside the pool's).
+
+        Of all: the index's per-namespace ``cleared`` moments become one clear of the tiers at the end
+        (a tier's clear walks its whole block table), which also takes the namespaces only the tiers
+        know. Of one: the index tells ``cleared`` if it knows the namespace; if it does not (blocks left
+        on disk from before a restart, no engine registered since), the tiers are cleared here."""
+        c = self._clearing = _Clearing(namespace, {t.name: 0 for t in self.tiers})
         try:
-            yield
+            yield c.removed
         finally:
-            self._clearing_all = False
-            self.cleared("")
+            self._clearing = None
+            if not c.done:
+                self._clear_tiers(namespace, c)
+
+    def namespace_blocks(self) -> dict[str, dict[str, Held]]:
+        """Namespace -> tier name -> what that tier holds of it (tiers that hold none of it left out)."""
+        out: dict[str, dict[str, Held]] = {}
+        for t in self.tiers:
+            for ns, held in t.namespace_blocks().items():
+                out.setdefault(ns, {})[t.name] = held
+        return out
 
     def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> list[Entry]:
         """Spill what the pool evicts (visible blocks, admitted once), unless a tier holds it already.

@@ -92,6 +92,30 @@ def _fingerprint(mixed: np.ndarray) -> np.ndarray:
     return (((mixed * _FP_MIX) >> _U32) | _U1).astype(np.uint32)
 
 
+def _tally(counts: dict[int, int], tids: np.ndarray, sign: int) -> None:
+    """Count one record per entry of ``tids`` into ``counts`` (table id -> records; ``sign`` -1 takes
+    them away, and a table left with none is dropped). A batch is usually of one table: one compare;
+    else a bincount (table ids are small: the tier numbers its tables from 1), a sort past 2^20."""
+    if not len(tids):
+        return
+    first = int(tids[0])
+    if (tids == first).all():
+        pairs = [(first, len(tids))]
+    elif int(tids.max()) < 1 << 20:
+        n = np.bincount(tids.astype(np.intp))
+        ids = np.flatnonzero(n)
+        pairs = list(zip(ids.tolist(), n[ids].tolist(), strict=True))
+    else:
+        ids, n = np.unique(tids, return_counts=True)
+        pairs = list(zip(ids.tolist(), n.tolist(), strict=True))
+    for tid, k in pairs:
+        left = counts.get(tid, 0) + sign * k
+        if left > 0:
+            counts[tid] = left
+        else:
+            counts.pop(tid, None)
+
+
 class BlockTable:
     """Records for up to ``max_blocks`` blocks, in memory only or mirrored in the file ``path`` (a name
     under the directory ``dir_fd`` when given, opened without following symlinks). ``note`` says why
@@ -117,6 +141,7 @@ class BlockTable:
         self._fp_view = memoryview(self._fp)  # read without numpy by ``find``
         self._raw = memoryview(self.recs.view(np.uint8))
         self._scratch = bytearray(1024)  # the kernel's per-key answers in ``probe``
+        self.by_table: dict[int, int] = {}  # table id -> its live records (STATS per namespace: never a scan)
         self.used = self._build_fingerprints()
         if path is not None:
             self._import(path + ".old", dir_fd)
@@ -131,6 +156,7 @@ class BlockTable:
             if live.size:
                 used += live.size
                 self._fp[lo + live] = fingerprints(tids[live], self.recs["k"][lo + live, 2])
+                _tally(self.by_table, tids[live], 1)
         return used
 
     def _import(self, old_name: str, dir_fd: int | None) -> None:
@@ -311,6 +337,7 @@ class BlockTable:
             self._tids[wp] = tid
             out[w] = wp
             self.used += len(w)
+            self.by_table[tid] = self.by_table.get(tid, 0) + len(w)
             keep = np.ones(active.size, dtype=bool)
             keep[first] = False
             active = active[keep]
@@ -336,6 +363,7 @@ class BlockTable:
     def remove(self, positions: np.ndarray) -> None:
         """Empty these records (positions of live records)."""
         if len(positions):
+            _tally(self.by_table, self._tids[positions], -1)
             self._tids[positions] = EMPTY
             self._fp[positions] = EMPTY
             self.used -= len(positions)
