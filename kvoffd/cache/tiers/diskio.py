@@ -163,11 +163,9 @@ def write_blocks(files: Files, blocks: Blocks, ready: Callable[[], bool] | None 
     return res
 
 
-def open_files(name: str, stride: int, dir_fd: int | None = None) -> tuple[Files, str]:
-    """The data file ``name`` (under ``dir_fd``), buffered and (where supported) O_DIRECT, never through a
-    symlink, a regular file of mode 0600; the second value says why direct I/O is off ("" when on)."""
-    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
-    fd = os.open(name, flags | os.O_CREAT, 0o600, dir_fd=dir_fd)
+def open_own(name: str, dir_fd: int | None, flags: int) -> int:
+    """``name`` under ``dir_fd``, never through a symlink, a regular file made private (0600)."""
+    fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -177,6 +175,15 @@ def open_files(name: str, stride: int, dir_fd: int | None = None) -> tuple[Files
     except BaseException:
         os.close(fd)
         raise
+    return fd
+
+
+def open_files(name: str, stride: int, dir_fd: int | None = None) -> tuple[Files, str]:
+    """The data file ``name`` (under ``dir_fd``), buffered and (where supported) O_DIRECT, never through a
+    symlink, a regular file of mode 0600; the second value says why direct I/O is off ("" when on)."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = open_own(name, dir_fd, os.O_RDWR | os.O_CREAT)
+    st = os.fstat(fd)
     why = ""
     dfd = -1
     flag = getattr(os, "O_DIRECT", 0)

@@ -36,12 +36,13 @@ import errno
 import logging
 import mmap
 import os
-import stat
 import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvoffd.cache.tiers.diskio import open_own
 
 try:  # the compiled writer (kvoffd/cache/tiers/_probe.c ``write_pages``); without it, the same in Python
     from kvoffd.cache.tiers import _probe
@@ -88,21 +89,6 @@ class Damaged(ValueError):
     """An index file that cannot be what it claims (no magic, a size its header contradicts, short)."""
 
 
-def _open_own(name: str, dir_fd: int | None, flags: int) -> int:
-    """``name`` under ``dir_fd``, never through a symlink, a regular file made private (0600)."""
-    fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"{name} is not a regular file")
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            os.fchmod(fd, 0o600)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _read_into(fd: int, buf: np.ndarray, name: str) -> None:
     mv = memoryview(buf)
     for lo in range(0, len(buf), READ_CHUNK):
@@ -127,7 +113,7 @@ def read_header(fd: int, name: str) -> int:
 def read_live(name: str, dir_fd: int | None, limit: int) -> np.ndarray:
     """The live records (at most ``limit``) of the index file ``name``, read a chunk at a time (an
     import: ``--disk-size`` changed). Raises ``Damaged`` or OSError for a file that cannot be read."""
-    fd = _open_own(name, dir_fd, os.O_RDONLY)
+    fd = open_own(name, dir_fd, os.O_RDONLY)
     try:
         cap = read_header(fd, name)
         per = max(1, READ_CHUNK // RECORD.itemsize)
@@ -193,7 +179,7 @@ class TableFile:
         size = file_bytes(cap)
         note = ""
         try:
-            fd = _open_own(name, dir_fd, os.O_RDWR)
+            fd = open_own(name, dir_fd, os.O_RDWR)
         except FileNotFoundError:
             fd = -1
         if fd >= 0:
@@ -223,7 +209,7 @@ class TableFile:
         tmp = name + ".tmp"
         with contextlib.suppress(FileNotFoundError):  # a leftover (or anything else by that name) goes
             os.unlink(tmp, dir_fd=dir_fd)
-        fd = _open_own(tmp, dir_fd, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        fd = open_own(tmp, dir_fd, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             _reserve(fd, size, name)
             head = header_of(cap)
