@@ -348,3 +348,16 @@ def test_a_lookup_finds_an_adopted_block_before_its_slice_is_indexed(rig, monkey
     st = watcher.stats()
     assert st["persistence"]["indexing_blocks"] == 0 and st["persistence"]["adopted_on_demand"] == 48
     assert st["pool"]["used_bytes"] == used - NB * SLOT, (used, st["pool"])
+
+
+def test_the_stop_line_counts_what_the_file_holds(rig):
+    """Issue 33 point 7: the stop line said "kept: N blocks sealed" counting this process's seals (0 for
+    a file holding 10 that a restarted daemon stopped without storing). It counts the file's records."""
+    r = rig()
+    keys = chain_keys(10, b"stopline")
+    r.store(keys, range(10))
+    r.restart(signal.SIGTERM)
+    r.d.proc.send_signal(signal.SIGTERM)  # the second daemon stores nothing and stops
+    assert r.d.proc.wait(15) is not None
+    line = [ln for ln in r.d.log().splitlines() if " kept: " in ln][-1]
+    assert "kept: 10 blocks for the next daemon" in line and "this process committed 0" in line, line

@@ -457,9 +457,12 @@ class Persistence(IndexObserver):
         self._checks.shutdown(wait=False, cancel_futures=True)
         self._flush_touches()
         self.pf.write_header()
+        held = self.records.scan()  # what the next daemon will find: the file's records, not this process's
+        n_unsummed = int((held.crc == NONE).sum())
         self.pf.close()
-        log.info("pool file %s kept: %d blocks committed, %d of them with their checksum, %d left without one "
-                 "(adopted all the same)", self.pf.path, self.committed_records, self.sealed, self.unsealed_at_stop)
+        log.info("pool file %s kept: %d blocks for the next daemon to adopt, %d of them without their checksum "
+                 "yet (adopted all the same); this process committed %d and summed %d", self.pf.path,
+                 len(held.record), n_unsummed, self.committed_records, self.sealed)
 
     def stats(self) -> dict:
         return {"path": self.pf.path, "adopted_blocks": self.adopted, "adopted_bytes": self.adopted_bytes,
