@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
+from kvtest import wait_until
 
 from kvoffd.ops import doctor, doctor_daemon, doctor_gpu_checks, doctor_host
 from kvoffd.ops.doctor_result import FAIL, PASS, SKIP, WARN, Context
@@ -145,3 +150,105 @@ def test_a_broken_check_is_reported_not_raised():
 def test_doctor_sees_a_live_daemon(daemon):
     r = doctor_daemon.check_daemon(ctx(address=daemon.address))
     assert r.status == PASS and "answers" in r.detail
+
+
+# --- the pool the doctor checks is the daemon's (issue 33, point 6) ------------------------------------
+
+
+@pytest.fixture
+def shm_pool_path():
+    d = f"/dev/shm/kvtest-doctor-{uuid.uuid4().hex[:10]}"
+    os.makedirs(d, mode=0o700)
+    yield f"{d}/kvoffd.pool"
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _doctor(*args: str) -> dict[str, dict]:
+    """The doctor's results by name, run as an operator's shell would: none of the daemon's KVOFFD_*."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFD_")}
+    r = run_doctor("--json", "--bandwidth-size", "0", "--no-ipc", *args, env=env)
+    assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stderr
+    return {x["name"]: x for x in json.loads(r.stdout)["results"]}
+
+
+def test_the_pool_file_check_is_about_the_running_daemons_pool(make_daemon, shm_pool_path, tmp_path):
+    """Without the daemon's environment the doctor checked its own default pool size and path: the
+    running daemon's file was described as another one, and a file the next start would not adopt was
+    a PASS. Now it asks the daemon (STATS) for its pool's size and file, the unit's --env-file wins
+    (what the next start uses), and "will not adopt" is a WARN with its reason and a fix."""
+    d = make_daemon("128MiB", "--pool-path", shm_pool_path, name="doc")
+    pid = d.client().stats()["daemon"]["pid"]
+    r = _doctor("--address", d.address)["pool-file"]
+    assert r["status"] == PASS, r
+    assert r["detail"].startswith(f"{shm_pool_path} (from the running daemon (pid {pid}))"), r
+    assert f"for a 128MiB pool (from the running daemon (pid {pid}))" in r["detail"], r
+    assert "adopted at the next start" in r["detail"], r
+
+    r = _doctor("--address", d.address, "--pool-size", "256MiB")["pool-file"]  # the next start, resized
+    assert r["status"] == WARN and r["fix"], r
+    assert "will not adopt (its pool size is 128MiB, this daemon's 256MiB)" in r["detail"], r
+    assert f"the pool size of the running daemon (pid {pid}), 128MiB (overruled by --pool-size)" in r["detail"], r
+
+    unit = tmp_path / "kvoffd.env"  # the systemd unit's EnvironmentFile, as deploy/systemd ships it
+    unit.write_text(f"# kvoffd.env\n; a comment\nKVOFFD_ADDRESS={d.address}\nKVOFFD_POOL_SIZE=\"256MiB\"\n"
+                    "#KVOFFD_POOL_PATH=none\n")
+    r = _doctor("--env-file", str(unit))["pool-file"]
+    assert r["status"] == WARN and f"a 256MiB pool (from {unit})" in r["detail"], r
+    assert r["detail"].startswith(f"{shm_pool_path} (from the running daemon (pid {pid}))"), r
+    unit.write_text(f"KVOFFD_ADDRESS={d.address}\nKVOFFD_POOL_SIZE='128MiB'\n")
+    res = _doctor("--env-file", str(unit))
+    assert res["pool-file"]["status"] == PASS and "adopted at the next start" in res["pool-file"]["detail"], res
+    assert res["daemon"]["status"] == PASS and shm_pool_path in res["daemon"]["detail"], res["daemon"]
+
+
+def test_a_running_daemon_with_its_pool_in_private_memory_is_a_warn(make_daemon):
+    """Its blocks go with it at the restart: never a PASS, whatever file the next start would use."""
+    d = make_daemon("64MiB", "--pool-path", "none", name="private")
+    r = _doctor("--address", d.address)["pool-file"]
+    assert r["status"] == WARN and "keeps its pool in private memory" in r["detail"] and r["fix"], r
+
+
+def test_an_env_file_systemd_would_not_take_is_refused_with_its_line(tmp_path):
+    bad = tmp_path / "kvoffd.env"
+    bad.write_text("KVOFFD_POOL_SIZE=64GiB\nexport KVOFFD_ADDRESS ipc:///run/kvoffd/kvoffd.sock\n")
+    r = run_doctor("--env-file", str(bad), "--bandwidth-size", "0", "--no-ipc")
+    assert r.returncode == 2 and f"--env-file {bad}, line 2: not KEY=VALUE" in r.stderr, r.stderr
+    r = run_doctor("--env-file", str(tmp_path / "missing.env"))
+    assert r.returncode == 2 and "No such file" in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="plays another user (needs root)")
+def test_a_daemon_of_another_user_is_checked_as_that_user_never_guessed(tmp_path):
+    """The unit runs the daemon as its own user (User=vllm); root's client does not talk to another
+    user's socket. Run as root, the doctor cannot ask the daemon, so its default pool is not the
+    daemon's: a WARN naming the user to run it as (before: a PASS about a 4 GiB default pool and a
+    file that did not exist). Run as that user, it checks the daemon's own file: PASS, adopted."""
+    home = Path(tempfile.mkdtemp(prefix="kvtest-doctor-uid-"))  # reachable by uid 65534 (tmp_path is not)
+    pool_dir = Path(f"/dev/shm/kvtest-doctor-uid-{uuid.uuid4().hex[:10]}")
+    for p in (home, pool_dir):
+        os.makedirs(p, mode=0o700, exist_ok=True)
+        os.chown(p, 65534, 65534)
+    address, pool = f"ipc://{home}/k.sock", str(pool_dir / "kvoffd.pool")
+    log = tmp_path / "nobody.log"
+    nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR" and not k.startswith("KVOFFD_")}
+    with open(log, "w") as f:
+        proc = subprocess.Popen([*nobody, sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", "128MiB",
+                                 "--pool-path", pool, "--metrics-address", "off"], stderr=f, env=env, cwd="/")
+    try:
+        assert wait_until(lambda: "serving on" in log.read_text() or proc.poll() is not None, 30), log.read_text()
+        assert proc.poll() is None, log.read_text()
+        r = _doctor("--address", address)["pool-file"]
+        assert r["status"] == WARN and "could not be asked for its pool" in r["detail"], r
+        assert "sudo -u nobody" in r["fix"], r
+        out = subprocess.run([*nobody, sys.executable, "-m", "kvoffd", "doctor", "--json", "--bandwidth-size", "0",
+                              "--no-ipc", "--address", address], capture_output=True, text=True, env=env, cwd="/",
+                             timeout=300)
+        r = {x["name"]: x for x in json.loads(out.stdout)["results"]}["pool-file"]
+        assert r["status"] == PASS and r["detail"].startswith(pool) and "a 128MiB pool" in r["detail"], r
+        assert "adopted at the next start" in r["detail"], r
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        shutil.rmtree(pool_dir, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)

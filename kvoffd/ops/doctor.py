@@ -10,9 +10,12 @@ It must run anywhere, above all on a machine without a GPU: GPU work happens in 
 (kvoffd/ops/doctor_gpu.py) with a deadline, and a check that breaks is reported as a result line, never
 a traceback.
 
-This module is the entry point: the arguments, the checks in their order, the printing. The checks live
-by subject: doctor_host (memory, limits, /dev/shm, huge pages), doctor_pool (the pool file),
-doctor_daemon (the socket's directory, a daemon answering), doctor_gpu_checks (the GPU probe's findings).
+This module is the entry point: the arguments, the checks in their order, the printing. What the checks
+are run against (pool size, pool file, address) is what the daemon uses: the doctor's flags, else the
+unit's environment file (``--env-file``), else the running daemon, asked over its socket, else this
+shell's ``KVOFFD_*`` (doctor_settings). The checks live by subject: doctor_host (memory, limits, /dev/shm,
+huge pages), doctor_pool (the pool file), doctor_daemon (the socket's directory, a daemon answering),
+doctor_gpu_checks (the GPU probe's findings).
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
-from kvoffd.config import ConfigError, default_address, default_pool_size, parse_size
+from kvoffd.config import ConfigError, parse_size
 from kvoffd.ops.doctor_daemon import check_daemon, check_socket_dir
 from kvoffd.ops.doctor_gpu_checks import check_bandwidth, check_gpus, check_ipc
 from kvoffd.ops.doctor_host import check_hugepages, check_memlock, check_memory, check_shm
 from kvoffd.ops.doctor_numa import check_numa
 from kvoffd.ops.doctor_result import FAIL, PASS, SKIP, WARN, Context, Result
+from kvoffd.ops.doctor_settings import daemon_view, read_env_file, resolve
 
 
 def check_pool(ctx: Context) -> Result:
@@ -75,17 +79,24 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvoffd doctor",
         description="Check this machine for running kvoffd; each line says what was found and how to fix it.",
         epilog="Exit codes: 0 no failures, 1 a check failed, 2 a check warned and --strict was given.")
+    p.add_argument("--env-file", default=None, metavar="FILE",
+                   help="the daemon's environment file (the systemd unit's EnvironmentFile, e.g. "
+                        "/etc/kvoffd/kvoffd.env): its KVOFFD_* are what the next start uses, and win over the "
+                        "running daemon's and this shell's")
     p.add_argument("--pool-size", default=None,
-                   help="pool size to check against (default: $KVOFFD_POOL_SIZE, else the daemon's default)")
+                   help="pool size to check against (default: --env-file's KVOFFD_POOL_SIZE, else the running "
+                        "daemon's, else $KVOFFD_POOL_SIZE, else the daemon's default)")
     p.add_argument("--address", default=None,
-                   help="daemon address whose socket directory to check (default: $KVOFFD_ADDRESS, else the "
-                        "daemon's default)")
+                   help="daemon address to ask and whose socket directory to check (default: --env-file's "
+                        "KVOFFD_ADDRESS, else $KVOFFD_ADDRESS, else the daemon's default)")
     p.add_argument("--pool-path", default=None,
-                   help="pool file to check (default: $KVOFFD_POOL_PATH, else the daemon's default)")
+                   help="pool file to check (default: --env-file's KVOFFD_POOL_PATH, else the running daemon's "
+                        "file, else $KVOFFD_POOL_PATH, else the daemon's default)")
     p.add_argument("--numa-map", default=None,
-                   help="the daemon's NUMA map to show (default: $KVOFFD_NUMA_MAP, else auto)")
+                   help="the daemon's NUMA map to show (default: --env-file's, else $KVOFFD_NUMA_MAP, else auto)")
     p.add_argument("--sysfs-root", default=None,
-                   help="where to read the NUMA topology (default: $KVOFFD_SYSFS_ROOT, else /sys)")
+                   help="where to read the NUMA topology (default: --env-file's, else $KVOFFD_SYSFS_ROOT, else "
+                        "/sys)")
     p.add_argument("--bandwidth-size", default="256MiB",
                    help="bytes per copy in the bandwidth check; 0 skips it (default 256MiB)")
     p.add_argument("--no-ipc", action="store_true", help="skip the CUDA IPC check")
@@ -99,20 +110,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.pool_size or os.environ.get("KVOFFD_POOL_SIZE"):
-            src = "--pool-size" if args.pool_size else "KVOFFD_POOL_SIZE"
-            pool = parse_size(args.pool_size or os.environ["KVOFFD_POOL_SIZE"])
-        else:
-            src, pool = "the default", default_pool_size()
+        env_file = read_env_file(args.env_file) if args.env_file else {}
         bw = 0 if args.bandwidth_size.strip() in ("0", "off") else parse_size(args.bandwidth_size)
+        cfg, view, why = resolve(args, env_file, os.environ, args.env_file or "", daemon_view)
     except ConfigError as e:
         parser.error(str(e))
-    ctx = Context(pool_size=pool, pool_size_source=src,
-                  address=args.address or os.environ.get("KVOFFD_ADDRESS") or default_address(),
-                  bandwidth_bytes=bw, ipc=not args.no_ipc, gpu_timeout_s=args.gpu_timeout,
-                  pool_path=args.pool_path or os.environ.get("KVOFFD_POOL_PATH", ""),
-                  numa_map=args.numa_map or os.environ.get("KVOFFD_NUMA_MAP", "auto"),
-                  sysfs_root=args.sysfs_root or os.environ.get("KVOFFD_SYSFS_ROOT", "/sys"))
+    ctx = Context(pool_size=cfg.pool_size, pool_size_source=cfg.sources["pool_size"], address=cfg.address,
+                  bandwidth_bytes=bw, ipc=not args.no_ipc, gpu_timeout_s=args.gpu_timeout, pool_path=cfg.pool_path,
+                  numa_map=cfg.numa_map, sysfs_root=cfg.sysfs_root, env_file=args.env_file or "",
+                  sources=cfg.sources, overruled=cfg.overruled,
+                  daemon=view, daemon_error=why)
     results = run_checks(ctx)
     if args.json:
         print(json.dumps({"results": [asdict(r) for r in results], "gpu_probe": ctx._gpu}, indent=2))

@@ -11,6 +11,8 @@ import pwd
 import stat
 
 from kvoffd.ops.doctor_result import FAIL, PASS, SKIP, WARN, Context, Result
+from kvoffd.ops.doctor_settings import daemon_view
+from kvoffd.pool_format import exact_size
 from kvoffd.runtime import shared_dir_advice
 
 
@@ -75,21 +77,16 @@ def check_socket_dir(ctx: Context) -> Result:
 
 
 def check_daemon(ctx: Context) -> Result:
-    """Whether a daemon answers at the address (informative: the doctor usually runs before one starts)."""
-    if ctx.address.startswith("ipc://") and not os.path.exists(ctx.address[len("ipc://"):]):
+    """Whether a daemon answers at the address (informative: the doctor usually runs before one starts).
+    Asked once per run (kvoffd/ops/doctor_settings.py): the pool-file check uses the same answer."""
+    if ctx.daemon_error is None:
+        ctx.daemon, ctx.daemon_error = daemon_view(ctx.address)
+    v = ctx.daemon
+    if v is not None:
+        pool = f"its pool {exact_size(v.pool_bytes)} in " + (v.pool_path or "private memory")
+        return Result("daemon", PASS, f"kvoffd {v.version} (pid {v.pid}) answers at {ctx.address}; {v.engines} "
+                      f"engines registered; {pool}")
+    if not ctx.daemon_error:
         return Result("daemon", SKIP, f"no daemon socket at {ctx.address} (not started yet)")
-    try:
-        from kvoffd.ops import ctl
-    except ImportError as e:
-        return Result("daemon", SKIP, f"cannot load the client library to ask the daemon ({e})")
-    try:
-        client = ctl.connect(ctx.address, 1.0)
-    except ctl.Unreachable as e:
-        return Result("daemon", WARN, str(e), "start kvoffd, or remove a stale socket left by a daemon that died")
-    try:
-        st = client.stats(detail=False)
-        d = st.get("daemon", {})
-        return Result("daemon", PASS, f"kvoffd {d.get('version', '?')} (pid {d.get('pid', '?')}) answers at "
-                      f"{ctx.address}; {len(st.get('engines', []) or [])} engines registered")
-    finally:
-        client.close()
+    return Result("daemon", WARN, ctx.daemon_error,
+                  "start kvoffd, or remove a stale socket left by a daemon that died")

@@ -8,7 +8,7 @@ importing one another.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
@@ -33,6 +33,11 @@ class Context:
     pool_path: str = ""  # "" : the daemon's default (kvoffd/cache/pool_file.py)
     numa_map: str = "auto"  # the daemon's --numa-map (kvoffd/topology.py)
     sysfs_root: str = "/sys"  # where the topology is read (the daemon's --sysfs-root)
+    env_file: str = ""  # --env-file ("" none): the daemon's environment file
+    sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from (doctor_settings)
+    overruled: list[str] = field(default_factory=list)  # this shell's KVOFFD_* (and the like) not used, as text
+    daemon: Any = None  # the running daemon's DaemonView (doctor_settings), None: none answered
+    daemon_error: str | None = None  # why it did not answer ("" none to ask); None: not asked yet
     _gpu: dict[str, Any] | None = None
 
     def gpu(self) -> dict[str, Any]:
