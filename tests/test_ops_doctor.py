@@ -225,17 +225,19 @@ def test_a_daemon_of_another_user_is_checked_as_that_user_never_guessed(tmp_path
     file that did not exist). Run as that user, it checks the daemon's own file: PASS, adopted."""
     home = Path(tempfile.mkdtemp(prefix="kvtest-doctor-uid-"))  # reachable by uid 65534 (tmp_path is not)
     pool_dir = Path(f"/dev/shm/kvtest-doctor-uid-{uuid.uuid4().hex[:10]}")
-    for p in (home, pool_dir):
-        os.makedirs(p, mode=0o700, exist_ok=True)
-        os.chown(p, 65534, 65534)
     address, pool = f"ipc://{home}/k.sock", str(pool_dir / "kvoffd.pool")
     log = tmp_path / "nobody.log"
     nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
     env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR" and not k.startswith("KVOFFD_")}
-    with open(log, "w") as f:
-        proc = subprocess.Popen([*nobody, sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", "128MiB",
-                                 "--pool-path", pool, "--metrics-address", "off"], stderr=f, env=env, cwd="/")
+    proc = None
     try:
+        for p in (home, pool_dir):
+            os.makedirs(p, mode=0o700, exist_ok=True)
+            os.chown(p, 65534, 65534)
+        with open(log, "w") as f:
+            proc = subprocess.Popen([*nobody, sys.executable, "-m", "kvoffd", "--address", address, "--pool-size",
+                                     "128MiB", "--pool-path", pool, "--metrics-address", "off"], stderr=f, env=env,
+                                    cwd="/")
         assert wait_until(lambda: "serving on" in log.read_text() or proc.poll() is not None, 30), log.read_text()
         assert proc.poll() is None, log.read_text()
         r = _doctor("--address", address)["pool-file"]
@@ -248,7 +250,8 @@ def test_a_daemon_of_another_user_is_checked_as_that_user_never_guessed(tmp_path
         assert r["status"] == PASS and r["detail"].startswith(pool) and "a 128MiB pool" in r["detail"], r
         assert "adopted at the next start" in r["detail"], r
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
         shutil.rmtree(pool_dir, ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)
