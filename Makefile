@@ -69,7 +69,10 @@ install: $(VENV)/.stamp-install
 install-test: $(VENV)/.stamp-test
 install-vllm: $(VENV)/.stamp-vllm
 
-run: install
+# The note comes first, before the install's output: the pool stays in RAM after Ctrl-C (the warm restart).
+run:
+	@echo "make run: the pool (min(4 GiB, 25% of RAM); --pool-size in ARGS) lives in /dev/shm and stays there after Ctrl-C, so that the next start is warm; give the memory back with: $(VENV)/bin/kvoffd purge"
+	@$(MAKE) --no-print-directory install
 	$(VENV)/bin/kvoffd $(ARGS)
 
 # The whole suite but the long drills (their short variants run here); CUDA tests skip without a GPU.

@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,6 +56,13 @@ def echo_server(address: str) -> None:
 def percentiles(xs: list[float]) -> tuple[float, float]:
     xs = sorted(xs)
     return statistics.median(xs), xs[min(len(xs) - 1, int(len(xs) * 0.99))]
+
+
+def give_back_pool(address: str, tmp: str) -> None:
+    """The daemon's pool (at the default place, in /dev/shm) is RAM until removed: the bench leaves none."""
+    subprocess.run([sys.executable, "-m", "kvoffd", "purge", "--address", address, "--pool-path", "none"],
+                   cwd=ROOT, stdout=subprocess.DEVNULL, check=False)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
@@ -150,6 +158,7 @@ def main() -> None:
     finally:
         daemon.terminate()
         daemon.wait(10)
+        give_back_pool(daemon_addr, tmp)
     print(f"\ncontrol plane ({os.cpu_count()} cores, {args.iters} round trips each, keys all hit)")
     print(f"{'keys':>6} | {'floor p50':>10} {'floor p99':>10} | {'kvoffd p50':>10} {'kvoffd p99':>10} | "
           f"{'p50 x':>6} {'p99 x':>6} | {'leased p50':>10} {'leased p99':>10} | {'p50 x':>6} {'p99 x':>6}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,13 @@ from kvoffd_client.memory.cpu_fd import share_cpu_kv_caches  # noqa: E402
 from kvoffd_client.memory.layout import describe_layout  # noqa: E402
 
 LAYERS, HEADS, BLOCK, HEAD_DIM = 32, 8, 16, 128
+
+
+def give_back_pool(address: str, tmp: str) -> None:
+    """The daemon's pool (at the default place, in /dev/shm) is RAM until removed: the bench leaves none."""
+    subprocess.run([sys.executable, "-m", "kvoffd", "purge", "--address", address, "--pool-path", "none"],
+                   cwd=ROOT, stdout=subprocess.DEVNULL, check=False)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
@@ -87,6 +95,7 @@ def main() -> None:
     finally:
         daemon.terminate()
         daemon.wait(10)
+        give_back_pool(addr, tmp)
     a = np.frombuffer(np.random.bytes(job_bytes), dtype=np.uint8)
     b = np.empty_like(a)
     b[:] = a

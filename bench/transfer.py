@@ -315,10 +315,9 @@ class _Jobs:
 
 
 def bench_daemon(args: argparse.Namespace) -> None:
+    import shutil
     import subprocess
     import tempfile
-
-    from kvoffd_client.client import KvoffdClient
 
     sock = os.path.join(tempfile.mkdtemp(prefix="kvoffd-bench-"), "kvoffd.sock")  # a private (0700) directory
     address = f"ipc://{sock}"
@@ -327,6 +326,24 @@ def bench_daemon(args: argparse.Namespace) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size",
                              str(args.pool_size), "--metrics-address", "127.0.0.1:0", "--log-level", "info"],
                             stdout=subprocess.DEVNULL, stderr=open(log_path, "w"), cwd=ROOT)  # noqa: SIM115
+    try:
+        _measure_daemon(args, proc, address, log_path, t0)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(20)
+        # its pool (the default place, in /dev/shm) is RAM until removed: the bench leaves none
+        subprocess.run([sys.executable, "-m", "kvoffd", "purge", "--address", address, "--pool-path", "none"],
+                       cwd=ROOT, stdout=subprocess.DEVNULL, check=False)
+        shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
+
+
+def _measure_daemon(args: argparse.Namespace, proc, address: str, log_path: str, t0: float) -> None:
+    from kvoffd_client.client import KvoffdClient
+
     c = KvoffdClient(address, heartbeat=False, timeout_s=0.05)
     ready = None
     while time.perf_counter() - t0 < 30 and proc.poll() is None:
@@ -351,15 +368,8 @@ def bench_daemon(args: argparse.Namespace) -> None:
             f"{st['pool']['pinned_bytes'] / GiB:.0f} GiB; ready-to-pinned {time.perf_counter() - t0:.2f} s")
         results["daemon_pin_GiBps"] = pin[0].get("gib_per_s")
     c.close()
-    try:
-        for layout in args.layouts:
-            _daemon_layout(address, layout, args)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    for layout in args.layouts:
+        _daemon_layout(address, layout, args)
 
 
 def _daemon_layout(address: str, layout: str, args: argparse.Namespace) -> None:

@@ -1,4 +1,4 @@
-"""`kvoffd`: start the daemon (and `kvoffd doctor`)."""
+"""`kvoffd`: start the daemon (and `kvoffd doctor`, `kvoffd purge`)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvoffd.ops.doctor import main as doctor_main
 
         return doctor_main(argv[1:])
+    if argv[:1] == ["purge"]:
+        from kvoffd.purge import main as purge_main
+
+        return purge_main(argv[1:])
     try:
         cfg = load_config(argv)
         pool_warning = check_pool_fits(cfg.pool_size)
@@ -74,11 +78,19 @@ async def _serve(cfg: Config) -> int:
     from kvoffd.server.loop import Server
 
     try:
-        daemon = Server(cfg)
-        daemon.bind()
+        daemon = Server(cfg)  # a failure inside gives back what it made (Server.abandon)
     except (AddressInUse, OSError, RuntimeError, MemoryError) as e:
         logging.getLogger("kvoffd").error("cannot start: %s", e)
         return 1
+    try:
+        daemon.bind()
+    except (AddressInUse, OSError, RuntimeError, MemoryError) as e:
+        daemon.abandon()
+        logging.getLogger("kvoffd").error("cannot start: %s", e)
+        return 1
+    except BaseException:
+        daemon.abandon()
+        raise
     loop = asyncio.get_running_loop()
 
     def stop() -> None:
@@ -100,6 +112,7 @@ async def _serve(cfg: Config) -> int:
                 hint = ("; another process (another kvoffd?) listens there: choose another port with "
                         "--metrics-address HOST:PORT (port 0 takes any free one), or turn metrics off with "
                         "--metrics-address none")
+            daemon.abandon()
             logging.getLogger("kvoffd").error("cannot serve metrics on %s: %s%s", cfg.metrics_address, e, hint)
             return 1
         port = http.port

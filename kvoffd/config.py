@@ -197,7 +197,8 @@ _FLAGS = [
                        "restarted daemon adopts its blocks; 'none' keeps the pool in private memory, lost with "
                        "the process. Default: kvoffd.pool in a directory of this user's in /dev/shm, named at "
                        "random at first start (/dev/shm/kvoffd-<uid>-<address hash>-XXXXXXXX/); a pool kept "
-                       "beside the socket by an older kvoffd stays there"),
+                       "beside the socket by an older kvoffd stays there. The pool's files are RAM and stay when "
+                       "the daemon stops (the warm restart); 'kvoffd purge' gives a stopped daemon's memory back"),
     ("kv_events_address", str, "Publish vLLM-format KV events (blocks stored/removed) for routers on this "
                                "ZeroMQ endpoint: 'ipc' (a socket beside the daemon's, in its private directory), "
                                "ipc://PATH or tcp://HOST:PORT (CURVE clients only, see --kv-events-auth). "
@@ -231,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvoffd",
         description="kvoffd: a KV-cache offload daemon for vLLM. Every flag can also be set with an "
                     "environment variable KVOFFD_<FLAG> (e.g. KVOFFD_POOL_SIZE=64GiB); flags win.",
-        epilog="Subcommands: 'kvoffd doctor' checks this machine for running kvoffd.")
+        epilog="Subcommands: 'kvoffd doctor' checks this machine for running kvoffd; 'kvoffd purge' removes "
+               "a stopped daemon's pool from /dev/shm and gives its memory back (--help for each).")
     for name, typ, help_ in _FLAGS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
     p.add_argument("--allow-remote", action="store_true", default=None,

@@ -23,6 +23,25 @@ os.environ.setdefault("KVOFFD_POOL_PATH", "none")
 from kvtest import DaemonProc, Engine, start_daemon  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_pool_left_behind(tmp_path_factory) -> Iterator[None]:
+    """The suite leaves no pool in /dev/shm: at its end, every pool whose recorded address is under
+    this session's temporary directory (a test's daemon that was killed, or a test that failed before
+    its cleanup) is removed with ``kvoffd purge``'s own code, and named (a pool a live daemon holds is
+    left, and named too)."""
+    yield
+    from kvoffd.cache.pool_reap import PoolHeld, remove_pool, shm_pools
+
+    base = f"ipc://{tmp_path_factory.getbasetemp()}/"
+    for p in shm_pools():
+        if p.address.startswith(base):
+            try:
+                remove_pool(p)
+                print(f"\nconftest: removed a pool a test left in {p.directory} ({p.address})", file=sys.stderr)
+            except (PoolHeld, OSError) as e:
+                print(f"\nconftest: a pool a test left in {p.directory} stays: {e}", file=sys.stderr)
+
+
 @pytest.fixture(scope="session")
 def daemon() -> Iterator[DaemonProc]:
     tmp = tempfile.mkdtemp(prefix="kvoffd-shared-")

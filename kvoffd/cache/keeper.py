@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Sequence
 
 from kvoffd.cache.index import Entry, Index
@@ -14,6 +15,8 @@ from kvoffd.cache.persist import Persistence
 from kvoffd.cache.pool import Pool, Provisioned
 from kvoffd.cache.pool_file import PoolFile, PoolFileError, open_pool_file
 from kvoffd.cache.pool_place import ensure_default_pool_path
+from kvoffd.cache.pool_reap import remove_place_if_empty
+from kvoffd.config import default_address, format_size
 from kvoffd.events.wire import EventIdentity
 from kvoffd.pool_format import Layout, pool_geometry
 from kvoffd.shards import bind_shards, plan_shards
@@ -84,20 +87,44 @@ def open_pool(size: int, path: str, address: str, cold: bool,
     shards = plan_shards(topology, num_chunks)
     if path == "none":
         return _placed(Pool(size, chunk, shards=shards)), None
+    explicit = bool(path)
     path = path or ensure_default_pool_path(address)
     layout = Layout.of(size, chunk)
     try:
         pf, why = open_pool_file(path, layout, cold)
     except PoolFileError as e:
+        remove_place_if_empty(os.path.dirname(path))  # a default directory this start made for nothing
         log.error("%s; the pool is kept in private memory: its blocks are lost at every restart", e)
         return _placed(Pool(size, chunk, shards=shards)), None
     if why == "--cold":
         log.info("pool file %s: starting cold (--cold)", path)
     elif why:
         log.warning("pool file %s not adopted: %s; starting cold", path, why)
+    log.info("pool file %s: %s of memory (/dev/shm is RAM), kept when the daemon stops so that the next start "
+             "adopts its blocks; '%s' gives it back once the daemon is stopped", path, format_size(layout.total_bytes),
+             purge_command(address, path if explicit else ""))
     pool = Pool(size, chunk, mapping=pf.data, shards=shards)
     pool.provisioned = Provisioned(pf.allocated, size)
     return _placed(pool), pf
+
+
+def purge_command(address: str, pool_path: str = "") -> str:
+    """The ``kvoffd purge`` line that removes the pool of the daemon at ``address`` (at ``pool_path``
+    when that was given rather than the default place)."""
+    cmd = "kvoffd purge"
+    if address != default_address():
+        cmd += f" --address {address}"
+    return cmd + (f" --pool-path {pool_path}" if pool_path else "")
+
+
+def abandon_pool(pf: PoolFile | None) -> None:
+    """The start failed before serving: the pool's files go unless they hold a previous daemon's blocks
+    (PoolFile.discard), and a default directory left empty goes too."""
+    if pf is None:
+        return
+    pf.discard()
+    if pf.previous is None:
+        remove_place_if_empty(os.path.dirname(pf.path))
 
 
 def _placed(pool: Pool) -> Pool:

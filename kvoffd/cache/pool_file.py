@@ -37,6 +37,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -185,6 +186,14 @@ class PoolFile:
         raw = h.pack()
         self.map[:len(raw)] = raw
 
+    def discard(self) -> None:
+        """The start failed before the daemon served: a pool that holds nothing adopted (made or emptied
+        by this start) leaves no file behind; one holding a previous daemon's blocks stays for the next
+        start. Then unlocked."""
+        if self.previous is None and self.fd >= 0:
+            discard_files(self.path, self.ino, self.layout)
+        self.close()
+
     def close(self) -> None:
         """Closes the descriptor (and with it the lock); the mappings belong to the pool and its keeper."""
         if self.fd >= 0:
@@ -202,6 +211,7 @@ def open_pool_file(path: str, layout: Layout, cold: bool) -> tuple[PoolFile, str
     except OSError as e:
         raise PoolFileError(f"cannot open {path}: {e.strerror}") from None
     seg_fds: list[int] = []
+    emptied = False  # the lock is ours and the file holds nothing any daemon would adopt
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -215,6 +225,7 @@ def open_pool_file(path: str, layout: Layout, cold: bool) -> tuple[PoolFile, str
         if cold and previous is not None:
             previous, why = None, "--cold"
         if previous is None:
+            emptied = True
             os.ftruncate(fd, 0)  # an empty pool of this layout: every old page (and record) dropped
             os.ftruncate(fd, layout.meta_bytes)
         else:
@@ -227,12 +238,28 @@ def open_pool_file(path: str, layout: Layout, cold: bool) -> tuple[PoolFile, str
         inodes = [os.fstat(f).st_ino for f in seg_fds]
         mapping, data = _map(fd, seg_fds, path, st.st_ino, layout, fresh=previous is None)
     except BaseException:
+        if emptied:  # a pool no one will use: its files go (a failed start leaves no file behind)
+            discard_files(path, os.fstat(fd).st_ino, layout)
         os.close(fd)
         raise
     finally:
         for f in seg_fds:
             os.close(f)
     return PoolFile(path, fd, mapping, data, layout, previous, allocated, inodes), why
+
+
+def discard_files(path: str, ino: int, layout: Layout) -> None:
+    """Unlink a pool's files: the segments named after the metadata inode ``ino`` and the metadata file
+    if it is still that inode. Only while holding its lock, for a pool that holds nothing any daemon
+    would adopt (made or emptied by this start). A daemon still mapping them keeps its pages until it
+    exits; the memory goes back then."""
+    for p in [segment_path(path, ino, i) for i in range(layout.num_segments)] + [path]:
+        try:
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and (p != path or st.st_ino == ino):
+                os.unlink(p)
+        except OSError:
+            pass  # gone already, or not this user's to remove
 
 
 ZEROS = bytes(8 << 20)
@@ -338,7 +365,8 @@ def _open_segments(path: str, ino: int, layout: Layout, fresh: bool) -> list[int
 
 def _allocate_meta(fd: int, seg_fds: list[int], path: str, layout: Layout, kind: str, fresh: bool) -> None:
     """Check there is room for every file and allocate the metadata. A pool just made is given back
-    (truncated) when there is no room; a previous pool is left for a daemon that has room."""
+    (truncated here, its files removed by ``open_pool_file``) when there is no room; a previous pool is
+    left for a daemon that has room."""
     st = os.fstatvfs(fd)
     free = st.f_bavail * st.f_frsize
     have = os.fstat(fd).st_blocks * 512 + sum(os.fstat(f).st_blocks * 512 for f in seg_fds)

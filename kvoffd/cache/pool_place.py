@@ -21,6 +21,7 @@ import re
 import stat
 import tempfile
 
+from kvoffd.cache.pool_reap import ADDRESS_FILE, record_address
 from kvoffd.pool_format import (
     POOL_NAME,
     SHM_DIR,
@@ -54,8 +55,12 @@ def ensure_default_pool_path(address: str) -> str:
 
 def _shm_pool_path(address: str) -> str:
     places = shm_pool_places(address)
-    if places.ours:
+    while places.ours:
         d = newest_pool_dir(places.ours)
+        if _still_there(d):
+            break
+        places = shm_pool_places(address)  # removed meanwhile (kvoffd purge): look again
+    if places.ours:
         for other in places.ours:
             if other != d:
                 _remove_if_unused(other)
@@ -67,11 +72,26 @@ def _shm_pool_path(address: str) -> str:
                  "other user can take its place", d)
         if places.legacy:
             _move_legacy_pool(places.legacy, d)
+    record_address(d, address)  # whose pool it is: what a start of another daemon of this user reads
     for path, uid in places.foreign:
         who = f"made by uid {uid}, not by this user" if uid != os.getuid() else "writable by other users"
         log.warning("%s is %s: never used for the pool, which lives in %s (another user may be trying to "
                     "take its place; remove it)", path, who, d)
     return os.path.join(d, POOL_NAME)
+
+
+def _still_there(d: str) -> bool:
+    """Whether the pool directory ``d`` is still there, waiting while a removal holds its lock
+    (kvoffd/cache/pool_reap.py): a daemon never opens a pool being removed."""
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return os.path.isdir(d)
+    finally:
+        os.close(fd)
 
 
 def _remove_if_unused(d: str) -> None:
@@ -85,7 +105,7 @@ def _remove_if_unused(d: str) -> None:
         except FileNotFoundError:
             pass
         for name in os.listdir(d):
-            if name == POOL_NAME or name.startswith(POOL_NAME + "."):
+            if name in (POOL_NAME, ADDRESS_FILE) or name.startswith(POOL_NAME + "."):
                 os.unlink(os.path.join(d, name))
         os.rmdir(d)
         log.info("removed %s: an older pool directory of this daemon that no daemon used", d)

@@ -28,10 +28,12 @@ import zmq
 
 from kvoffd import __version__, sdnotify
 from kvoffd.cache.index import Index
-from kvoffd.cache.keeper import keeper, open_pool
+from kvoffd.cache.keeper import abandon_pool, keeper, open_pool, purge_command
+from kvoffd.cache.pool_file import PoolFile
+from kvoffd.cache.pool_reap import reap_stale
 from kvoffd.cache.tiers.manager import make_tiers
 from kvoffd.config import Config
-from kvoffd.events.publisher import make_publisher
+from kvoffd.events.publisher import KvEventPublisher, make_publisher
 from kvoffd.metrics import Metrics
 from kvoffd.runtime import ensure_private_dir, load_or_create_token
 from kvoffd.server.admin import Admin
@@ -98,8 +100,22 @@ class Server:
         self.started = time.time()
         t0 = time.monotonic()
         self._t_process = t0 - process_age_s()  # the process's start, on the monotonic clock
+        self._pool_file: PoolFile | None = None  # given back by ``abandon`` if the start fails
+        self.sock: zmq.Socket | None = None
+        self._socket_ino = 0  # the ipc socket file this daemon made (removed at stop only if still it)
+        self.fd_handover: FdServer | None = None  # where engines hand over memory descriptors (cpu_fd, cuda_vmm)
+        self.kv_events: KvEventPublisher | None = None
+        try:
+            self._build(cfg, t0)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def _build(self, cfg: Config, t0: float) -> None:
+        reap_stale(cfg.address)  # this user's pools that no daemon can come back for
         self.topology = read_topology(cfg.sysfs_root, parse_numa_map(cfg.numa_map))
         self.pool, pool_file = open_pool(cfg.pool_size, cfg.pool_path, cfg.address, cfg.cold, self.topology)
+        self._pool_file = pool_file
         t_pool = time.monotonic()
         self.index = Index(self.pool, cfg.eviction_policy)
         self.persist = keeper(pool_file, self.pool, self.index)  # adopts the previous daemon's blocks
@@ -137,15 +153,12 @@ class Server:
         self.ready = asyncio.Event()
         self._stopping = asyncio.Event()
         self._ctx = zmq.Context.instance()
-        self.sock: zmq.Socket | None = None
         self.bound_address = ""
-        self.fd_handover: FdServer | None = None  # where engines hand over memory descriptors (cpu_fd, cuda_vmm)
         self.metrics_address = cfg.metrics_address  # the cli sets the bound one (port 0 picks a port)
         self._guard: ListenerGuard | None = None
         self._listener: socket.socket | None = None  # the ZeroMQ listener's socket, owned here
         self._zmq_fd = -1  # libzmq's duplicate of it
         self._gate: TcpGate | None = None  # tcp://: connections that have not shown the token yet
-        self._socket_ino = 0  # the ipc socket file this daemon made (removed at stop only if still it)
         self._unread = UnreadReplies()  # big replies libzmq has not sent yet
         self._refusals = RateLimitedLog(log, REFUSAL_LOG_EVERY_S)  # per error code
         self._internals = RateLimitedLog(log, INTERNAL_LOG_EVERY_S)
@@ -283,6 +296,24 @@ class Server:
     def stop(self) -> None:
         self._stopping.set()
 
+    def abandon(self) -> None:
+        """The start failed before serving: leave nothing behind that no one will use. A pool this start
+        made or emptied goes with its files (one holding a previous daemon's blocks stays for the next
+        start), and the socket files this start made go."""
+        abandon_pool(self._pool_file)
+        self._pool_file = None
+        if self.kv_events is not None:
+            try:
+                self.kv_events.close()
+            except Exception:
+                log.debug("closing the KV-event outlet of a failed start", exc_info=True)
+        if self.fd_handover is not None:
+            self.fd_handover.close()
+        if self.sock is not None:
+            self.sock.close(0)
+        if self._socket_ino:
+            unlink_if_ours(self.cfg.address[6:], self._socket_ino)
+
     async def _shutdown(self) -> None:
         for t in list(self._tasks):
             t.cancel()
@@ -303,7 +334,12 @@ class Server:
                 self._listener.close()
             if self.bound_address.startswith("ipc://"):
                 unlink_if_ours(self.bound_address[6:], self._socket_ino)
-        log.info("kvoffd stopped")
+        kept = self.persist.stats()["path"]
+        if kept:
+            log.info("kvoffd stopped; its pool stays in memory in %s for the next start to adopt ('%s' gives the "
+                     "memory back)", kept, purge_command(self.cfg.address, self.cfg.pool_path))
+        else:
+            log.info("kvoffd stopped")
 
     async def _housekeeping(self) -> None:
         while True:
