@@ -4,6 +4,7 @@ libzmq has not sent yet. The loop (kvoffd/server/loop.py) drives these; none of 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import stat
@@ -23,6 +24,84 @@ from kvoffd.server.limits import (
 
 class AddressInUse(RuntimeError):
     pass
+
+
+class AddressClaim:
+    """This daemon's hold on its address, taken before anything else at start: a second daemon started
+    on the same address stops there, with the one line that says why, before it opens a pool, a tier or
+    a port (it used to log a pool-path tip and "disk tier disabled" first, both wrong: the pool and the
+    tier were the first daemon's, locked by it).
+
+    ipc://: a socket that answers is a daemon serving there (refused; a stale one is removed:
+    ``prepare_ipc_path``), and ``<socket>.lock`` beside it, in the daemon's private directory, is
+    locked (flock) from here until the socket is bound (``release``), so a daemon still starting there
+    (adopting a large pool takes seconds) is found too. Once bound, the socket itself answers for it;
+    an operator who removed a live daemon's socket file can start another there. tcp://: a listener
+    on the port is refused (port 0, and a race with another start, are left to the bind, which
+    refuses them too)."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.lock_path = ""
+        self._fd = -1
+        if address.startswith("ipc://"):
+            self._claim_ipc(address[6:])
+        elif address.startswith("tcp://"):
+            _refuse_a_listener(address)
+
+    def _claim_ipc(self, path: str) -> None:
+        ensure_private_dir(os.path.dirname(path) or ".")
+        lock = path + ".lock"
+        while True:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise AddressInUse(f"another daemon is starting on {path} (it holds {lock})") from None
+            try:
+                same = os.fstat(fd).st_ino == os.lstat(lock).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the daemon that held it stopped and removed it meanwhile: take the new one
+        self._fd, self.lock_path = fd, lock
+        try:
+            prepare_ipc_path(path)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Once the socket is bound (or the start failed): the lock file goes, then the lock."""
+        if self._fd >= 0:
+            try:
+                os.unlink(self.lock_path)
+            except OSError:
+                pass
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _refuse_a_listener(address: str) -> None:
+    host, _, port = address[6:].rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or int(port) == 0:
+        return
+    try:
+        family = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][0]
+    except OSError:
+        return  # the bind says what is wrong with the host
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect((host, int(port)))
+    except OSError:
+        return
+    finally:
+        probe.close()
+    raise AddressInUse(f"another process (another kvoffd?) listens on {host}:{port}; choose another --address port")
 
 
 def new_router(ctx: zmq.Context) -> zmq.Socket:

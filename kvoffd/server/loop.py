@@ -38,7 +38,7 @@ from kvoffd.metrics import Metrics
 from kvoffd.runtime import ensure_private_dir, load_or_create_token
 from kvoffd.server.admin import Admin
 from kvoffd.server.backends import by_kind, make_backends
-from kvoffd.server.endpoint import UnreadReplies, new_router, prepare_ipc_path, unlink_if_ours
+from kvoffd.server.endpoint import AddressClaim, UnreadReplies, new_router, prepare_ipc_path, unlink_if_ours
 from kvoffd.server.fdbudget import LISTEN_BACKLOG, FdBudget, ListenerGuard, open_listener
 from kvoffd.server.fdserver import FdServer, fd_socket_path, remove_stale_socket
 from kvoffd.server.jobs import Jobs
@@ -100,6 +100,8 @@ class Server:
         self.started = time.time()
         t0 = time.monotonic()
         self._t_process = t0 - process_age_s()  # the process's start, on the monotonic clock
+        # First the address: a second daemon of this address stops here, before it touches a pool or a tier
+        self.claim = AddressClaim(cfg.address)
         self._pool_file: PoolFile | None = None  # given back by ``abandon`` if the start fails
         self.sock: zmq.Socket | None = None
         self._socket_ino = 0  # the ipc socket file this daemon made (removed at stop only if still it)
@@ -228,6 +230,7 @@ class Server:
         sock.bind(addr)
         self.sock = sock
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.claim.release()  # the socket answers for this daemon now (AddressClaim)
         if self.by_kind.keys() & {"cpu_fd", "cuda_vmm"}:  # the kinds whose memory comes as descriptors
             self._bind_fd_socket()
         if self.kv_events is not None:
@@ -299,7 +302,7 @@ class Server:
     def abandon(self) -> None:
         """The start failed before serving: leave nothing behind that no one will use. A pool this start
         made or emptied goes with its files (one holding a previous daemon's blocks stays for the next
-        start), and the socket files this start made go."""
+        start), the socket files this start made go, and so does the address's lock."""
         abandon_pool(self._pool_file)
         self._pool_file = None
         if self.kv_events is not None:
@@ -313,6 +316,7 @@ class Server:
             self.sock.close(0)
         if self._socket_ino:
             unlink_if_ours(self.cfg.address[6:], self._socket_ino)
+        self.claim.release()
 
     async def _shutdown(self) -> None:
         for t in list(self._tasks):
