@@ -7,6 +7,7 @@ is honest); ``make_daemon`` starts a private one for tests that need a fresh poo
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -42,12 +43,24 @@ def no_pool_left_behind(tmp_path_factory) -> Iterator[None]:
                 print(f"\nconftest: a pool a test left in {p.directory} stays: {e}", file=sys.stderr)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_log_left_behind() -> Iterator[None]:
+    """The daemons' log files (tests/support/kvtest.py) go to one directory, removed at the end: the
+    suite left about 2,000 of them in /tmp per run."""
+    d = tempfile.mkdtemp(prefix="kvoffd-test-logs-")
+    os.environ["KVOFFD_TEST_LOG_DIR"] = d
+    yield
+    os.environ.pop("KVOFFD_TEST_LOG_DIR", None)
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def daemon() -> Iterator[DaemonProc]:
     tmp = tempfile.mkdtemp(prefix="kvoffd-shared-")
     d = start_daemon(f"ipc://{tmp}/kvoffd.sock", "512MiB")
     yield d
     d.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture

@@ -92,7 +92,8 @@ def start_daemon(address: str, pool_size: str = "256MiB", *extra: str, env: dict
     # A test's pool lives in private memory unless it passes --pool-path (tests/test_warm_restart.py):
     # a persistent pool per test would be left in /dev/shm.
     env.setdefault("KVOFFD_POOL_PATH", "none")
-    fd, log_path = tempfile.mkstemp(prefix="kvoffd-test-", suffix=".log")
+    # in the session's log directory (tests/conftest.py removes it at the end), else the temp directory
+    fd, log_path = tempfile.mkstemp(prefix="kvoffd-test-", suffix=".log", dir=os.environ.get("KVOFFD_TEST_LOG_DIR"))
     with os.fdopen(fd, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", pool_size,
                                  "--metrics-address", "127.0.0.1:0", "--log-level", "debug", *extra],
