@@ -238,7 +238,9 @@ def test_full_disk_drops_spills_and_keeps_serving(tmp_path):
         assert wait_until(lambda: rig.tier()["spills_dropped"].get("full", 0) > 0 and rig.tier()["spills"] > 0,
                           30), rig.tier()
         t = rig.tier()
-        assert 0 < t["spills"] <= 20
+        # the file holds 20 blocks at most; once a spill found it full, later spills reuse those slots
+        # (so more than 20 may land over time, each replacing an older one)
+        assert t["spills"] > 0 and t["resident_blocks"] <= 20, t
         hits, notice = rig.lookup_load(old, 200)
         if hits:
             assert rig.exact(old[:hits], 200, notice) == hits
