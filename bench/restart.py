@@ -246,6 +246,17 @@ def _flood(eng, address: str, args: argparse.Namespace, salt: bytes) -> tuple[li
     return rounds, acked, acked * eng.block_bytes / dt / 1e9
 
 
+def _tear_down(procs: list[subprocess.Popen], eng: object, shm: str, tmp: str) -> None:
+    """Kill what is still running, close the engine, remove the pool files and the socket directory."""
+    for pr in procs:
+        if pr.poll() is None:
+            pr.send_signal(signal.SIGKILL)
+            pr.wait(30)
+    eng.close()  # type: ignore[attr-defined]
+    shutil.rmtree(shm, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def busy(args: argparse.Namespace) -> int:
     """``--busy``: the restart of a daemon signalled while it is busy (module docstring)."""
     tmp = tempfile.mkdtemp(prefix="kvoffd-restart-")
@@ -314,13 +325,7 @@ def busy(args: argparse.Namespace) -> int:
             shutil.copy(log, Path(args.json).with_suffix(".daemon.log"))
         return 0 if ok else 1
     finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.send_signal(signal.SIGKILL)
-                pr.wait(30)
-        eng.close()
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _tear_down(procs, eng, shm, tmp)
 
 
 def main() -> int:
@@ -390,13 +395,7 @@ def main() -> int:
             shutil.copy(log, Path(args.json).with_suffix(".daemon.log"))  # its start phases and pinning lines
         return 0 if exact == sample and note.ok else 1
     finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.send_signal(signal.SIGKILL)
-                pr.wait(30)
-        eng.close()
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _tear_down(procs, eng, shm, tmp)
 
 
 if __name__ == "__main__":
