@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "client")]
 
 from kvoffd.cache.index import Index  # noqa: E402
-from kvoffd.cache.keeper import keeper, open_pool  # noqa: E402
-from kvoffd.cache.slots_table import NamespaceFacts, RankFacts  # noqa: E402
+from kvoffd.cache.restart.keeper import keeper, open_pool  # noqa: E402
+from kvoffd.cache.restart.records import NamespaceFacts, RankFacts  # noqa: E402
 from kvoffd.config import parse_size  # noqa: E402
 
 

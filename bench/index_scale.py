@@ -48,7 +48,7 @@ from reliability_util import ShmEngine, rss_kb  # noqa: E402
 
 from kvoffd.cache.tiers.diskio import block_crc  # noqa: E402
 from kvoffd.cache.tiers.table import BlockTable  # noqa: E402
-from kvoffd.procfs import cpu_seconds, major_faults, minor_faults  # noqa: E402
+from kvoffd.server.procfs import cpu_seconds, major_faults, minor_faults  # noqa: E402
 from kvoffd_client import protocol as P  # noqa: E402
 
 SLOT = 4096

@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvoffd.cache.pool_file import map_fixed, write_zeros  # noqa: E402
+from kvoffd.pool.file import map_fixed, write_zeros  # noqa: E402
 from kvoffd.transfer import cuda_driver  # noqa: E402
 
 GiB = 1 << 30

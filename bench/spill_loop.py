@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvoffd.cache.index import Index  # noqa: E402
-from kvoffd.cache.pool import Pool  # noqa: E402
 from kvoffd.cache.tiers.disk import DiskTier  # noqa: E402
 from kvoffd.cache.tiers.manager import Tiers  # noqa: E402
+from kvoffd.pool.allocator import Pool  # noqa: E402
 
 SIZES = (64 << 10, 2 << 20)
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvoffd.cache.index import Index  # noqa: E402
 from kvoffd.cache.policy import DEFAULT_POLICY, POLICIES  # noqa: E402
-from kvoffd.cache.pool import Pool  # noqa: E402
+from kvoffd.pool.allocator import Pool  # noqa: E402
 
 SLOT, CAP, BATCH = 4096, 65536, 1024
 

@@ -100,7 +100,7 @@ from kvoffd_client.client import KvoffdClient  # noqa: E402
 
 BLOCK_TOKENS = 512
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-POOL_CHUNK = 64 << 20  # kvoffd.cache.pool.DEFAULT_CHUNK: a pool smaller than this is one chunk
+POOL_CHUNK = 64 << 20  # kvoffd.pool.allocator.DEFAULT_CHUNK: a pool smaller than this is one chunk
 PAGE = 4096
 MIN_POOL = 1 << 20  # the daemon refuses a smaller --pool-size
 SLOT_ALIGN = 64  # ShmEngine: slot bytes divisible by layers (2) x key size (32)
@@ -298,7 +298,7 @@ def simulate_unbounded(trace: Trace) -> Tally:
 class PoolGeometry:
     slot_bytes: int
     pool_bytes: int
-    expected_blocks: int  # what kvoffd/cache/pool.py's carving gives today; STATS has the last word
+    expected_blocks: int  # what kvoffd/pool/allocator.py's carving gives today; STATS has the last word
 
 
 def pool_geometry(capacity: int, block_bytes: int) -> PoolGeometry:

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
 from standin import Engine, Spec  # noqa: E402
 
-from kvoffd.cache.pool import Pool  # noqa: E402
+from kvoffd.pool.allocator import Pool  # noqa: E402
 from kvoffd.transfer.base import Direction, MappedMemory  # noqa: E402
 from kvoffd.transfer.cuda import CudaBackend, copy_runs_one_by_one  # noqa: E402
 from kvoffd.transfer.pinning import Pinner  # noqa: E402

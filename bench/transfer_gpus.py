@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 from standin import Engine, Spec
 
-from kvoffd.mempolicy import Policy, mbind
-from kvoffd.topology import bind_thread, read_topology
+from kvoffd.pool.mempolicy import Policy, mbind
+from kvoffd.pool.topology import bind_thread, read_topology
 
 GiB = 1 << 30
 Row = Callable[..., None]

@@ -9,8 +9,9 @@ import signal
 import sys
 
 from kvoffd import sdnotify
-from kvoffd.config import Config, ConfigError, check_pool_fits, check_pool_geometry, format_size, load_config
+from kvoffd.config import Config, ConfigError, check_pool_fits, check_pool_geometry, load_config
 from kvoffd.hostmem import pool_memory_problem, read_memory_view
+from kvoffd.units import format_size
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,9 +13,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvoffd.cache.policy import DEFAULT_POLICY, DISK_POLICIES, LRU, POLICIES
-from kvoffd.pool_format import pool_geometry
-from kvoffd.topology import NumaMapError, parse_numa_map
-from kvoffd_client.paths import default_auth_token_file, runtime_dir
+from kvoffd.pool.format import pool_geometry
+from kvoffd.pool.topology import NumaMapError, parse_numa_map
+from kvoffd.units import format_size
+from kvoffd_client.paths import default_address, default_auth_token_file, runtime_dir
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
@@ -36,18 +37,6 @@ def parse_size(text: str) -> int:
     if n <= 0:
         raise ConfigError(f"size must be positive: {text!r}")
     return n
-
-
-def format_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def default_address() -> str:
-    return f"ipc://{os.path.join(runtime_dir(), 'kvoffd.sock')}"
 
 
 def physical_ram() -> int | None:
@@ -156,8 +145,8 @@ class Config:
     verify: bool = False  # per-block checksums (integrity mode)
     auth_token_file: str = field(default_factory=default_auth_token_file)  # tcp:// clients must send it
     eviction_policy: str = DEFAULT_POLICY  # admission/eviction of the pool (kvoffd/cache/policy.py)
-    pool_path: str = ""  # the persistent pool's file ("": a private directory in /dev/shm, kvoffd/cache/pool_place.py;
-    #                      "none": private memory, lost with the process) (kvoffd/cache/pool_file.py)
+    pool_path: str = ""  # the persistent pool's file ("": a private directory in /dev/shm, kvoffd/pool/place.py;
+    #                      "none": private memory, lost with the process) (kvoffd/pool/file.py)
     cold: bool = False  # start with an empty pool even if the previous daemon's can be adopted
     kv_events_address: str = ""  # ZeroMQ PUB endpoint of the KV-event stream ("": off; docs/vllm.md)
     kv_events_replay_address: str = ""  # its ROUTER replay endpoint ("": the next tcp port, or <path>.replay)
@@ -167,7 +156,7 @@ class Config:
     kv_events_token_ids: bool = False  # BlockStored events carry the blocks' token ids (prompt content)
     disk_path: str = ""  # the disk tier's directory (kvoffd/cache/tiers/disk.py); "" = no disk tier
     disk_size: int = 0  # bytes of disk tier per block size
-    numa_map: str = "auto"  # auto | off | gpu0=0,gpu1=1,... (kvoffd/topology.py): the pool's NUMA shards
+    numa_map: str = "auto"  # auto | off | gpu0=0,gpu1=1,... (kvoffd/pool/topology.py): the pool's NUMA shards
     sysfs_root: str = "/sys"  # where the topology is read (a test's fake host; a container's host /sys)
     disk_policy: str = "clock2-ghost"  # the disk tier's replacement (kvoffd/cache/policy.py DISK_POLICIES)
 

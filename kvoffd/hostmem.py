@@ -36,7 +36,7 @@ def read_memory_view(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -
 
 def pool_memory_problem(pool_size: int, view: MemoryView) -> tuple[str, str]:
     """(refusal, warning) for a pool of ``pool_size`` bytes; empty strings where there is none."""
-    from kvoffd.config import format_size
+    from kvoffd.units import format_size
 
     if view.cgroup_limit is not None and pool_size > view.cgroup_limit:
         return (f"--pool-size {format_size(pool_size)} is larger than this daemon's memory cgroup limit "

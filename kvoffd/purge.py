@@ -8,7 +8,7 @@ pool's lock while it does: a pool a running daemon holds is never touched, and i
     kvoffd purge                     the pool of the daemon at --address (KVOFFD_ADDRESS, else the
                                      default address), and the one at --pool-path (KVOFFD_POOL_PATH)
     kvoffd purge --stale             every pool of this user that no daemon can come back for (what
-                                     each daemon's start removes: kvoffd/cache/pool_reap.py says how
+                                     each daemon's start removes: kvoffd/pool/reap.py says how
                                      it decides)
     kvoffd purge --all               every pool of this user in /dev/shm that no running daemon holds
                                      (the stopped daemons' next starts are cold)
@@ -24,7 +24,9 @@ import argparse
 import os
 import sys
 
-from kvoffd.cache.pool_reap import (
+from kvoffd.config import ConfigError, check_address
+from kvoffd.pool.format import pool_beside_socket
+from kvoffd.pool.reap import (
     PoolHeld,
     ShmPool,
     held_by,
@@ -35,8 +37,8 @@ from kvoffd.cache.pool_reap import (
     shm_pools,
     stale_reason,
 )
-from kvoffd.config import ConfigError, check_address, default_address, format_size
-from kvoffd.pool_format import pool_beside_socket
+from kvoffd.units import format_size
+from kvoffd_client.paths import default_address
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,7 +31,7 @@ def no_pool_left_behind(tmp_path_factory) -> Iterator[None]:
     its cleanup) is removed with ``kvoffd purge``'s own code, and named (a pool a live daemon holds is
     left, and named too)."""
     yield
-    from kvoffd.cache.pool_reap import PoolHeld, remove_pool, shm_pools
+    from kvoffd.pool.reap import PoolHeld, remove_pool, shm_pools
 
     base = f"ipc://{tmp_path_factory.getbasetemp()}/"
     for p in shm_pools():

@@ -13,12 +13,12 @@ import pytest
 from kvoffd.config import (
     ConfigError,
     check_pool_fits,
-    default_address,
-    format_size,
     load_config,
     parse_size,
     physical_ram,
 )
+from kvoffd.units import format_size
+from kvoffd_client.paths import default_address
 
 
 def test_sizes_with_units():

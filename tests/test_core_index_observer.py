@@ -16,7 +16,7 @@ import pytest
 
 from kvoffd.cache.index import Entry, Index, IndexObserver
 from kvoffd.cache.policy import DEFAULT_POLICY
-from kvoffd.cache.pool import Pool
+from kvoffd.pool.allocator import Pool
 
 SLOT = 4096
 

@@ -18,7 +18,7 @@ import pytest
 
 from kvoffd.cache.index import Entry, Index, StorePlan, Table
 from kvoffd.cache.policy import DEFAULT_POLICY, GuardedDoorkeeper
-from kvoffd.cache.pool import Pool
+from kvoffd.pool.allocator import Pool
 
 SLOT = 4096
 NS = "pol"

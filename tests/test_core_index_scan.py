@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvoffd.cache.index import Index
-from kvoffd.cache.pool import Pool
+from kvoffd.pool.allocator import Pool
 
 KEYS = [hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(40)]
 NEVER = hashlib.sha256(b"never stored").digest()

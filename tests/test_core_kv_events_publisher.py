@@ -15,11 +15,11 @@ import time
 
 from kvevents_sub import EventSubscriber
 
+from kvoffd.cache.identity import MEDIUM_STORAGE, EventIdentity, HashForm
 from kvoffd.cache.index import Index
-from kvoffd.cache.pool import Pool
 from kvoffd.events.publisher import Endpoints, KvEventPublisher
-from kvoffd.events.wire import MEDIUM_STORAGE, EventIdentity, HashForm
 from kvoffd.metrics import Metrics
+from kvoffd.pool.allocator import Pool
 from kvoffd.server.outlet_link import OutletLink
 
 SLOT = 4096
@@ -127,7 +127,7 @@ def test_another_tier_publishes_under_its_own_medium():
 
 
 def _adopt(index: Index, by_ns: dict[str, list[bytes]]) -> list:
-    """Blocks a warm restart found (the path kvoffd/cache/adopt.py takes): slots held, entries visible."""
+    """Blocks a warm restart found (the path kvoffd/cache/restart/plan.py takes): slots held, entries visible."""
     import numpy as np
 
     tables = [index.table(ns, 0, 1, SLOT, (SLOT,)) for ns, keys in by_ns.items() for _ in keys]

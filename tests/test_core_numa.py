@@ -18,14 +18,13 @@ from fake_sysfs import make_sysfs
 from kvtest import chain_keys
 
 from kvoffd.cache.index import Index
-from kvoffd.cache.pool import Pool
-from kvoffd.mempolicy import Policy, mbind
 from kvoffd.ops.ctl_status import status_rows
 from kvoffd.ops.doctor_numa import check_numa
 from kvoffd.ops.doctor_result import PASS, WARN, Context
-from kvoffd.server.placement import Placement, place_engine
-from kvoffd.shards import bind_shards, plan_shards, single_shard
-from kvoffd.topology import (
+from kvoffd.pool.allocator import Pool
+from kvoffd.pool.mempolicy import Policy, mbind
+from kvoffd.pool.shards import bind_shards, plan_shards, single_shard
+from kvoffd.pool.topology import (
     UNKNOWN,
     NumaMap,
     NumaMapError,
@@ -34,6 +33,7 @@ from kvoffd.topology import (
     read_pci_node,
     read_topology,
 )
+from kvoffd.server.placement import Placement, place_engine
 from kvoffd.transfer.base import MappedMemory
 
 KB = 1024

@@ -12,8 +12,8 @@ import tracemalloc
 from kvtest import chain_keys
 
 from kvoffd.cache.index import Index, Table
-from kvoffd.cache.pool import Pool
 from kvoffd.cache.reclaim import RECLAIM_BUDGET
+from kvoffd.pool.allocator import Pool
 
 KB = 1024
 
@@ -173,7 +173,7 @@ def test_a_pool_is_the_size_asked_for_or_refused_with_one_line(tmp_path):
 
     import pytest
 
-    from kvoffd.cache.pool import pool_geometry
+    from kvoffd.pool.allocator import pool_geometry
 
     assert pool_geometry(128 << 20) == (64 << 20, 2)
     assert pool_geometry(16 << 20) == (16 << 20, 1)  # below one chunk: one chunk of exactly that

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvoffd.cache.pool import Pool
+from kvoffd.pool.allocator import Pool
 from kvoffd.transfer.base import MappedMemory, coalesce, pool_chunks, run_descriptors
 from kvoffd_client.protocol import Segment
 

@@ -1,4 +1,4 @@
-"""The pool file's records (kvoffd/cache/slots_table.py, kvoffd/cache/adopt.py), unit level: a record
+"""The pool file's records (kvoffd/cache/restart/records.py, kvoffd/cache/restart/plan.py), unit level: a record
 interrupted at any step of its write is never taken for a sealed one, and adoption keeps only records
 whose namespace facts and slot geometry check out."""
 
@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 from kvtest import chain_keys
 
-from kvoffd.cache.adopt import plan_adoption
 from kvoffd.cache.index import Index
-from kvoffd.cache.pool import Pool
-from kvoffd.cache.slots_table import NamespaceFacts, RankFacts, SlotRecords
-from kvoffd.pool_format import Layout
+from kvoffd.cache.restart.plan import plan_adoption
+from kvoffd.cache.restart.records import NamespaceFacts, RankFacts, SlotRecords
+from kvoffd.pool.allocator import Pool
+from kvoffd.pool.format import Layout
 
 CHUNK, SLOT = 1 << 20, 64 << 10  # 16 slots per chunk, all with records
 
@@ -100,8 +100,8 @@ def test_a_replicated_namespace_is_adopted_with_its_replicas():
     """REGISTER.replicas (MLA at TP > 1): one table per run of ranks, stored by its first rank. The
     namespace table keeps ``replicas`` so the adopted namespace answers every rank and a re-registering
     engine of the same replicas fits; a record naming a rank that does not store is not adopted."""
-    from kvoffd.cache.slots_table import NamespaceTable
-    from kvoffd.pool_format import NS_AREA_BYTES
+    from kvoffd.cache.restart.records import NamespaceTable
+    from kvoffd.pool.format import NS_AREA_BYTES
 
     table = NamespaceTable(memoryview(bytearray(2 * NS_AREA_BYTES)))
     facts = NamespaceFacts("mla", 4, {0: RankFacts(SLOT, (SLOT,)), 2: RankFacts(SLOT, (SLOT,))}, replicas=2)
@@ -211,9 +211,9 @@ def test_the_namespace_table_keeps_the_kv_event_identity_and_reads_old_or_bad_on
     import json
     import zlib
 
-    from kvoffd.cache.slots_table import _NS_HEAD, _NS_MAGIC, NamespaceTable
-    from kvoffd.events.wire import EventIdentity, HashForm
-    from kvoffd.pool_format import NS_AREA_BYTES
+    from kvoffd.cache.identity import EventIdentity, HashForm
+    from kvoffd.cache.restart.records import _NS_HEAD, _NS_MAGIC, NamespaceTable
+    from kvoffd.pool.format import NS_AREA_BYTES
 
     table = NamespaceTable(memoryview(bytearray(2 * NS_AREA_BYTES)))
     ident = EventIdentity(HashForm.INT64, 16)
@@ -249,7 +249,7 @@ def test_a_record_committed_without_its_checksum_stays_valid_while_it_is_filled_
     checksum is filled in later; a process that dies between any two stores of that fill leaves a
     valid record, with or without the checksum, never an invalid one (so the block is adopted)."""
     from kvoffd.cache.checksum import NONE
-    from kvoffd.cache.slots_table import COMMITTED, SUMMED, _check
+    from kvoffd.cache.restart.records import COMMITTED, SUMMED, _check
 
     rec = _records()
     keys = chain_keys(3, b"committed")
@@ -287,7 +287,7 @@ def test_an_older_daemons_record_keeps_its_crc32_and_is_verified_with_it():
     import zlib
 
     from kvoffd.cache.checksum import LEGACY_CRC32, block_sum, matches
-    from kvoffd.cache.slots_table import SEALED, _check
+    from kvoffd.cache.restart.records import SEALED, _check
 
     rec = _records()
     data = np.random.default_rng(1).integers(0, 255, SLOT, dtype=np.uint8)

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from kvoffd.cache.keeper import open_pool
+from kvoffd.cache.restart.keeper import open_pool
 
 GiB, MiB = 1 << 30, 1 << 20
 CHUNK = 64 * MiB

@@ -1,5 +1,5 @@
 """The pool file's data segments (issue 14: a fresh pool file pins as fast as private memory because
-its data is several files, allocated in parallel; kvoffd/pool_format.py says why).
+its data is several files, allocated in parallel; kvoffd/pool/format.py says why).
 
 Real files on /dev/shm, mapped the way the daemon maps them; the daemon-level adoption of a pool is
 tests/test_warm_restart.py's, and a missing segment is tested here against a real daemon.
@@ -17,8 +17,8 @@ import pytest
 from kvtest import chain_keys
 from test_warm_restart import NS, Rig
 
-from kvoffd.cache.keeper import open_pool
-from kvoffd.pool_format import MAX_SEGMENTS, SEGMENT_BYTES, Layout, legacy_segment_path, segment_path
+from kvoffd.cache.restart.keeper import open_pool
+from kvoffd.pool.format import MAX_SEGMENTS, SEGMENT_BYTES, Layout, legacy_segment_path, segment_path
 
 GiB, MiB = 1 << 30, 1 << 20
 TWO_SEGMENTS = GiB + 128 * MiB

@@ -42,7 +42,7 @@ def _places(address: str, uid: int | None = None) -> list[str]:
 
 def _disk_dir(tmp_path: Path, name: str) -> Path:
     """A private socket directory on a disk filesystem: the pool then goes to /dev/shm."""
-    from kvoffd.pool_format import fs_type
+    from kvoffd.pool.format import fs_type
 
     d = tmp_path / name
     d.mkdir(mode=0o700)

@@ -113,7 +113,7 @@ def test_a_squatted_default_pool_location_does_not_cost_the_warm_restart(make_da
     the daemon's first start, the name the daemon used to take there (/dev/shm/kvoffd-<uid>-<address
     hash>.pool), the directory names a guess would give, and a symlink: before the fix the daemon kept
     its pool in private memory at every start (one WARNING) and every restart was cold."""
-    from kvoffd.pool_format import fs_type
+    from kvoffd.pool.format import fs_type
 
     if fs_type(str(tmp_path)) != "other":
         pytest.skip("needs a disk-backed temporary directory (the socket's; the pool then goes to /dev/shm)")
@@ -161,7 +161,7 @@ def test_a_pool_at_the_old_default_name_moves_into_the_daemons_directory_warm(ma
     """A pool an older kvoffd kept at the old default (/dev/shm/kvoffd-<uid>-<address hash>.pool, its
     segments <path>.0000...) is moved into the new directory and adopted: the upgrade stays warm and
     leaves no file behind at the old name (it would be RAM until someone deleted it)."""
-    from kvoffd.pool_format import fs_type, legacy_segment_path, segment_path
+    from kvoffd.pool.format import fs_type, legacy_segment_path, segment_path
 
     if fs_type(str(tmp_path)) != "other":
         pytest.skip("needs a disk-backed temporary directory (the socket's; the pool then goes to /dev/shm)")

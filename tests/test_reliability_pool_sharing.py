@@ -14,7 +14,7 @@ import threading
 from kvtest import chain_keys, wait_until
 from reliability_util import RawPeer, ShmEngine, proc_status, record
 
-from kvoffd.cache.pool import MIN_SLOT_BYTES
+from kvoffd.pool.allocator import MIN_SLOT_BYTES
 from kvoffd_client import protocol as P
 
 MiB = 1 << 20

@@ -80,8 +80,8 @@ async def _staged(path: str) -> None:
     needs its victims' slots at once (more than the reserve kept ahead), so they are copied out to
     staging; a lookup of blocks just evicted is served from there, byte-exact, without a read."""
     from kvoffd.cache.index import Index
-    from kvoffd.cache.pool import Pool
     from kvoffd.cache.tiers.manager import Tiers
+    from kvoffd.pool.allocator import Pool
 
     index = Index(Pool(16 * SLOT, chunk_bytes=16 * SLOT), "lru")
     tier = DiskTier(path, 64 * SLOT, threads=1)
@@ -130,8 +130,8 @@ async def _gated(path: str, budget_blocks: int) -> None:
     import threading
 
     from kvoffd.cache.index import Index
-    from kvoffd.cache.pool import Pool
     from kvoffd.cache.tiers.manager import Tiers
+    from kvoffd.pool.allocator import Pool
 
     index = Index(Pool(128 * SLOT, chunk_bytes=128 * SLOT), "lru")  # 128 slots: a reserve of 4 kept ahead
     tier = DiskTier(path, 64 * SLOT, threads=2)
@@ -307,8 +307,8 @@ async def _counted(path: str, seed: int) -> None:
     import random
 
     from kvoffd.cache.index import Index
-    from kvoffd.cache.pool import Pool
     from kvoffd.cache.tiers.manager import Tiers
+    from kvoffd.pool.allocator import Pool
 
     rng = random.Random(seed)
     index = Index(Pool(256 * SLOT, chunk_bytes=256 * SLOT), "lru")

@@ -23,7 +23,7 @@ import pytest
 from kvtest import chain_keys, wait_until
 from reliability_util import ShmEngine
 
-from kvoffd.pool_format import Layout, default_pool_path, fs_type, pool_geometry, segment_path
+from kvoffd.pool.format import Layout, default_pool_path, fs_type, pool_geometry, segment_path
 from kvoffd_client.client import KvoffdClient
 
 NB, SLOT = 128, 256 << 10  # 32 MiB of blocks in a 64 MiB pool

@@ -1,7 +1,7 @@
 """Warm restart of a busy daemon (issue 29): every block whose STORE was acknowledged survives a SIGKILL
 or a SIGTERM, however far the checksums lag behind the stores.
 
-The lag is made deterministic with the daemon's gate ``KVOFFD_TEST_HOLD_SEALING`` (kvoffd/cache/sealing.py):
+The lag is made deterministic with the daemon's gate ``KVOFFD_TEST_HOLD_SEALING`` (kvoffd/cache/restart/sealing.py):
 ``always`` holds every checksum back for good, ``until_stop`` until the daemon stops. Real daemons, a real
 engine (this process, its memory a sealed memfd), a real pool file on tmpfs. What must hold: the
 acknowledged blocks are adopted and load byte-exact although none had its checksum; a STORE in flight
@@ -25,7 +25,7 @@ from kvtest import chain_keys, wait_until
 from reliability_util import ShmEngine, metric_value
 
 from kvoffd.config import parse_size
-from kvoffd.pool_format import Layout, pool_geometry
+from kvoffd.pool.format import Layout, pool_geometry
 from kvoffd_client.client import KvoffdClient
 
 HOLD = "KVOFFD_TEST_HOLD_SEALING"

@@ -14,6 +14,11 @@ def runtime_dir() -> str:
     return f"/tmp/kvoffd-{os.getuid()}"
 
 
+def default_address() -> str:
+    """The daemon's socket when ``--address`` is not given: a UNIX socket in ``runtime_dir()``."""
+    return f"ipc://{os.path.join(runtime_dir(), 'kvoffd.sock')}"
+
+
 def default_auth_token_file() -> str:
     """The 0600 file a tcp:// daemon keeps its client token in (and its clients read)."""
     return os.path.join(runtime_dir(), "auth-token")

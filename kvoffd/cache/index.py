@@ -33,16 +33,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from kvoffd.cache.adoption import Adoption
 from kvoffd.cache.deferral import DeferredFree
 from kvoffd.cache.entries import Entry, Hits, LoadPlan, Namespace, StorePlan, Table
 from kvoffd.cache.eviction import Eviction
 from kvoffd.cache.index_views import IndexViews
 from kvoffd.cache.observer import IndexObserver
 from kvoffd.cache.policy import LRU, EvictionPolicy, make_policy
-from kvoffd.cache.pool import Pool
 from kvoffd.cache.reclaim import ChunkReclaim, _Drain
+from kvoffd.cache.restart.adoption import Adoption
 from kvoffd.cache.runs import Run, leading
+from kvoffd.pool.allocator import Pool
 from kvoffd_client.protocol import KEY_SIZE, MissReason
 
 __all__ = ["Entry", "Hits", "Index", "IndexObserver", "LoadPlan", "Namespace", "StorePlan", "Table"]

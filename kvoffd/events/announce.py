@@ -1,6 +1,6 @@
 """Announcing a warm restart's adopted blocks on the KV-event stream (issue 16's "match the index").
 
-A daemon that adopts the previous daemon's pool file (kvoffd/cache/persist.py) holds blocks its own
+A daemon that adopts the previous daemon's pool file (kvoffd/cache/restart/persistence.py) holds blocks its own
 stream never named: no STORE committed them here. A router that consumes the stream (and dropped the
 node's kvoffd blocks when ``seq`` went back to 0) would score them uncached for as long as they live.
 So each adopted rank-0 block is announced once, as a ``BlockStored`` like any other (medium CPU; no
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from kvoffd.events.wire import MEDIUM_CPU
+from kvoffd.cache.identity import MEDIUM_CPU
 from kvoffd_client.protocol import KEY_SIZE
 
 if TYPE_CHECKING:

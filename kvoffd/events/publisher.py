@@ -54,17 +54,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from kvoffd.cache.identity import MEDIUM_CPU, EventIdentity
 from kvoffd.cache.index import IndexObserver
 from kvoffd.events.announce import BACKOFF_S, Adopted, Reopened
 from kvoffd.events.wire import (
     LOCALITY,
-    MEDIUM_CPU,
     OWNERSHIP,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
-    EventIdentity,
     external_hashes,
 )
 from kvoffd_client.protocol import KEY_SIZE, ErrorCode, ProtocolError
@@ -216,7 +215,7 @@ class KvEventPublisher(IndexObserver):
 
     def adopted(self, entries: Sequence[Entry], identities: dict[str, EventIdentity]) -> None:
         """A warm restart's adopted entries, and the identities the pool file kept for their namespaces
-        (kvoffd/cache/persist.py): told once, on the loop, after ``start``. Rank 0's are announced as
+        (kvoffd/cache/restart/persistence.py): told once, on the loop, after ``start``. Rank 0's are announced as
         their namespace's identity becomes known (now, for those the file kept; else at REGISTER)."""
         for ns, ident in identities.items():
             if ns not in self._identities:  # an engine that registered already said it itself

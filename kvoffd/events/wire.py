@@ -14,18 +14,13 @@ vLLM's own OffloadingConnector does for a block whose request it no longer knows
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
 from typing import Union
 
 import msgspec
 
-from kvoffd_client.protocol import KEY_SIZE, KvEventsLayout
+from kvoffd.cache.identity import HashForm
+from kvoffd_client.protocol import KEY_SIZE
 
-#: ``medium`` of the blocks in the DRAM pool; a disk tier says MEDIUM_STORAGE. vLLM's own names
-#: (``vllm.distributed.kv_events``), so a router keyed on them takes both.
-MEDIUM_CPU = "CPU"
-MEDIUM_STORAGE = "STORAGE"
 #: ``locality``: the daemon publishes what its own node holds.
 LOCALITY = "LOCAL"
 #: ``ownership`` ("secondary offloading tier identifier" in vLLM): tells kvoffd's events from vLLM's.
@@ -66,31 +61,6 @@ class AllBlocksCleared(_Event, tag="AllBlocksCleared"):
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]  # noqa: UP007
-
-
-class HashForm(str, enum.Enum):
-    """How the engines' vLLM shows a block hash in its events (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
-
-    INT64 = "int64"  # the default: the hash's low 64 bits as an integer
-    BYTES = "bytes"  # the hash itself
-
-
-@dataclass(frozen=True)
-class EventIdentity:
-    """What REGISTER's ``layout.kv_events`` says about a namespace's keys: that each key *is* the
-    engine's block hash (so the daemon can show it), in which form, and a block's tokens."""
-
-    hash_form: HashForm
-    block_size: int
-    group_idx: int = 0
-
-
-def parse_identity(layout: KvEventsLayout | None) -> EventIdentity | None:
-    """REGISTER's optional ``layout.kv_events`` (typed and checked by the decoder: ``KvEventsLayout``).
-    Absent: this namespace's keys are not its block hashes, and the daemon publishes nothing for it."""
-    if layout is None:
-        return None
-    return EventIdentity(HashForm(layout.hash), layout.block_size)
 
 
 def external_hashes(keys: list[bytes], form: HashForm) -> list[ExternalHash]:

@@ -22,10 +22,10 @@ from typing import Any
 
 import zmq
 
-from kvoffd.config import default_address
 from kvoffd.ops.ctl_format import emit_json, fmt_dur, fmt_size, jsonable, table
 from kvoffd.ops.ctl_status import hit_rate, status_rows
 from kvoffd_client.client import DaemonUnavailable, KvoffdClient, KvoffdError
+from kvoffd_client.paths import default_address
 from kvoffd_client.protocol import KEY_SIZE
 
 EXIT_OK = 0

@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvoffd.config import format_size
+from kvoffd.units import format_size
 
 
 def fmt_size(n: Any) -> str:

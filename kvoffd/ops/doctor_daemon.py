@@ -12,7 +12,7 @@ import stat
 
 from kvoffd.ops.doctor_result import FAIL, PASS, SKIP, WARN, Context, Result
 from kvoffd.ops.doctor_settings import daemon_view
-from kvoffd.pool_format import exact_size
+from kvoffd.pool.format import exact_size
 from kvoffd.runtime import shared_dir_advice
 
 

@@ -11,9 +11,9 @@ import subprocess
 import sys
 from typing import Any
 
-from kvoffd.config import format_size
 from kvoffd.ops import doctor_host
 from kvoffd.ops.doctor_result import FAIL, PASS, SKIP, WARN, Context, Result
+from kvoffd.units import format_size
 
 BANDWIDTH_RATIO_WARN = 0.6  # achieved / link ceiling below this is worth a look
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import resource
 
-from kvoffd.config import format_size
 from kvoffd.ops.doctor_result import FAIL, PASS, SKIP, WARN, Context, Result, read_text
+from kvoffd.units import format_size
 
 SHM_MIN = 1 << 30  # below this a CPU engine's KV cache (which lives in /dev/shm) barely fits
 

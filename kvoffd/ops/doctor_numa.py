@@ -1,8 +1,8 @@
 """The ``numa`` check: the GPU <-> NUMA node <-> pool shard map the daemon will use, and whether the
 kernel accepts a policy on each shard's node (a seccomp profile or an offline node refuses it).
 
-It reads the same sysfs and ``--numa-map`` the daemon does (kvoffd/topology.py) and sizes the shards
-with the daemon's own rule (kvoffd/shards.py), so what it prints is what the daemon will do. The GPUs
+It reads the same sysfs and ``--numa-map`` the daemon does (kvoffd/pool/topology.py) and sizes the shards
+with the daemon's own rule (kvoffd/pool/shards.py), so what it prints is what the daemon will do. The GPUs
 are the probe's (CUDA's ordinals and bus ids) when it found any, else the NVIDIA functions sysfs lists.
 """
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 import ctypes
 import mmap
 
-from kvoffd.mempolicy import mbind
 from kvoffd.ops.doctor_result import PASS, WARN, Context, Result
-from kvoffd.pool_format import pool_geometry
-from kvoffd.shards import plan_shards
-from kvoffd.topology import UNKNOWN, GpuPlace, NumaMapError, Topology, parse_numa_map, read_topology
+from kvoffd.pool.format import pool_geometry
+from kvoffd.pool.mempolicy import mbind
+from kvoffd.pool.shards import plan_shards
+from kvoffd.pool.topology import UNKNOWN, GpuPlace, NumaMapError, Topology, parse_numa_map, read_topology
 
 PROBE_BYTES = 2 << 20  # the mapping a policy is tried on
 

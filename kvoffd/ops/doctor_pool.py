@@ -16,8 +16,7 @@ import pwd
 import time
 from typing import Any
 
-from kvoffd.config import format_size
-from kvoffd.pool_format import (
+from kvoffd.pool.format import (
     HEADER_BYTES,
     RANDOM_PART,
     Header,
@@ -30,6 +29,7 @@ from kvoffd.pool_format import (
     segments_mismatch,
     shm_pool_places,
 )
+from kvoffd.units import format_size
 
 PASS, WARN = "pass", "warn"
 SYSTEMD_ENV_FILE = "/etc/kvoffd/kvoffd.env"  # where deploy/systemd installs the unit's environment

@@ -30,8 +30,8 @@ class Context:
     bandwidth_bytes: int
     ipc: bool
     gpu_timeout_s: float
-    pool_path: str = ""  # "" : the daemon's default (kvoffd/cache/pool_file.py)
-    numa_map: str = "auto"  # the daemon's --numa-map (kvoffd/topology.py)
+    pool_path: str = ""  # "" : the daemon's default (kvoffd/pool/file.py)
+    numa_map: str = "auto"  # the daemon's --numa-map (kvoffd/pool/topology.py)
     sysfs_root: str = "/sys"  # where the topology is read (the daemon's --sysfs-root)
     env_file: str = ""  # --env-file ("" none): the daemon's environment file
     sources: dict[str, str] = field(default_factory=dict)  # setting -> where it came from (doctor_settings)

@@ -20,8 +20,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffd.config import ConfigError, default_address, default_pool_size, parse_size
-from kvoffd.pool_format import exact_size
+from kvoffd.config import ConfigError, default_pool_size, parse_size
+from kvoffd.pool.format import exact_size
+from kvoffd_client.paths import default_address
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MAX_ENV_FILE = 1 << 20  # an environment file is a few lines; a larger one is not one

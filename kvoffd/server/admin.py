@@ -11,10 +11,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvoffd.cache.index import Index
-from kvoffd.cache.keeper import Keeper
-from kvoffd.cache.pool import Pool
+from kvoffd.cache.restart.keeper import Keeper
 from kvoffd.cache.tiers.manager import Tiers
 from kvoffd.metrics import Metrics
+from kvoffd.pool.allocator import Pool
 from kvoffd.server.jobs import Jobs
 from kvoffd.server.limits import MAX_EXPLAIN_KEYS
 from kvoffd.server.sessions import Conn, Sessions

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvoffd.cache.pool import Pool
 from kvoffd.config import Config
+from kvoffd.pool.allocator import Pool
 from kvoffd.transfer.base import TransferBackend
 from kvoffd.transfer.cpu import CpuBackend
 

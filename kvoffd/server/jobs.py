@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvoffd.cache.index import Index, StorePlan
-from kvoffd.cache.keeper import Keeper
-from kvoffd.cache.pool import Pool
+from kvoffd.cache.restart.keeper import Keeper
 from kvoffd.cache.tiers.manager import PROMOTE_WAIT_S, Tiers
 from kvoffd.metrics import Metrics
+from kvoffd.pool.allocator import Pool
 from kvoffd.server.job import Job
 from kvoffd.server.limits import MAX_JOBS_PER_CONN, MAX_RUNS_PER_JOB
 from kvoffd.server.sessions import Conn, Engine, Lease, Reply, Sessions
@@ -69,7 +69,7 @@ class Jobs(LoadVerify):
     def __init__(self, *, sessions: Sessions, index: Index, pool: Pool, metrics: Metrics, verify: bool,
                  persist: Keeper, reply: Reply, spawn: Spawn, kv_events: KvEventPublisher | None = None,
                  tiers: Tiers | None = None) -> None:
-        """``persist``: the pool file's keeper (kvoffd/cache/persist.py): adopted blocks are checked on
+        """``persist``: the pool file's keeper (kvoffd/cache/restart/persistence.py): adopted blocks are checked on
         their first LOAD, and loaded blocks get new last-use stamps."""
         self.sessions = sessions
         self.index = index

@@ -28,13 +28,14 @@ import zmq
 
 from kvoffd import __version__, sdnotify
 from kvoffd.cache.index import Index
-from kvoffd.cache.keeper import abandon_pool, keeper, open_pool, purge_command
-from kvoffd.cache.pool_file import PoolFile
-from kvoffd.cache.pool_reap import reap_stale
+from kvoffd.cache.restart.keeper import abandon_pool, keeper, open_pool, purge_command
 from kvoffd.cache.tiers.manager import make_tiers
 from kvoffd.config import Config
 from kvoffd.events.publisher import KvEventPublisher, make_publisher
 from kvoffd.metrics import Metrics
+from kvoffd.pool.file import PoolFile
+from kvoffd.pool.reap import reap_stale
+from kvoffd.pool.topology import parse_numa_map, read_topology
 from kvoffd.runtime import ensure_private_dir, load_or_create_token
 from kvoffd.server.admin import Admin
 from kvoffd.server.backends import by_kind, make_backends
@@ -56,7 +57,6 @@ from kvoffd.server.ratelog import RateLimitedLog
 from kvoffd.server.register import Registrar
 from kvoffd.server.sessions import Engine, Sessions
 from kvoffd.server.tcpgate import TcpGate
-from kvoffd.topology import parse_numa_map, read_topology
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import ErrorCode, ProtocolError
 

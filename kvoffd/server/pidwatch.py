@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from kvoffd import procfs
+from kvoffd.server import procfs
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvoffd.cache.pool import Pool
-from kvoffd.topology import UNKNOWN, Topology, process_cpus
+from kvoffd.pool.allocator import Pool
+from kvoffd.pool.topology import UNKNOWN, Topology, process_cpus
 from kvoffd.transfer.base import MappedMemory
 
 

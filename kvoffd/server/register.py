@@ -14,22 +14,22 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvoffd.cache.identity import parse_identity
 from kvoffd.cache.index import Index
-from kvoffd.cache.pool import MIN_SLOT_BYTES, Pool
-from kvoffd.events.wire import parse_identity
 from kvoffd.metrics import Metrics
+from kvoffd.pool.allocator import MIN_SLOT_BYTES, Pool
+from kvoffd.pool.topology import Topology
 from kvoffd.server.fdbudget import FdBudget
 from kvoffd.server.fdserver import Handover
 from kvoffd.server.limits import MAX_ENGINES_PER_CONN, MAX_SEGMENTS
 from kvoffd.server.placement import place_engine
 from kvoffd.server.sessions import Conn, Engine, Sessions
-from kvoffd.topology import Topology
 from kvoffd.transfer.base import AttachError, TransferBackend
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
-    from kvoffd.cache.keeper import Keeper
+    from kvoffd.cache.restart.keeper import Keeper
     from kvoffd.events.publisher import KvEventPublisher
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class Registrar:
     (--kv-events-address; None: off) is told each registered namespace's ``layout.kv_events``.
     ``topology``: the host's NUMA nodes, which place each engine's stores on a pool shard. ``persist``
     (the pool file's keeper) keeps each namespace's ``layout.kv_events`` too, events on or off here:
-    the next daemon announces the blocks it adopts under it (kvoffd/cache/persist.py)."""
+    the next daemon announces the blocks it adopts under it (kvoffd/cache/restart/persistence.py)."""
 
     def __init__(self, *, sessions: Sessions, index: Index, pool: Pool, metrics: Metrics, fds: FdBudget,
                  by_kind: dict[str, TransferBackend], kv_events: KvEventPublisher | None = None,

@@ -1,6 +1,6 @@
 """Checksums on the data path (kvoffd/cache/checksum.py): ``--verify`` (every STORE's slots summed, every
 LOAD's checked) and the first LOAD of a block adopted at a warm restart (checked once,
-kvoffd/cache/persist.py). A LOAD that
+kvoffd/cache/restart/persistence.py). A LOAD that
 checks first copies only once its sums passed; a corrupt block is unlinked and reported failed
 (``checksum_mismatch``), the rest are copied.
 
@@ -23,9 +23,9 @@ from kvoffd.transfer.base import Direction, JobExpired, past
 from kvoffd_client.protocol import NoticeCode
 
 if TYPE_CHECKING:
-    from kvoffd.cache.keeper import Keeper
-    from kvoffd.cache.pool import Pool
+    from kvoffd.cache.restart.keeper import Keeper
     from kvoffd.metrics import Metrics
+    from kvoffd.pool.allocator import Pool
 
 log = logging.getLogger(__name__)
 

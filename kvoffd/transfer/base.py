@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvoffd.cache.pool import Pool
+from kvoffd.pool.allocator import Pool
 from kvoffd_client.protocol import Segment
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kvoffd.cache.pool import Pool
+from kvoffd.pool.allocator import Pool
 from kvoffd.transfer.base import (
     AttachError,
     Direction,

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvoffd.cache.pool import Pool
+from kvoffd.pool.allocator import Pool
 from kvoffd.transfer import cuda_driver as cudart
 from kvoffd.transfer.base import (
     Direction,

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvoffd.cache.pool import Pool
-from kvoffd.shards import bind_thread_near, byte_ranges
+from kvoffd.pool.allocator import Pool
+from kvoffd.pool.shards import bind_thread_near, byte_ranges
 from kvoffd.transfer import cuda_driver as cudart
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from kvoffd.cache.pool import Pool
+from kvoffd.pool.allocator import Pool
 from kvoffd.transfer.base import Direction, MappedMemory
 
 S, L = Direction.STORE, Direction.LOAD

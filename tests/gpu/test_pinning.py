@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvoffd.cache.pool import Pool
+from kvoffd.pool.allocator import Pool
 from kvoffd.transfer.pinning import Pinner
 
 

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from kvoffd.cache.keeper import open_pool
+from kvoffd.cache.restart.keeper import open_pool
 from kvoffd.transfer.pinning import Pinner
 
 

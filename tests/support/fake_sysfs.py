@@ -1,6 +1,6 @@
 """A fake host's sysfs for the NUMA tests (``--sysfs-root``): NUMA nodes with their CPUs, memory and
 distances, and NVIDIA GPU functions under bus/pci/devices with their ``numa_node``. Only what
-kvoffd/topology.py reads, written as the kernel writes it."""
+kvoffd/pool/topology.py reads, written as the kernel writes it."""
 
 from __future__ import annotations
 

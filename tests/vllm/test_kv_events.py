@@ -201,6 +201,6 @@ def test_the_media_are_vllms_own_names():
     pool's blocks and the disk tier's: the daemon's names are vLLM's constants, not look-alikes."""
     from vllm.distributed import kv_events as vk
 
-    from kvoffd.events.wire import MEDIUM_CPU, MEDIUM_STORAGE
+    from kvoffd.cache.identity import MEDIUM_CPU, MEDIUM_STORAGE
 
     assert (MEDIUM_CPU, MEDIUM_STORAGE) == (vk.MEDIUM_CPU, vk.MEDIUM_STORAGE)

@@ -52,13 +52,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvoffd.cache.identity import MEDIUM_STORAGE
 from kvoffd.cache.policy import DISK_POLICIES
 from kvoffd.cache.tiers import diskio
 from kvoffd.cache.tiers.base import Held, SpillResult, TableRef, TierStats
 from kvoffd.cache.tiers.ghost import GhostFilter
 from kvoffd.cache.tiers.iopool import READ, WRITE, IoPool
 from kvoffd.cache.tiers.table import FEW, KERNEL, BlockTable, keys_u64
-from kvoffd.events.wire import MEDIUM_STORAGE
 from kvoffd.runtime import open_private_dir
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ was just asked for) as pending entries, visible only once the tier has verified 
 fails is aborted (its LOAD reports it failed, the engine recomputes). A slot is never freed while a
 read into it is in flight: the entry keeps its store ref until the tier resolves the read.
 
-A block adopted at a warm restart whose checksum the keeper has not verified yet (kvoffd/cache/persist.py)
+A block adopted at a warm restart whose checksum the keeper has not verified yet (kvoffd/cache/restart/persistence.py)
 is checked against it before it is spilled, on a thread, and dropped (counted ``corrupt``) when it
 fails: the tier would otherwise give the corrupt bytes a fresh checksum of its own and serve them.
 Until its check is done such a block is neither staged nor written. And a tier that raises is a
@@ -54,7 +54,7 @@ from kvoffd.runtime import UnsafePath
 from kvoffd_client.protocol import KEY_SIZE, MissReason, split_keys
 
 if TYPE_CHECKING:
-    from kvoffd.cache.keeper import Keeper
+    from kvoffd.cache.restart.keeper import Keeper
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class Below:
 
 
 class Tiers(IndexObserver):
-    """``keeper``: the pool file's keeper (kvoffd/cache/keeper.py), asked which evicted blocks are adopted
+    """``keeper``: the pool file's keeper (kvoffd/cache/restart/keeper.py), asked which evicted blocks are adopted
     and not verified yet (``must_check``) and whether their bytes still match (``intact``); None: a
     pool without one (nothing adopted)."""
 

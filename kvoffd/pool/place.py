@@ -1,5 +1,5 @@
 """Where the pool lives when --pool-path is not given: a directory of the daemon's own under /dev/shm,
-named at random, that no other user can take (kvoffd/pool_format.py ``default_pool_path`` says where
+named at random, that no other user can take (kvoffd/pool/format.py ``default_pool_path`` says where
 and why; this module makes it).
 
 Why a random name: /dev/shm is writable by every local user, so any name the daemon could work out
@@ -21,8 +21,7 @@ import re
 import stat
 import tempfile
 
-from kvoffd.cache.pool_reap import ADDRESS_FILE, record_address
-from kvoffd.pool_format import (
+from kvoffd.pool.format import (
     POOL_NAME,
     SHM_DIR,
     newest_pool_dir,
@@ -31,6 +30,7 @@ from kvoffd.pool_format import (
     shm_pool_places,
     shm_pool_prefix,
 )
+from kvoffd.pool.reap import ADDRESS_FILE, record_address
 from kvoffd.runtime import ensure_private_dir
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def _shm_pool_path(address: str) -> str:
 
 def _still_there(d: str) -> bool:
     """Whether the pool directory ``d`` is still there, waiting while a removal holds its lock
-    (kvoffd/cache/pool_reap.py): a daemon never opens a pool being removed."""
+    (kvoffd/pool/reap.py): a daemon never opens a pool being removed."""
     try:
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:

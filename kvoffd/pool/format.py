@@ -1,5 +1,5 @@
-"""The pool's geometry and its file's format: what the daemon (kvoffd/cache/pool.py,
-kvoffd/cache/pool_file.py) and ``kvoffd doctor`` (kvoffd/ops/doctor_pool.py) both read.
+"""The pool's geometry and its file's format: what the daemon (kvoffd/pool/allocator.py,
+kvoffd/pool/file.py) and ``kvoffd doctor`` (kvoffd/ops/doctor_pool.py) both read.
 
 Pure definitions (the standard library and the shared places of kvoffd_client.paths): ops reaches the
 daemon only through the client library (the import contract of pyproject.toml), yet the doctor must
@@ -7,7 +7,7 @@ tell an operator, with no daemon running, whether a ``--pool-size`` is one the p
 an existing pool file holds. So the sizes and the file's layout and header live here, once.
 
 The pool (one ``Layout``) is a metadata file and data segment files beside it. The metadata file
-(``--pool-path``): a 4 KiB header, two namespace-table areas (kvoffd/cache/slots_table.py), the chunk
+(``--pool-path``): a 4 KiB header, two namespace-table areas (kvoffd/cache/restart/records.py), the chunk
 table, the slot records. The data: ``segment_bytes`` segments (1 GiB, more for pools over 1 TiB), each
 its own file ``<path>.ino<N>.0000``, ``<path>.ino<N>.0001``... mapped side by side into one address
 range. The header says what made the pool (format version, pool and chunk sizes, page size, records

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvoffd.cache.checksum import LEGACY_CRC32, NONE
-from kvoffd.events.wire import EventIdentity, HashForm
-from kvoffd.pool_format import NS_AREA_BYTES, Layout
+from kvoffd.cache.identity import EventIdentity, HashForm
+from kvoffd.pool.format import NS_AREA_BYTES, Layout
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import mmap
 
-from kvoffd.config import format_size
+from kvoffd.units import format_size
 
 
 def _mem_line() -> str:

@@ -17,11 +17,11 @@ pinned) while the pool keeps it closed to new slots (``begin_drain``); when its 
 back it goes straight to the slot size that asked for it.
 
 The memory is either a region of a shared file mapping that outlives the process (the persistent pool,
-kvoffd/cache/pool_file.py: a warm restart adopts its slots with ``adopt_slots``) or an anonymous
+kvoffd/pool/file.py: a warm restart adopts its slots with ``adopt_slots``) or an anonymous
 private mapping (huge pages where the kernel gives them, ``--pool-path none``). Either costs nothing
 until touched, so the daemon is ready at once whatever the pool size.
 
-NUMA shards (kvoffd/shards.py): the chunks are split into contiguous ranges, one per NUMA node
+NUMA shards (kvoffd/pool/shards.py): the chunks are split into contiguous ranges, one per NUMA node
 (``shards``; one shard covering every chunk when none are given: the pool as it always was). Each
 shard keeps its own free chunks and each slab its own chunks with room per shard; ``alloc`` takes from
 the asked-for shard first and, when that one is full, from the others nearest first (``spilled``,
@@ -29,7 +29,7 @@ counted), so a store never fails for want of room on its node while another node
 stays global (the index decides what goes); the slots it frees serve whichever shard they are on.
 
 The size asked for is the size served: a pool is a whole number of chunks, or (below one chunk) one
-chunk of exactly its size, and any other size is refused with one line (``pool_geometry``, kvoffd/pool_format.py) rather
+chunk of exactly its size, and any other size is refused with one line (``pool_geometry``, kvoffd/pool/format.py) rather
 than silently rounded down (100 MiB used to give 64 MiB). A backend that needs
 the memory pinned (CUDA) makes chunks usable as it pins them (``set_usable_bytes``); until then only
 usable chunks are handed out.
@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvoffd.cache.private_memory import reserve_private
-from kvoffd.pool_format import DEFAULT_CHUNK, MIN_SLOT_BYTES, pool_geometry
-from kvoffd.shards import Shard, single_shard
+from kvoffd.pool.format import DEFAULT_CHUNK, MIN_SLOT_BYTES, pool_geometry
+from kvoffd.pool.private import reserve_private
+from kvoffd.pool.shards import Shard, single_shard
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class SlabStats:
 
 class Provisioned:
     """How much of the pool's memory exists yet, told to threads: a pool file's data segments are
-    allocated in the background (kvoffd/cache/pool_file.py), and the pinning threads
+    allocated in the background (kvoffd/pool/file.py), and the pinning threads
     (kvoffd/transfer/pinning.py) touch a range only once it is allocated, because touching a page
     the filesystem has not allocated allocates it on the spot, contends with the allocating thread and
     raises SIGBUS when the filesystem is full. Private memory is provisioned whole from the start."""
@@ -129,7 +129,7 @@ class Pool:
                  offset: int = 0, shards: list[Shard] | None = None):
         """``mapping``: a shared file mapping holding the pool at ``offset`` (the persistent pool);
         None: private anonymous memory reserved here. ``shards``: contiguous chunk ranges covering the
-        pool in order (kvoffd/shards.py ``plan_shards``; None: one). ValueError for a size
+        pool in order (kvoffd/pool/shards.py ``plan_shards``; None: one). ValueError for a size
         ``pool_geometry`` refuses or shards that do not tile the chunks."""
         self.chunk_bytes, self.num_chunks = pool_geometry(nbytes, chunk_bytes)
         self.nbytes = nbytes
@@ -167,7 +167,7 @@ class Pool:
 
     def set_allocated_bytes(self, nbytes: int) -> None:
         """Only the first ``nbytes`` are backed by the pool file so far (it is allocated in the
-        background: kvoffd/cache/pool_file.py); a slot beyond them could SIGBUS on a full filesystem."""
+        background: kvoffd/pool/file.py); a slot beyond them could SIGBUS on a full filesystem."""
         self._allocated_chunks = min(self.num_chunks, nbytes // self.chunk_bytes)
         self._usable_chunks = min(self._pinned_chunks, self._allocated_chunks)
 

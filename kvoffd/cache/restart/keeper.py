@@ -1,5 +1,5 @@
 """The daemon's pool and its keeper: a pool in its file with the ``Persistence`` that keeps the file's
-records true (kvoffd/cache/persist.py), or a pool in private memory with ``Volatile``, its stand-in, so
+records true (kvoffd/cache/restart/persistence.py), or a pool in private memory with ``Volatile``, its stand-in, so
 that the server calls one ``Keeper`` without a branch.
 """
 
@@ -10,17 +10,18 @@ import logging
 import os
 from collections.abc import Sequence
 
+from kvoffd.cache.identity import EventIdentity
 from kvoffd.cache.index import Entry, Index
-from kvoffd.cache.persist import Persistence
-from kvoffd.cache.pool import Pool, Provisioned
-from kvoffd.cache.pool_file import PoolFile, PoolFileError, open_pool_file
-from kvoffd.cache.pool_place import ensure_default_pool_path
-from kvoffd.cache.pool_reap import remove_place_if_empty
-from kvoffd.config import default_address, format_size
-from kvoffd.events.wire import EventIdentity
-from kvoffd.pool_format import Layout, pool_geometry
-from kvoffd.shards import bind_shards, plan_shards
-from kvoffd.topology import Topology
+from kvoffd.cache.restart.persistence import Persistence
+from kvoffd.pool.allocator import Pool, Provisioned
+from kvoffd.pool.file import PoolFile, PoolFileError, open_pool_file
+from kvoffd.pool.format import Layout, pool_geometry
+from kvoffd.pool.place import ensure_default_pool_path
+from kvoffd.pool.reap import remove_place_if_empty
+from kvoffd.pool.shards import bind_shards, plan_shards
+from kvoffd.pool.topology import Topology
+from kvoffd.units import format_size
+from kvoffd_client.paths import default_address
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +80,9 @@ Keeper = Persistence | Volatile
 def open_pool(size: int, path: str, address: str, cold: bool,
               topology: Topology | None = None) -> tuple[Pool, PoolFile | None]:
     """The daemon's pool: in its file (``path``; "" for the default, a private directory in /dev/shm
-    (kvoffd/cache/pool_place.py); "none" for private memory). A file that cannot be used gives one
+    (kvoffd/pool/place.py); "none" for private memory). A file that cannot be used gives one
     ERROR and private memory: the daemon works, its cache just does not survive it. ``topology``: the host's NUMA
-    nodes, which split the pool into shards placed on them (kvoffd/shards.py; None: one shard),
+    nodes, which split the pool into shards placed on them (kvoffd/pool/shards.py; None: one shard),
     their policy set here, before the pool file's data is allocated or any page is touched."""
     chunk, num_chunks = pool_geometry(size)
     shards = plan_shards(topology, num_chunks)

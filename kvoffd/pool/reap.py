@@ -13,7 +13,7 @@ What decides, from evidence only, never from age:
 - the lock: a pool whose metadata file a process holds (flock) is a live daemon's, never touched;
   a removal takes that lock itself (non-blocking) and keeps it while it unlinks;
 - the address: each pool directory in /dev/shm records the address of the daemon it is for (the file
-  ``address``, written by kvoffd/cache/pool_place.py), and the directory's name carries that
+  ``address``, written by kvoffd/pool/place.py), and the directory's name carries that
   address's hash, which must match. No record (a directory an older kvoffd made, a file at the old
   name ``kvoffd-<uid>-<hash>.pool``): kvoffd cannot tell whose it is, so a start keeps it and says
   so; only ``kvoffd purge --all`` removes it;
@@ -42,8 +42,8 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvoffd.config import format_size
-from kvoffd.pool_format import HEADER_BYTES, MAGIC, POOL_NAME, SHM_DIR, shm_pool_prefix
+from kvoffd.pool.format import HEADER_BYTES, MAGIC, POOL_NAME, SHM_DIR, shm_pool_prefix
+from kvoffd.units import format_size
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ chunks than nodes) is exactly the pool before shards: no policy is set, nothing 
 on one node of several: one shard, on that node.
 
 Placement (``bind_shards``): each shard's range gets MPOL_PREFERRED on its node before its first
-page exists (kvoffd/mempolicy.py); a refusal (a node not online, a seccomp profile) is logged once at
+page exists (kvoffd/pool/mempolicy.py); a refusal (a node not online, a seccomp profile) is logged once at
 INFO and the pool works unplaced. A warm-restarted pool's pages are where they were: the policy only
 applies to pages made from now on, and adopted blocks are served from wherever they are.
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kvoffd.mempolicy import Policy, mbind
-from kvoffd.topology import UNKNOWN, Topology, bind_thread
+from kvoffd.pool.mempolicy import Policy, mbind
+from kvoffd.pool.topology import UNKNOWN, Topology, bind_thread
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ to the filesystem, so they survive the process that wrote them; a host reboot em
 
 The pool is a metadata file (``--pool-path``: header, namespaces, chunk table, slot records) and data
 segment files beside it, each mapped MAP_FIXED into one reserved address range so that the pool is
-one array to the rest of the daemon (kvoffd/pool_format.py says why segments: tmpfs allocates one
+one array to the rest of the daemon (kvoffd/pool/format.py says why segments: tmpfs allocates one
 file on one thread at a time).
 
 One daemon per pool: the daemon holds a ``flock`` of the metadata file, and opens, truncates and
@@ -24,7 +24,7 @@ adopted blocks; both fail with ENOSPC, never SIGBUS), and the pool hands out onl
 once whatever the pool size. If the room is not there the daemon keeps its pool in private memory
 and says so in one line: it works, it just does not survive a restart.
 
-The layout and header (``Layout``, ``Header``) are in kvoffd/pool_format.py, which ``kvoffd doctor``
+The layout and header (``Layout``, ``Header``) are in kvoffd/pool/format.py, which ``kvoffd doctor``
 reads too; this module opens, locks, allocates and maps the files.
 """
 
@@ -42,9 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvoffd.cache.private_memory import reserve_private
-from kvoffd.config import format_size
-from kvoffd.pool_format import (
+from kvoffd.pool.format import (
     FORMAT_VERSION,
     HEADER_BYTES,
     Header,
@@ -54,6 +52,8 @@ from kvoffd.pool_format import (
     segment_path,
     segments_mismatch,
 )
+from kvoffd.pool.private import reserve_private
+from kvoffd.units import format_size
 
 log = logging.getLogger(__name__)
 

@@ -2,12 +2,12 @@
 
 ``Persistence`` is an ``IndexObserver`` (kvoffd/cache/observer.py: it overrides the moments below; the
 index's ``evicted`` and ``cleared`` need nothing more here, since their slots' ``freeing`` follows) of
-a pool that lives in a file (kvoffd/cache/pool_file.py), keeping its slot records
-(kvoffd/cache/slots_table.py) true:
+a pool that lives in a file (kvoffd/pool/file.py), keeping its slot records
+(kvoffd/cache/restart/records.py) true:
 
 * **committed** blocks get their records at once, on the loop, in the callback that made them visible
   (after their copy completed): COMMITTED, without a checksum, so a block whose STORE was acknowledged
-  is adopted after any crash of the daemon. Their checksums follow behind (kvoffd/cache/sealing.py: on
+  is adopted after any crash of the daemon. Their checksums follow behind (kvoffd/cache/restart/sealing.py: on
   ``CHECKSUM_THREADS`` threads, kvoffd/cache/checksum.py's sum) and are filled into the records of the
   blocks still alive; on SIGTERM what is left is summed within ``SEAL_ON_STOP_S``, and what is still
   left then is adopted without a checksum (docs/architecture.md, "Crash consistency", says why that is
@@ -18,7 +18,7 @@ a pool that lives in a file (kvoffd/cache/pool_file.py), keeping its slot record
   (batched, on the loop), so the next daemon rebuilds the LRU order.
 
 ``adopt`` (at start, before the daemon serves) checks the sealed records and takes their slots in
-the pool (kvoffd/cache/adopt.py); once serving, the blocks enter the index a slice per loop turn,
+the pool (kvoffd/cache/restart/plan.py); once serving, the blocks enter the index a slice per loop turn,
 newest first (``_adopt_slice``), and a LOOKUP that misses a block still waiting takes it into the
 index at once (``adopt_asked``), so the first hit comes as soon as the daemon serves whatever the pool
 holds; a CLEAR meanwhile drops its namespace's blocks still waiting (``cleared``). Their bytes are verified
@@ -53,16 +53,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from kvoffd.cache.adopt import AdoptionPlan, plan_adoption
 from kvoffd.cache.checksum import LEGACY_CRC32, NONE, matches, sums_at
+from kvoffd.cache.identity import EventIdentity
 from kvoffd.cache.index import Entry, Index, IndexObserver, Table
-from kvoffd.cache.pool import Pool
-from kvoffd.cache.pool_file import ALLOCATE_THREADS, PoolFile
-from kvoffd.cache.sealing import Sealer
-from kvoffd.cache.slots_table import MAX_NAMESPACE_IDS, NamespaceFacts, NamespaceTable, RankFacts, SlotRecords
-from kvoffd.events.wire import EventIdentity
-from kvoffd.pool_format import NS_AREA_BYTES
-from kvoffd.shards import bind_thread_near
+from kvoffd.cache.restart.plan import AdoptionPlan, plan_adoption
+from kvoffd.cache.restart.records import (
+    MAX_NAMESPACE_IDS,
+    NamespaceFacts,
+    NamespaceTable,
+    RankFacts,
+    SlotRecords,
+)
+from kvoffd.cache.restart.sealing import Sealer
+from kvoffd.pool.allocator import Pool
+from kvoffd.pool.file import ALLOCATE_THREADS, PoolFile
+from kvoffd.pool.format import NS_AREA_BYTES
+from kvoffd.pool.shards import bind_thread_near
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +77,7 @@ log = logging.getLogger(__name__)
 SEAL_ON_STOP_S = 5.0
 FLUSH_S = 1.0  # touched stamps and the header's "updated" are written this often
 VERIFY_SLICE = 64  # adopted blocks checked per background task
-# The checksum threads: the sums behind the stores (kvoffd/cache/sealing.py) and the background pass
+# The checksum threads: the sums behind the stores (kvoffd/cache/restart/sealing.py) and the background pass
 # of a restart. Both are bound by memory bandwidth past a few threads (bench/checksum.py); they may
 # take every core but two (the loop, and the copies' or the pinning's threads): 16 at most.
 CHECKSUM_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) - 2))
@@ -397,7 +403,7 @@ class Persistence(IndexObserver):
             pass
 
     def _write_sums(self, part: list[Entry], sums: list[int]) -> None:
-        """On the loop: the sums of ``part`` (kvoffd/cache/sealing.py) into the records of the blocks
+        """On the loop: the sums of ``part`` (kvoffd/cache/restart/sealing.py) into the records of the blocks
         still alive. A block freed meanwhile is skipped: its record was invalidated at its ``freeing``
         and its slot may hold another block by now (whose own record this must not touch)."""
         by_table: dict[Table, list[tuple[Entry, int]]] = {}
