@@ -10,9 +10,10 @@ import ipaddress
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from kvoffd.cache.policy import DEFAULT_POLICY, DISK_POLICIES, LRU, POLICIES
+from kvoffd.cache.policy import DEFAULT_POLICY, DISK_POLICIES, LRU, POLICIES, DiskPolicy
 from kvoffd.pool.format import pool_geometry
 from kvoffd.pool.topology import NumaMapError, parse_numa_map
 from kvoffd.units import format_size
@@ -76,7 +77,7 @@ def check_pool_fits(pool_size: int, ram: int | None = None) -> str:
 
 def check_pool_geometry(pool_size: int) -> None:
     """Refuse a size the pool cannot serve exactly (whole 64 MiB chunks, or whole pages below one
-    chunk) with one line naming the two nearest that it can (issue 13: 100 MiB used to give 64)."""
+    chunk) with one line naming the two nearest that it can: a pool never rounds a size silently."""
     try:
         pool_geometry(pool_size)
     except ValueError as e:
@@ -130,35 +131,121 @@ def check_address(address: str, allow_remote: bool, notices: list[str] | None = 
     raise ConfigError(f"--address must be an ipc:// or tcp:// ZeroMQ endpoint, got {address!r}")
 
 
+def _truthy(v: object) -> bool:
+    return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
+
+
+def _lower(v: object) -> str:
+    return str(v).lower()
+
+
+def _size(v: object) -> int:
+    return parse_size(str(v))
+
+
+def _disk_policy(v: object) -> DiskPolicy:
+    try:
+        return DiskPolicy(str(v).lower())
+    except ValueError:
+        raise ConfigError(f"--disk-policy must be one of {', '.join(DISK_POLICIES)}, "
+                          f"got {str(v).lower()!r}") from None
+
+
+def _setting(flag: str, parse: Callable[[object], Any], help: str, **default: Any) -> Any:  # noqa: A002
+    """A ``Config`` field that is a daemon setting, as one row: its flag (the field's name, dashed), its
+    environment variable (``KVOFFD_`` and the flag's name), the parser of its raw value (a string from
+    the command line or the environment; ``_truthy`` makes a switch: a flag without a value) and its
+    ``--help`` line. ``build_parser``, ``_raw_settings`` and ``_apply`` read nothing else."""
+    env = "KVOFFD_" + flag[2:].replace("-", "_").upper()
+    return field(metadata={"flag": flag, "env": env, "parse": parse, "help": help}, **default)
+
+
 @dataclass
 class Config:
-    address: str = field(default_factory=default_address)
-    pool_size: int = field(default_factory=default_pool_size)
-    metrics_address: str = "127.0.0.1:9464"
-    log_level: str = "info"
-    backend: str = "auto"  # auto | cpu | cuda
-    allow_remote: bool = False
+    """The daemon's settings: each field with metadata is one (``_setting``); the rest is what
+    validation derives."""
+
+    address: str = _setting(
+        "--address", str, "ZeroMQ endpoint to serve on (ipc://PATH or tcp://HOST:PORT). Default: a private "
+        "UNIX socket, $XDG_RUNTIME_DIR/kvoffd/kvoffd.sock or /tmp/kvoffd-<uid>/kvoffd.sock",
+        default_factory=default_address)
+    pool_size: int = _setting(
+        "--pool-size", _size, "Pinned CPU pool size, with units (512MiB, 64GiB). Default: min(4 GiB, 25%% of RAM)",
+        default_factory=default_pool_size)
+    metrics_address: str = _setting(
+        "--metrics-address", str, "host:port for /metrics, /healthz and /readyz; 'off' disables. "
+        "Default: 127.0.0.1:9464", default="127.0.0.1:9464")
+    log_level: str = _setting("--log-level", _lower, "debug, info, warning or error. Default: info",
+                              default="info")
+    backend: str = _setting(
+        "--backend", _lower, "Transfer backend: auto (CUDA when available, plus CPU), cpu or cuda. Default: auto",
+        default="auto")
+    allow_remote: bool = _setting(
+        "--allow-remote", _truthy, "Allow a tcp:// address that other hosts can reach (off by default)",
+        default=False)
     #: What validation changed that the operator should hear about (logged as WARNINGs at start).
     notices: list[str] = field(default_factory=list, compare=False)
-    engine_timeout_s: float = 10.0  # an engine silent this long (no request, no heartbeat) is gone
-    copy_threads: int = 0  # CPU copy threads (0: min(4, cores))
-    verify: bool = False  # per-block checksums (integrity mode)
-    auth_token_file: str = field(default_factory=default_auth_token_file)  # tcp:// clients must send it
-    eviction_policy: str = DEFAULT_POLICY  # admission/eviction of the pool (kvoffd/cache/policy.py)
-    pool_path: str = ""  # the persistent pool's file ("": a private directory in /dev/shm, kvoffd/pool/place.py;
-    #                      "none": private memory, lost with the process) (kvoffd/pool/file.py)
-    cold: bool = False  # start with an empty pool even if the previous daemon's can be adopted
-    kv_events_address: str = ""  # ZeroMQ PUB endpoint of the KV-event stream ("": off; docs/vllm.md)
-    kv_events_replay_address: str = ""  # its ROUTER replay endpoint ("": the next tcp port, or <path>.replay)
-    kv_events_topic: str = ""  # the topic frame of every event message (vLLM's KVEventsConfig.topic)
-    kv_events_auth: str = "curve"  # who may subscribe on tcp:// (curve: allowed keys; none: anyone who reaches it)
-    kv_events_curve_dir: str = field(default_factory=lambda: os.path.join(runtime_dir(), "kv-events-curve"))
-    kv_events_token_ids: bool = False  # BlockStored events carry the blocks' token ids (prompt content)
-    disk_path: str = ""  # the disk tier's directory (kvoffd/cache/tiers/disk.py); "" = no disk tier
-    disk_size: int = 0  # bytes of disk tier per block size
-    numa_map: str = "auto"  # auto | off | gpu0=0,gpu1=1,... (kvoffd/pool/topology.py): the pool's NUMA shards
-    sysfs_root: str = "/sys"  # where the topology is read (a test's fake host; a container's host /sys)
-    disk_policy: str = "clock2-ghost"  # the disk tier's replacement (kvoffd/cache/policy.py DISK_POLICIES)
+    #: seconds: an engine silent this long (no request, no heartbeat) is gone
+    engine_timeout: float = _setting(
+        "--engine-timeout", lambda v: float(str(v)), "Seconds without a heartbeat after which an engine counts "
+        "as gone. Default: 10", default=10.0)
+    copy_threads: int = _setting(
+        "--copy-threads", lambda v: int(str(v)), "Threads for CPU copies (0: min(4, cores)). Default: 0", default=0)
+    verify: bool = _setting(
+        "--verify", _truthy, "Integrity mode: checksum each block on store and verify it on load", default=False)
+    auth_token_file: str = _setting(
+        "--auth-token-file", str, "With a tcp:// address: the 0600 file holding the token clients must send in "
+        "HELLO (created at first start). Default: <runtime dir>/auth-token", default_factory=default_auth_token_file)
+    eviction_policy: str = _setting(  # kvoffd/cache/policy.py
+        "--eviction-policy", _lower, f"Admission and eviction of the pool's blocks: {', '.join(sorted(POLICIES))}. "
+        f"Default: {DEFAULT_POLICY} (docs/benchmarks.md, trace replay); lru with --disk-path", default=DEFAULT_POLICY)
+    pool_path: str = _setting(  # kvoffd/pool/place.py, kvoffd/pool/file.py
+        "--pool-path", str, "File the pool lives in, on a memory-backed filesystem (tmpfs, hugetlbfs), so that a "
+        "restarted daemon adopts its blocks; 'none' keeps the pool in private memory, lost with "
+        "the process. Default: kvoffd.pool in a directory of this user's in /dev/shm, named at "
+        "random at first start (/dev/shm/kvoffd-<uid>-<address hash>-XXXXXXXX/); a pool kept "
+        "beside the socket by an older kvoffd stays there. The pool's files are RAM and stay when "
+        "the daemon stops (the warm restart); 'kvoffd purge' gives a stopped daemon's memory back", default="")
+    cold: bool = _setting(
+        "--cold", _truthy, "Start with an empty pool, even if the previous daemon's could be adopted", default=False)
+    kv_events_address: str = _setting(  # docs/vllm.md
+        "--kv-events-address", str, "Publish vLLM-format KV events (blocks stored/removed) for routers on this "
+        "ZeroMQ endpoint: 'ipc' (a socket beside the daemon's, in its private directory), "
+        "ipc://PATH or tcp://HOST:PORT (CURVE clients only, see --kv-events-auth). Default: off", default="")
+    kv_events_replay_address: str = _setting(
+        "--kv-events-replay-address", str, "The KV events' replay endpoint for late subscribers. Default: the next "
+        "tcp port (any free one with port 0), or ipc://PATH.replay", default="")
+    kv_events_topic: str = _setting(
+        "--kv-events-topic", str, "Topic of every KV-event message (as vLLM's kv-events-config topic). "
+        "Default: none", default="")
+    kv_events_auth: str = _setting(
+        "--kv-events-auth", _lower, "Who may subscribe to a tcp:// KV-event stream: curve (clients whose public key "
+        "is in --kv-events-curve-dir/allowed) or none (anyone who can reach the port; no token ids). "
+        "Default: curve", default="curve")
+    kv_events_curve_dir: str = _setting(
+        "--kv-events-curve-dir", str, "The KV-event stream's CURVE keys (0700; server and router key pairs made at "
+        "first start, allowed/ the accepted public keys). Default: <runtime dir>/kv-events-curve",
+        default_factory=lambda: os.path.join(runtime_dir(), "kv-events-curve"))
+    kv_events_token_ids: bool = _setting(
+        "--kv-events-token-ids", _truthy, "KV events carry each stored block's token ids (prompt content: whoever "
+        "may subscribe reads the prompts). Off by default: block hashes only", default=False)
+    disk_path: str = _setting(  # kvoffd/cache/tiers/disk.py
+        "--disk-path", str, "Directory of the disk (NVMe) tier under the pool: blocks evicted from the pool are "
+        "kept there and found again after a restart. Default: none (no disk tier)", default="")
+    disk_size: int = _setting(  # per block size
+        "--disk-size", _size, "Bytes of the disk tier, with units (e.g. 2TiB; per block size). Required with "
+        "--disk-path", default=0)
+    numa_map: str = _setting(  # kvoffd/pool/topology.py
+        "--numa-map", str, "NUMA placement of the pool: auto (one shard per node, sized by its GPUs, from sysfs), "
+        "off (one shard, no placement), or gpuN=NODE pairs overriding sysfs (gpu0=0,gpu1=0,gpu2=1). "
+        "Default: auto", default="auto")
+    sysfs_root: str = _setting(
+        "--sysfs-root", str, "Where the NUMA topology is read from (a container that mounts the host's /sys "
+        "elsewhere). Default: /sys", default="/sys")
+    disk_policy: DiskPolicy = _setting(
+        "--disk-policy", _disk_policy, "Replacement in the disk tier: clock2-ghost (2-bit CLOCK; a block evicted "
+        "from the disk recently starts at count 2 when it comes back) or clock2 (every block starts "
+        "at 0). Default: clock2-ghost (docs/benchmarks.md, disk tier)", default=DiskPolicy.CLOCK2_GHOST)
 
     @property
     def metrics_host_port(self) -> tuple[str, int] | None:
@@ -167,53 +254,8 @@ class Config:
         return _host_port(self.metrics_address, "--metrics-address")
 
 
-_FLAGS = [
-    # name, type, help
-    ("address", str, "ZeroMQ endpoint to serve on (ipc://PATH or tcp://HOST:PORT). Default: a private "
-                     "UNIX socket, $XDG_RUNTIME_DIR/kvoffd/kvoffd.sock or /tmp/kvoffd-<uid>/kvoffd.sock"),
-    ("pool_size", str, "Pinned CPU pool size, with units (512MiB, 64GiB). Default: min(4 GiB, 25%% of RAM)"),
-    ("metrics_address", str, "host:port for /metrics, /healthz and /readyz; 'off' disables. "
-                             "Default: 127.0.0.1:9464"),
-    ("log_level", str, "debug, info, warning or error. Default: info"),
-    ("backend", str, "Transfer backend: auto (CUDA when available, plus CPU), cpu or cuda. Default: auto"),
-    ("engine_timeout", str, "Seconds without a heartbeat after which an engine counts as gone. Default: 10"),
-    ("copy_threads", str, "Threads for CPU copies (0: min(4, cores)). Default: 0"),
-    ("auth_token_file", str, "With a tcp:// address: the 0600 file holding the token clients must send in "
-                             "HELLO (created at first start). Default: <runtime dir>/auth-token"),
-    ("eviction_policy", str, f"Admission and eviction of the pool's blocks: {', '.join(sorted(POLICIES))}. "
-                             f"Default: {DEFAULT_POLICY} (docs/benchmarks.md, trace replay); lru with --disk-path"),
-    ("pool_path", str, "File the pool lives in, on a memory-backed filesystem (tmpfs, hugetlbfs), so that a "
-                       "restarted daemon adopts its blocks; 'none' keeps the pool in private memory, lost with "
-                       "the process. Default: kvoffd.pool in a directory of this user's in /dev/shm, named at "
-                       "random at first start (/dev/shm/kvoffd-<uid>-<address hash>-XXXXXXXX/); a pool kept "
-                       "beside the socket by an older kvoffd stays there. The pool's files are RAM and stay when "
-                       "the daemon stops (the warm restart); 'kvoffd purge' gives a stopped daemon's memory back"),
-    ("kv_events_address", str, "Publish vLLM-format KV events (blocks stored/removed) for routers on this "
-                               "ZeroMQ endpoint: 'ipc' (a socket beside the daemon's, in its private directory), "
-                               "ipc://PATH or tcp://HOST:PORT (CURVE clients only, see --kv-events-auth). "
-                               "Default: off"),
-    ("kv_events_replay_address", str, "The KV events' replay endpoint for late subscribers. Default: the next "
-                                      "tcp port (any free one with port 0), or ipc://PATH.replay"),
-    ("kv_events_topic", str, "Topic of every KV-event message (as vLLM's kv-events-config topic). Default: none"),
-    ("kv_events_auth", str, "Who may subscribe to a tcp:// KV-event stream: curve (clients whose public key is in "
-                            "--kv-events-curve-dir/allowed) or none (anyone who can reach the port; no token ids). "
-                            "Default: curve"),
-    ("kv_events_curve_dir", str, "The KV-event stream's CURVE keys (0700; server and router key pairs made at "
-                                 "first start, allowed/ the accepted public keys). Default: "
-                                 "<runtime dir>/kv-events-curve"),
-    ("disk_path", str, "Directory of the disk (NVMe) tier under the pool: blocks evicted from the pool are "
-                       "kept there and found again after a restart. Default: none (no disk tier)"),
-    ("disk_size", str, "Bytes of the disk tier, with units (e.g. 2TiB; per block size). Required with "
-                       "--disk-path"),
-    ("numa_map", str, "NUMA placement of the pool: auto (one shard per node, sized by its GPUs, from sysfs), "
-                      "off (one shard, no placement), or gpuN=NODE pairs overriding sysfs (gpu0=0,gpu1=0,gpu2=1). "
-                      "Default: auto"),
-    ("sysfs_root", str, "Where the NUMA topology is read from (a container that mounts the host's /sys "
-                        "elsewhere). Default: /sys"),
-    ("disk_policy", str, "Replacement in the disk tier: clock2-ghost (2-bit CLOCK; a block evicted from the "
-                         "disk recently starts at count 2 when it comes back) or clock2 (every block starts "
-                         "at 0). Default: clock2-ghost (docs/benchmarks.md, disk tier)"),
-]
+#: every daemon setting, in the order of --help
+SETTINGS = tuple(f for f in fields(Config) if "flag" in f.metadata)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,17 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "environment variable KVOFFD_<FLAG> (e.g. KVOFFD_POOL_SIZE=64GiB); flags win.",
         epilog="Subcommands: 'kvoffd doctor' checks this machine for running kvoffd; 'kvoffd purge' removes "
                "a stopped daemon's pool from /dev/shm and gives its memory back (--help for each).")
-    for name, typ, help_ in _FLAGS:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
-    p.add_argument("--allow-remote", action="store_true", default=None,
-                   help="Allow a tcp:// address that other hosts can reach (off by default)")
-    p.add_argument("--verify", action="store_true", default=None,
-                   help="Integrity mode: checksum each block on store and verify it on load")
-    p.add_argument("--cold", action="store_true", default=None,
-                   help="Start with an empty pool, even if the previous daemon's could be adopted")
-    p.add_argument("--kv-events-token-ids", action="store_true", default=None,
-                   help="KV events carry each stored block's token ids (prompt content: whoever may subscribe "
-                        "reads the prompts). Off by default: block hashes only")
+    for f in SETTINGS:
+        m = f.metadata
+        if m["parse"] is _truthy:
+            p.add_argument(m["flag"], dest=f.name, action="store_true", default=None, help=m["help"])
+        else:
+            p.add_argument(m["flag"], dest=f.name, default=None, help=m["help"])
     return p
 
 
@@ -252,58 +289,20 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
 def _raw_settings(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:
     """Each setting given, flag over ``KVOFFD_*`` environment variable, still unparsed."""
     raw: dict[str, object] = {}
-    for name in [f[0] for f in _FLAGS] + ["allow_remote", "verify", "cold", "kv_events_token_ids"]:
-        v = getattr(args, name)
+    for f in SETTINGS:
+        v = getattr(args, f.name)
         if v is None:
-            v = env.get("KVOFFD_" + name.upper())
+            v = env.get(f.metadata["env"])
         if v is not None:
-            raw[name] = v
+            raw[f.name] = v
     return raw
-
-
-def _truthy(v: object) -> bool:
-    return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
-
-
-def _lower(v: object) -> str:
-    return str(v).lower()
-
-
-#: setting name -> (Config field, parser of the raw value): one row per setting, so a new flag is one line
-_PARSERS: dict[str, tuple[str, Callable[[object], object]]] = {
-    "address": ("address", str),
-    "pool_size": ("pool_size", lambda v: parse_size(str(v))),
-    "metrics_address": ("metrics_address", str),
-    "log_level": ("log_level", _lower),
-    "backend": ("backend", _lower),
-    "engine_timeout": ("engine_timeout_s", lambda v: float(str(v))),
-    "copy_threads": ("copy_threads", lambda v: int(str(v))),
-    "auth_token_file": ("auth_token_file", str),
-    "eviction_policy": ("eviction_policy", _lower),
-    "pool_path": ("pool_path", str),
-    "kv_events_address": ("kv_events_address", str),
-    "kv_events_replay_address": ("kv_events_replay_address", str),
-    "kv_events_topic": ("kv_events_topic", str),
-    "kv_events_auth": ("kv_events_auth", _lower),
-    "kv_events_curve_dir": ("kv_events_curve_dir", str),
-    "kv_events_token_ids": ("kv_events_token_ids", _truthy),
-    "disk_path": ("disk_path", str),
-    "disk_size": ("disk_size", lambda v: parse_size(str(v))),
-    "disk_policy": ("disk_policy", _lower),
-    "allow_remote": ("allow_remote", _truthy),
-    "verify": ("verify", _truthy),
-    "cold": ("cold", _truthy),
-    "numa_map": ("numa_map", str),
-    "sysfs_root": ("sysfs_root", str),
-}
 
 
 def _apply(cfg: Config, raw: dict[str, object]) -> None:
     """Parse the settings given into ``cfg`` (ValueError for one that does not parse)."""
-    for name, value in raw.items():
-        row = _PARSERS.get(name)
-        if row is not None:
-            setattr(cfg, row[0], row[1](value))
+    for f in SETTINGS:
+        if f.name in raw:
+            setattr(cfg, f.name, f.metadata["parse"](raw[f.name]))
 
 
 def _check(cfg: Config, raw: dict[str, object]) -> None:
@@ -316,7 +315,7 @@ def _check(cfg: Config, raw: dict[str, object]) -> None:
     if cfg.eviction_policy not in POLICIES:
         raise ConfigError(f"--eviction-policy must be one of {', '.join(sorted(POLICIES))}, "
                           f"got {cfg.eviction_policy!r}")
-    if not 0.5 <= cfg.engine_timeout_s <= 3600:
+    if not 0.5 <= cfg.engine_timeout <= 3600:
         raise ConfigError("--engine-timeout must be between 0.5 and 3600 seconds")
     if not 0 <= cfg.copy_threads <= 256:
         raise ConfigError("--copy-threads must be between 0 and 256")
@@ -327,8 +326,6 @@ def _check(cfg: Config, raw: dict[str, object]) -> None:
         cfg.eviction_policy = LRU.name
     if cfg.disk_path and cfg.disk_size < (1 << 20):
         raise ConfigError("--disk-path needs --disk-size of at least 1MiB (e.g. --disk-size 512GiB)")
-    if cfg.disk_policy not in DISK_POLICIES:
-        raise ConfigError(f"--disk-policy must be one of {', '.join(DISK_POLICIES)}, got {cfg.disk_policy!r}")
     if cfg.disk_size and not cfg.disk_path:
         raise ConfigError("--disk-size needs --disk-path (the directory of the disk tier)")
     if cfg.pool_size < (1 << 20):

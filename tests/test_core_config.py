@@ -10,8 +10,11 @@ import sys
 
 import pytest
 
+from kvoffd.cache.policy import DiskPolicy
 from kvoffd.config import (
+    SETTINGS,
     ConfigError,
+    build_parser,
     check_pool_fits,
     load_config,
     parse_size,
@@ -77,6 +80,25 @@ def test_bad_values_fail_at_start_with_one_line(args):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvoffd: "), r.stderr
+
+
+def test_each_setting_is_one_name_as_field_flag_and_variable():
+    """A setting is named once: its Config field, its flag (the name, dashed) and its KVOFFD_ variable
+    (the name, upper case) cannot drift apart, and the parser knows every one."""
+    parser_dests = {a.dest for a in build_parser()._actions}
+    for f in SETTINGS:
+        assert f.metadata["flag"] == "--" + f.name.replace("_", "-"), f.name
+        assert f.metadata["env"] == "KVOFFD_" + f.name.upper(), f.name
+        assert f.name in parser_dests
+    assert load_config(["--engine-timeout", "2.5"], environ={}).engine_timeout == 2.5
+    assert load_config([], environ={"KVOFFD_ENGINE_TIMEOUT": "7"}).engine_timeout == 7.0
+
+
+def test_the_disk_policy_is_one_of_the_tiers_and_a_bad_one_says_which():
+    assert load_config([], environ={}).disk_policy is DiskPolicy.CLOCK2_GHOST
+    assert load_config(["--disk-policy", "CLOCK2"], environ={}).disk_policy is DiskPolicy.CLOCK2
+    with pytest.raises(ConfigError, match=r"^--disk-policy must be one of clock2-ghost, clock2, got 'lru'$"):
+        load_config([], environ={"KVOFFD_DISK_POLICY": "lru"})
 
 
 def test_help_explains_every_flag():

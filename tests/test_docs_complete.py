@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffd.config import _FLAGS, build_parser
+from kvoffd.config import SETTINGS, build_parser
 from kvoffd_client.protocol import DropReason, ErrorCode, MissReason, NoticeCode, Op
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -46,7 +46,7 @@ def test_every_code_reason_and_message_type_is_in_protocol_md(member):
 def test_every_daemon_setting_is_in_the_settings_table():
     text = _doc("deployment.md")
     flags = [a.option_strings[0] for a in build_parser()._actions if a.option_strings and a.dest != "help"]
-    assert len(flags) >= len(_FLAGS)
+    assert len(flags) >= len(SETTINGS)
     for flag in flags:
         env = "KVOFFD_" + flag[2:].replace("-", "_").upper()
         row = re.search(rf"^\| `{re.escape(flag)}` \| `{env}` \|", text, re.M)

@@ -41,14 +41,21 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
+from enum import StrEnum
 from typing import Protocol
 
 Key = Hashable
 
 
-# The disk tier's replacement policies (kvoffd/cache/tiers/disk.py), named here with the pool's so that
-# the configuration can list them without importing the tier; the first is the default.
-DISK_POLICIES = ("clock2-ghost", "clock2")
+class DiskPolicy(StrEnum):
+    """The disk tier's replacement policies (kvoffd/cache/tiers/disk.py), named here with the pool's so
+    that the configuration can list them without importing the tier; the first is the default."""
+
+    CLOCK2_GHOST = "clock2-ghost"
+    CLOCK2 = "clock2"
+
+
+DISK_POLICIES = tuple(p.value for p in DiskPolicy)
 
 
 class EvictionPolicy(Protocol):

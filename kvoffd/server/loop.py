@@ -136,7 +136,7 @@ class Server:
         # --kv-events-address (None: off); its endpoints are another process's (kvoffd/server/outlet.py)
         self.kv_events = make_publisher(cfg, self.metrics, self.index, outlet_for(cfg, self.metrics))
         self.sessions = Sessions(daemon_id=self.daemon_id, index=self.index, metrics=self.metrics, fds=self.fds,
-                                 by_kind=self.by_kind, engine_timeout_s=cfg.engine_timeout_s, reply=self._send,
+                                 by_kind=self.by_kind, engine_timeout_s=cfg.engine_timeout, reply=self._send,
                                  capabilities=("kv_events",) if self.kv_events and self.kv_events.token_ids else ())
         self.registrar = Registrar(sessions=self.sessions, index=self.index, pool=self.pool, metrics=self.metrics,
                                    fds=self.fds, by_kind=self.by_kind, kv_events=self.kv_events,
