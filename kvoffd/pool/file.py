@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvoffd import libc
 from kvoffd.pool.format import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -61,9 +62,6 @@ MAP_FIXED = 0x10
 # threads allocating segments: 8 reach 32-33 GiB/s on the H200 host (one: 7-9), more than the pinning
 # threads touch, and the allocation ends early on in the pinning
 ALLOCATE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 
 
 class PoolFileError(RuntimeError):
@@ -412,7 +410,7 @@ def _map(fd: int, seg_fds: list[int], path: str, ino: int, layout: Layout,
 
 def map_fixed(addr: int, length: int, fd: int) -> None:
     """Map ``fd`` (from its start) shared over ``[addr, addr + length)`` of a range reserved already."""
-    got = _libc.mmap(addr, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED, fd, 0)
+    got = libc.mmap(addr, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED, fd, 0)
     if got != addr:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))

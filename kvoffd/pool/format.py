@@ -39,6 +39,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from kvoffd import libc
 from kvoffd_client.paths import runtime_dir
 
 DEFAULT_CHUNK = 64 << 20
@@ -93,7 +94,6 @@ def pool_geometry(nbytes: int, chunk_bytes: int = DEFAULT_CHUNK) -> tuple[int, i
 def fs_type(path: str) -> str:
     """``tmpfs``, ``hugetlbfs``, ``ramfs``, or ``other`` for the filesystem holding ``path``."""
     buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field (a long)
-    libc = ctypes.CDLL(None, use_errno=True)
     if libc.statfs(os.fsencode(path), buf) != 0:
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), path)
     return MEMORY_FS.get(ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF, "other")

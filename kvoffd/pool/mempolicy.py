@@ -18,6 +18,9 @@ import logging
 import os
 import platform
 from dataclasses import dataclass
+from typing import Any
+
+from kvoffd import libc
 
 log = logging.getLogger(__name__)
 
@@ -43,21 +46,15 @@ class BindResult:
     error: str = ""
 
 
-def _syscall() -> tuple[ctypes.CDLL | None, int]:
-    nr = _SYS_MBIND.get(platform.machine(), -1)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None, nr
-    libc.syscall.restype = ctypes.c_long
-    return libc, nr
+def _syscall() -> tuple[Any | None, int]:
+    return libc.syscall, _SYS_MBIND.get(platform.machine(), -1)
 
 
 def mbind(address: int, length: int, node: int, policy: Policy = Policy.PREFERRED) -> BindResult:
     """Give ``[address, +length)`` (page-aligned) the policy ``policy`` on ``node``; nothing moves
     (no MPOL_MF_MOVE: pages already there, an adopted pool's, stay where they are)."""
-    libc, nr = _syscall()
-    if libc is None or nr < 0:
+    syscall, nr = _syscall()
+    if syscall is None or nr < 0:
         return BindResult(False, "ENOSYS: mbind is not available here")
     if not 0 <= node < _MAX_NODES:
         return BindResult(False, f"EINVAL: node {node} out of range")
@@ -65,7 +62,7 @@ def mbind(address: int, length: int, node: int, policy: Policy = Policy.PREFERRE
     mask = (ctypes.c_ulong * words)()
     bits = 8 * ctypes.sizeof(ctypes.c_ulong)
     mask[node // bits] = 1 << (node % bits)
-    r = libc.syscall(ctypes.c_long(nr), ctypes.c_void_p(address), ctypes.c_ulong(length), ctypes.c_int(int(policy)),
+    r = syscall(ctypes.c_long(nr), ctypes.c_void_p(address), ctypes.c_ulong(length), ctypes.c_int(int(policy)),
                      mask, ctypes.c_ulong(_MAX_NODES + 1), ctypes.c_uint(0))
     if r == 0:
         return BindResult(True)

@@ -30,7 +30,6 @@ warning is logged: the copies then still work, only slower.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -39,9 +38,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
 
+from kvoffd import libc
 from kvoffd.pool.allocator import Pool
 from kvoffd.pool.shards import bind_thread_near, byte_ranges
 from kvoffd.transfer import cuda_driver as cudart
@@ -78,16 +79,9 @@ class PinStats:
         return self.pinned_bytes / (1 << 30) / self.seconds if self.started else 0.0
 
 
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        libc.mincore.restype = ctypes.c_int
-        return libc
-    except (OSError, AttributeError):
-        return None
+def _libc() -> ModuleType | None:
+    """kvoffd.libc where it has the two calls pinning needs."""
+    return libc if libc.madvise is not None and libc.mincore is not None else None
 
 
 class Pinner:
