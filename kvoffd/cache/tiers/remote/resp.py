@@ -1,0 +1,265 @@
+"""One RESP2 connection on a plain (or TLS) socket, used by one thread at a time.
+
+Rules:
+* Every blocking call takes an absolute ``deadline`` (``time.monotonic()``); the socket's timeout is
+  set to what is left before each system call, so no call outlives its deadline by more than one
+  system call's wake-up. A connection whose reply was cut (timeout, reset, a short read) is closed:
+  its stream position is unknown.
+* A large value is sent with ``sendmsg([header, slot, CRLF])`` and received with ``recv_into`` the
+  destination slot: the kernel's copy is the only one. Only the bytes that arrived with a reply's
+  header in the 16 KiB line buffer are copied in Python (one C-level slice assignment).
+* Error replies are values (:class:`RespError`), not raised, so that a pipeline reads every reply;
+  ``kind`` is the first word (MOVED, ASK, OOM, NOAUTH, WRONGPASS, CLUSTERDOWN, TRYAGAIN, ERR...).
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import time
+
+CRLF = b"\r\n"
+_BUF = 16 << 10
+_DISCARD = 1 << 20
+
+
+class RespError(Exception):
+    """An error reply."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+        self.kind = text.split(" ", 1)[0]
+
+
+class Broken(OSError):
+    """The connection failed or timed out; it is closed."""
+
+
+def pack(*args: bytes | str | int) -> bytes:
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        b = a if isinstance(a, bytes) else str(a).encode()
+        out.append(b"$%d\r\n" % len(b))
+        out.append(b)
+        out.append(CRLF)
+    return b"".join(out)
+
+
+class Connection:
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None,
+                 user: str | None = None, password: str | None = None):
+        self.host, self.port = host, port
+        self._tls = tls
+        self._user, self._password = user, password
+        self._sock: socket.socket | None = None
+        self._rb = bytearray(_BUF)
+        self._rv = memoryview(self._rb)
+        self._r0 = self._r1 = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def connect(self, deadline: float) -> None:
+        """Connect and authenticate. Raises :class:`Broken` (network) or :class:`RespError` (AUTH)."""
+        self.close()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Broken("deadline passed before connecting")
+        try:
+            s = socket.create_connection((self.host, self.port), timeout=left)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                s = self._tls.wrap_socket(s, server_hostname=self.host)
+        except (OSError, ssl.SSLError) as e:
+            raise Broken(f"connect {self.host}:{self.port}: {e}") from e
+        self._sock = s
+        self._r0 = self._r1 = 0
+        if self._password is not None:
+            args = ("AUTH", self._user, self._password) if self._user else ("AUTH", self._password)
+            self.send(pack(*args), deadline)
+            r = self.reply(deadline)
+            if isinstance(r, RespError):
+                self.close()
+                raise r
+
+    def close(self) -> None:
+        s, self._sock = self._sock, None
+        if s is not None:
+            try:
+                s.close()
+            except OSError:
+                pass
+        self._r0 = self._r1 = 0
+
+    def abort(self) -> None:
+        """From another thread: make a call blocked in this connection return now (it then fails)."""
+        s = self._sock
+        if s is not None:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _timeout(self, deadline: float) -> socket.socket:
+        s = self._sock
+        if s is None:
+            raise Broken("not connected")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self.close()
+            raise Broken("timed out")
+        s.settimeout(left)
+        return s
+
+    def send(self, data: bytes, deadline: float) -> None:
+        try:
+            self._timeout(deadline).sendall(data)
+        except Broken:
+            raise
+        except (OSError, ssl.SSLError) as e:
+            self.close()
+            raise Broken(f"send: {e}") from e
+
+    def send_parts(self, parts: list, deadline: float) -> None:
+        """Send the buffers in order (a header, a pool slot's memoryview, CRLF) without joining them."""
+        try:
+            s = self._timeout(deadline)
+            if self._tls is not None:  # SSLSocket has no sendmsg
+                for p in parts:
+                    s.sendall(p)
+                    s = self._timeout(deadline)
+                return
+            views = [memoryview(p).cast("B") for p in parts]
+            while views:
+                n = s.sendmsg(views)
+                while views and n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                if views and n:
+                    views[0] = views[0][n:]
+                if views:
+                    s = self._timeout(deadline)
+        except Broken:
+            raise
+        except (OSError, ssl.SSLError) as e:
+            self.close()
+            raise Broken(f"send: {e}") from e
+
+    def _fill(self, deadline: float) -> None:
+        if self._r0 == self._r1:
+            self._r0 = self._r1 = 0
+        elif self._r1 == len(self._rb):
+            k = self._r1 - self._r0
+            self._rb[:k] = self._rb[self._r0:self._r1]
+            self._r0, self._r1 = 0, k
+        try:
+            n = self._timeout(deadline).recv_into(self._rv[self._r1:])
+        except Broken:
+            raise
+        except (OSError, ssl.SSLError) as e:
+            self.close()
+            raise Broken(f"recv: {e}") from e
+        if not n:
+            self.close()
+            raise Broken("connection closed by the server")
+        self._r1 += n
+
+    def _line(self, deadline: float) -> bytes:
+        while True:
+            i = self._rb.find(CRLF, self._r0, self._r1)
+            if i >= 0:
+                line = bytes(self._rb[self._r0:i])
+                self._r0 = i + 2
+                return line
+            if self._r1 - self._r0 >= len(self._rb):
+                self.close()
+                raise Broken("reply line longer than the buffer")
+            self._fill(deadline)
+
+    def read_into(self, dest: memoryview, deadline: float) -> None:
+        """Exactly ``len(dest)`` bytes of the stream into ``dest``."""
+        n = len(dest)
+        got = min(n, self._r1 - self._r0)
+        if got:
+            dest[:got] = self._rv[self._r0:self._r0 + got]
+            self._r0 += got
+        while got < n:
+            try:
+                k = self._timeout(deadline).recv_into(dest[got:], n - got)
+            except Broken:
+                raise
+            except (OSError, ssl.SSLError) as e:
+                self.close()
+                raise Broken(f"recv: {e}") from e
+            if not k:
+                self.close()
+                raise Broken("connection closed by the server")
+            got += k
+
+    def skip(self, n: int, deadline: float) -> None:
+        """Drop ``n`` bytes of the stream (a value of the wrong size)."""
+        scratch = memoryview(bytearray(min(n, _DISCARD)))
+        while n:
+            k = min(n, len(scratch))
+            self.read_into(scratch[:k], deadline)
+            n -= k
+
+    def _crlf(self, deadline: float) -> None:
+        end = bytearray(2)
+        self.read_into(memoryview(end), deadline)
+        if end != CRLF:
+            self.close()
+            raise Broken("protocol error: a bulk reply without its CRLF")
+
+    def reply(self, deadline: float):
+        """One reply, decoded: bytes (simple and bulk strings), int, list, None, or a RespError."""
+        line = self._line(deadline)
+        t, rest = line[:1], line[1:]
+        if t == b"+":
+            return rest
+        if t == b"-":
+            return RespError(rest.decode(errors="replace"))
+        if t == b":":
+            return int(rest)
+        if t == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            buf = bytearray(n)
+            self.read_into(memoryview(buf), deadline)
+            self._crlf(deadline)
+            return bytes(buf)
+        if t == b"*":
+            n = int(rest)
+            return None if n < 0 else [self.reply(deadline) for _ in range(n)]
+        self.close()
+        raise Broken(f"protocol error: unexpected reply {line[:40]!r}")
+
+    def bulk_into(self, head: memoryview, dest: memoryview, deadline: float):
+        """Read one GET reply whose value should be ``len(head) + len(dest)`` bytes: the head into
+        ``head``, the rest into ``dest``. Returns the value's length when it had that size (the bytes
+        are in place), -1 for nil, the length (bytes dropped) for another size, or a RespError."""
+        line = self._line(deadline)
+        t = line[:1]
+        if t == b"-":
+            return RespError(line[1:].decode(errors="replace"))
+        if t != b"$":
+            self.close()
+            raise Broken(f"protocol error: a GET answered {line[:40]!r}")
+        n = int(line[1:])
+        if n < 0:
+            return -1
+        if n != len(head) + len(dest):
+            self.skip(n, deadline)
+            self._crlf(deadline)
+            return n
+        self.read_into(head, deadline)
+        self.read_into(dest, deadline)
+        self._crlf(deadline)
+        return n
+
+    def call(self, deadline: float, *args):
+        self.send(pack(*args), deadline)
+        return self.reply(deadline)
