@@ -16,6 +16,7 @@ import time
 
 import pytest
 import zmq
+from daemon import DaemonProc
 from kvtest import start_daemon, wait_until
 from reliability_util import RawPeer
 
@@ -178,13 +179,12 @@ def test_version_mismatch_is_a_rate_limited_warning_in_the_daemon_log(make_daemo
         p.close()
 
 
-def _daemon_speaking(version: int, address: str, log_path: str) -> subprocess.Popen:
+def _daemon_speaking(version: int, address: str, log_path: str) -> DaemonProc:
     """The real daemon, as a build that speaks another protocol version would."""
     code = (f"import sys; import kvoffd_client.protocol as P; P.PROTOCOL_VERSION = {version}; "
             "from kvoffd.cli import main; sys.exit(main())")
-    with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, "-c", code, "--address", address, "--pool-size", "32MiB",
-                                 "--metrics-address", "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=log)
+    return DaemonProc(address, log_path=log_path, argv=[sys.executable, "-c", code, "--address", address,
+                                                        "--pool-size", "32MiB", "--metrics-address", "127.0.0.1:0"]).start()
 
 
 def test_client_and_kvoffctl_report_a_version_mismatch(tmp_path, caplog):
@@ -215,8 +215,7 @@ def test_client_and_kvoffctl_report_a_version_mismatch(tmp_path, caplog):
     finally:
         if c is not None:
             c.close()
-        proc.terminate()
-        proc.wait(20)
+        proc.stop(timeout=20)
 
 
 def test_client_logs_the_daemon_going_away_and_coming_back_once_each(tmp_path, caplog):

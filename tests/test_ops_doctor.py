@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from kvtest import wait_until
+from daemon import DaemonProc
 
 from kvoffd.ops import doctor, doctor_daemon, doctor_gpu_checks, doctor_host
 from kvoffd.ops.doctor_result import FAIL, PASS, SKIP, WARN, Context
@@ -234,12 +234,9 @@ def test_a_daemon_of_another_user_is_checked_as_that_user_never_guessed(tmp_path
         for p in (home, pool_dir):
             os.makedirs(p, mode=0o700, exist_ok=True)
             os.chown(p, 65534, 65534)
-        with open(log, "w") as f:
-            proc = subprocess.Popen([*nobody, sys.executable, "-m", "kvoffd", "--address", address, "--pool-size",
-                                     "128MiB", "--pool-path", pool, "--metrics-address", "off"], stderr=f, env=env,
-                                    cwd="/")
-        assert wait_until(lambda: "serving on" in log.read_text() or proc.poll() is not None, 30), log.read_text()
-        assert proc.poll() is None, log.read_text()
+        proc = DaemonProc(address, ["--pool-size", "128MiB", "--pool-path", pool, "--metrics-address", "off"],
+                          wrapper=nobody, env=env, cwd="/", log_path=log).start(30)
+        assert proc.proc.poll() is None, log.read_text()
         r = _doctor("--address", address)["pool-file"]
         assert r["status"] == WARN and "could not be asked for its pool" in r["detail"], r
         assert "sudo -u nobody" in r["fix"], r
@@ -251,7 +248,6 @@ def test_a_daemon_of_another_user_is_checked_as_that_user_never_guessed(tmp_path
         assert "adopted at the next start" in r["detail"], r
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+            proc.stop(signal.SIGTERM, 30)
         shutil.rmtree(pool_dir, ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)

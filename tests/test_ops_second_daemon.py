@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 
+from daemon import DaemonProc
 from kvtest import ROOT, start_daemon, wait_until
 
 
@@ -109,12 +110,12 @@ def test_a_second_daemon_while_the_first_is_still_starting_gives_the_real_error_
     gate = os.open(f"/dev/shm/{place}", os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(gate, fcntl.LOCK_EX)
     log = tmp_path / "first.log"
-    with open(log, "w") as f:
-        starting = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", "64MiB",
-                                     "--pool-path", "", "--metrics-address", "off"], stderr=f, cwd=ROOT)
+    starting = DaemonProc(address, ["--pool-size", "64MiB", "--pool-path", "", "--metrics-address", "off"],
+                          log_path=log).spawn()
     try:
-        assert wait_until(lambda: _waits_for_lock(f"/dev/shm/{place}", starting.pid) or starting.poll() is not None, 30)
-        assert starting.poll() is None, log.read_text()
+        assert wait_until(lambda: _waits_for_lock(f"/dev/shm/{place}", starting.pid) or starting.proc.poll() is not None,
+                          30)
+        assert starting.proc.poll() is None, log.read_text()
         r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", "64MiB",
                             "--pool-path", "", "--metrics-address", "off"], capture_output=True, text=True, timeout=60,
                            cwd=ROOT)
@@ -122,12 +123,11 @@ def test_a_second_daemon_while_the_first_is_still_starting_gives_the_real_error_
         problems = _problems(r.stderr)
         assert len(problems) == 1 and f"another daemon is starting on {sock_dir}/d.sock" in problems[0], problems
         fcntl.flock(gate, fcntl.LOCK_UN)
-        assert wait_until(lambda: "serving on" in log.read_text() or starting.poll() is not None, 30), log.read_text()
-        assert starting.poll() is None and "cannot start" not in log.read_text(), log.read_text()
+        starting.wait_ready(30)
+        assert starting.proc.poll() is None and "cannot start" not in log.read_text(), log.read_text()
         assert not os.path.exists(f"{sock_dir}/d.sock.lock")  # the socket answers for it now
     finally:
         os.close(gate)
-        starting.terminate()
-        starting.wait(30)
+        starting.stop(timeout=30)
         for p in _places(address):
             shutil.rmtree(f"/dev/shm/{p}", ignore_errors=True)

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 
+from daemon import DaemonProc
 from kvtest import ROOT, wait_until
 
 from kvoffd_client.vllm.launch import vllm_serve_argument
@@ -51,10 +52,8 @@ def test_every_interface_without_allow_remote_is_said_to_be_loopback(tmp_path, m
     holder.close()
     monkeypatch.setenv("KVOFFD_AUTH_TOKEN_FILE", str(tmp_path / "run" / "auth-token"))  # daemon and client
     log = tmp_path / "d.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", f"tcp://0.0.0.0:{port}",
-                                 "--pool-size", "16MiB", "--pool-path", "none", "--metrics-address", "off"],
-                                stderr=f, cwd=ROOT)
+    proc = DaemonProc(f"tcp://0.0.0.0:{port}", ["--pool-size", "16MiB", "--pool-path", "none", "--metrics-address",
+                                                "off"], log_path=log).start()
     c = KvoffdClient(f"tcp://127.0.0.1:{port}", heartbeat=False)
     try:
         assert c.connect(20), log.read_text()[-2000:]
@@ -63,4 +62,3 @@ def test_every_interface_without_allow_remote_is_said_to_be_loopback(tmp_path, m
     finally:
         c.close()
         proc.kill()
-        proc.wait(10)

@@ -21,12 +21,12 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 import zmq
-from kvtest import ROOT, chain_keys, start_daemon, wait_until
+from daemon import DaemonProc
+from kvtest import chain_keys, start_daemon, wait_until
 from reliability_util import RawPeer, anyone_maps, fd_count, maps_mention, record, wire_memory
 
 from kvoffd.server.fdserver import MAX_PENDING_FDS_PER_PID
@@ -198,9 +198,8 @@ def test_fd_socket_bounds_what_a_client_can_leave_there(make_daemon, shm):
 # --- defect 7: socket directories of other users ------------------------------------------------------------
 
 
-def _start(address: str, tmp_path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", "16MiB",
-                             "--metrics-address", "off"], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+def _start(address: str, tmp_path) -> DaemonProc:
+    return DaemonProc(address, ["--pool-size", "16MiB", "--metrics-address", "off"]).spawn()
 
 
 @pytest.mark.parametrize("squat", ["owned_by_nobody", "writable_by_others"])
@@ -220,7 +219,7 @@ def test_daemon_refuses_a_socket_directory_it_does_not_control(tmp_path, squat):
         proc.kill()
         proc.wait()
         pytest.fail(f"the daemon served from a directory {squat.replace('_', ' ')}")
-    err = proc.stderr.read()
+    err = proc.log(0)
     assert rc == 1 and "cannot start" in err and str(d) in err, err
     assert not (d / "kvoffd.sock").exists()
 
@@ -379,7 +378,7 @@ def test_a_shared_socket_directory_gets_advice_that_leaves_it_alone(tmp_path):
         proc.kill()
         proc.wait()
         pytest.fail("the daemon served from a shared directory")
-    err = proc.stderr.read()
+    err = proc.log(0)
     assert rc == 1 and "cannot start" in err, err
     assert "chmod" not in err and "mkdir -m 700" in err and "leave its mode alone" in err, err
     from kvoffd.ops import doctor_daemon

@@ -26,7 +26,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from kvtest import ROOT, DaemonProc, chain_keys, start_daemon, wait_until
+from daemon import DaemonProc
+from kvtest import ROOT, chain_keys, start_daemon, wait_until
 from reliability_util import ShmEngine
 
 NB, SLOT = 64, 256 << 10  # 16 MiB of blocks in a 64 MiB pool
@@ -112,17 +113,9 @@ def _as(uid: int) -> tuple[str, ...]:
 
 
 def _start_as(uid: int, address: str, *args: str) -> DaemonProc:
-    """A daemon as ``uid``, once it serves (its log says so: this user's client refuses another user's
-    socket directory, rightly)."""
-    fd, log_path = tempfile.mkstemp(prefix="kvoffd-test-", suffix=".log")
-    with os.fdopen(fd, "w") as log:
-        proc = subprocess.Popen([*_as(uid), sys.executable, "-m", "kvoffd", "--address", address, "--pool-size",
-                                 "64MiB", "--metrics-address", "off", *args], stderr=log, cwd=ROOT)
-    d = DaemonProc(address, proc, log_path)
-    if not wait_until(lambda: "serving on" in d.log() or proc.poll() is not None, 30) or proc.poll() is not None:
-        d.stop(signal.SIGKILL)
-        raise RuntimeError(f"daemon as uid {uid} did not come up:\n{d.log()}")
-    return d
+    """A daemon as ``uid``, once it is ready (its READY=1: this user's client refuses another user's socket
+    directory, rightly)."""
+    return DaemonProc(address, ["--pool-size", "64MiB", "--metrics-address", "off", *args], wrapper=_as(uid)).start(30)
 
 
 def _store(d, eng: ShmEngine, keys: list[bytes]) -> None:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
-from kvtest import ROOT, chain_keys, wait_until
+from daemon import DaemonProc
+from kvtest import chain_keys, wait_until
 from reliability_util import RawPeer, ShmEngine, fd_count, record
 
 from kvoffd.server.limits import (
@@ -83,8 +82,7 @@ def test_tcp_wildcard_listens_on_loopback_only(tmp_path, monkeypatch):
     """The config test checks the rewrite; this checks the live socket the kernel has."""
     port = _free_port()
     monkeypatch.setenv("KVOFFD_AUTH_TOKEN_FILE", str(tmp_path / "run" / "auth-token"))  # daemon and client
-    proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", f"tcp://*:{port}", "--pool-size", "16MiB",
-                             "--metrics-address", "off"], stderr=subprocess.DEVNULL, cwd=ROOT)
+    proc = DaemonProc(f"tcp://*:{port}", ["--pool-size", "16MiB", "--metrics-address", "off"]).start()
     c = KvoffdClient(f"tcp://127.0.0.1:{port}", heartbeat=False)
     try:
         assert c.connect(20)
@@ -104,8 +102,7 @@ def test_tcp_wildcard_listens_on_loopback_only(tmp_path, monkeypatch):
                 s.connect((ip, port))
     finally:
         c.close()
-        proc.terminate()
-        proc.wait(10)
+        proc.stop()
 
 
 # --- memory: only what the engine registered ---------------------------------------------------------------
@@ -122,7 +119,7 @@ def test_register_refuses_segments_past_the_region(daemon, peer_of, shm):
         r = p.ask(P.Register(engine_id="sec-bounds", namespace="sec-bounds", memory=eng.memory, layout=layout))
         assert r["op"] == "error" and r["code"] in ("memory_unreachable", "layout_mismatch"), (layout, r)
     r = p.ask(P.Register(engine_id="sec-bounds", namespace="sec-bounds", layout=lay,
-                         memory={**eng.memory, "size": eng.size + 4096}))  # claims more than the file holds
+                         memory={"kind": "cpu_fd", "fd": eng.fd, "size": eng.size + 4096}))  # claims more than the file holds
     assert r["code"] == "memory_unreachable"
 
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import signal
 import time
 from pathlib import Path
 
@@ -20,33 +19,19 @@ def _keys(n: int, seed: int) -> list[bytes]:
     return [bytes(k) for k in rng.integers(0, 256, (n, 32), dtype=np.uint8)]
 
 
-class _Daemon:
-    def __init__(self, address: str, proc: subprocess.Popen, log: str):
-        self.address, self.proc, self.log = address, proc, log
-
-
 @pytest.fixture
 def daemon(tmp_path):
     pytest.importorskip("zmq")
-    from kvoffd_client.client import KvoffdClient
+    from daemon import DaemonProc  # tests/support
 
-    address, log = f"ipc://{tmp_path}/gpu.sock", str(tmp_path / "daemon.log")
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", "4GiB",
-                                 "--backend", "cuda", "--metrics-address", "127.0.0.1:0"], stdout=subprocess.DEVNULL,
-                                stderr=f, cwd=ROOT)
-    c = KvoffdClient(address, heartbeat=False)
-    ok = c.connect(20)
-    c.close()
-    if not ok:
-        proc.kill()
-        pytest.fail("daemon did not come up:\n" + Path(log).read_text()[-3000:])
-    yield _Daemon(address, proc, log)
-    proc.terminate()
+    d = DaemonProc(f"ipc://{tmp_path}/gpu.sock", ["--pool-size", "4GiB", "--backend", "cuda", "--metrics-address",
+                                                  "127.0.0.1:0"], log_path=tmp_path / "daemon.log")
     try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        d.start(20)
+    except RuntimeError as e:
+        pytest.fail(f"daemon did not come up:\n{e}")
+    yield d
+    d.stop(signal.SIGTERM, 20)
 
 
 def _engine(address: str, eid: str, ns: str, device: int = 0, layout: str = "blocks", rank: int = 0,

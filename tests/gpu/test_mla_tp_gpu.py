@@ -10,8 +10,7 @@ and a rank of another layout are refused.
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -25,32 +24,25 @@ N = 200
 @pytest.fixture
 def make_daemon(tmp_path):
     """Start a real daemon on the CUDA backend (LRU: no admission refusals); returns its address."""
-    from kvoffd_client.client import KvoffdClient
+    from daemon import DaemonProc  # tests/support
 
-    procs: list[subprocess.Popen] = []
+    procs: list[DaemonProc] = []
 
     def start(pool: str) -> str:
-        address, log = f"ipc://{tmp_path}/mla{len(procs)}.sock", tmp_path / f"daemon{len(procs)}.log"
-        with open(log, "w") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", pool,
-                                     "--backend", "cuda", "--eviction-policy", "lru",
-                                     "--metrics-address", "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=f,
-                                    cwd=ROOT)
-        procs.append(proc)
-        c = KvoffdClient(address, heartbeat=False)
-        ok = c.connect(20)
-        c.close()
-        if not ok:
-            pytest.fail("daemon did not come up:\n" + log.read_text()[-3000:])
-        return address
+        d = DaemonProc(f"ipc://{tmp_path}/mla{len(procs)}.sock", ["--pool-size", pool, "--backend", "cuda",
+                                                                   "--eviction-policy", "lru", "--metrics-address",
+                                                                   "127.0.0.1:0"],
+                       log_path=tmp_path / f"daemon{len(procs)}.log")
+        procs.append(d)
+        try:
+            d.start(20)
+        except RuntimeError as e:
+            pytest.fail(f"daemon did not come up:\n{e}")
+        return d.address
 
     yield start
-    for proc in procs:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    for d in procs:
+        d.stop(signal.SIGTERM, 20)
 
 
 def _mla_engine(address: str, rank: int, head_dim: int = 288):

@@ -38,11 +38,11 @@ class DaemonProc:
 
     ``env``: the daemon's whole environment (default: this process's); ``wrapper``: a command it runs
     under (``setpriv --reuid 65534 ...``); ``preexec_fn`` runs in the child before exec (e.g. to lower
-    an rlimit); ``log_path``: where its output goes; ``module``: what ``-m`` runs (``kvoffd``)."""
+    an rlimit); ``log_path``: where its output goes (default: a new file in the session's log directory)."""
 
     def __init__(self, address: str, args: Sequence[str] = (), *, env: dict[str, str] | None = None,
                  wrapper: Sequence[str] = (), preexec_fn=None, log_path: str | os.PathLike | None = None,
-                 start_new_session: bool = False, argv: Sequence[str] | None = None):
+                 start_new_session: bool = False, cwd: str | os.PathLike = ROOT, argv: Sequence[str] | None = None):
         """``argv``: the whole command instead of ``python -m kvoffd --address ADDRESS *args`` (a daemon
         started through a wrapper script, tests/test_ops_connections.py)."""
         self.address = address
@@ -51,6 +51,7 @@ class DaemonProc:
         self.env = dict(os.environ if env is None else env)
         self.preexec_fn = preexec_fn
         self.start_new_session = start_new_session
+        self.cwd = cwd
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="kvoffd-test-", suffix=".log",
                                             dir=os.environ.get("KVOFFD_TEST_LOG_DIR"))
@@ -77,7 +78,7 @@ class DaemonProc:
         env = {**self.env, "NOTIFY_SOCKET": path}
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, cwd=ROOT, preexec_fn=self.preexec_fn,
+                                         env=env, cwd=self.cwd, preexec_fn=self.preexec_fn,
                                          start_new_session=self.start_new_session)
         return self
 

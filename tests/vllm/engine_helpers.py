@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -126,47 +125,32 @@ class Daemon:
         self.pool_path = pool_path
         self.address = f"ipc://{workdir}/kvoffd.sock"
         self.pool = pool
-        self.proc: subprocess.Popen | None = None
+        self.running = None  # the process (tests/support/daemon.py's DaemonProc), None when stopped
         self.metrics_url = ""
         self.log = workdir / "kvoffd.log"
 
-    def start(self, timeout: float = 20.0) -> Daemon:
-        from kvoffd_client.client import KvoffdClient
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.running.proc if self.running is not None else None
 
-        self.log_f = open(self.log, "a")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvoffd", "--address", self.address, "--pool-size", self.pool,
-             "--metrics-address", "127.0.0.1:0", "--log-level", "info", "--pool-path", self.pool_path, *self.extra],
-            stdout=self.log_f, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        c = KvoffdClient(self.address, name="test", heartbeat=False)
-        try:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"kvoffd exited: {self.log.read_text()[-2000:]}")
-                if c.connect(0.2):
-                    ma = c.stats()["daemon"].get("metrics_address", "")
-                    self.metrics_url = f"http://{ma}/metrics"
-                    return self
-        finally:
-            c.close()
-        raise RuntimeError(f"kvoffd did not come up: {self.log.read_text()[-2000:]}")
+    def start(self, timeout: float = 20.0) -> Daemon:
+        from daemon import DaemonProc  # tests/support, on the path from tests/conftest.py
+
+        self.running = DaemonProc(self.address, ["--pool-size", self.pool, "--metrics-address", "127.0.0.1:0",
+                                                "--log-level", "info", "--pool-path", self.pool_path, *self.extra],
+                                 log_path=self.log, start_new_session=True).start(timeout)
+        self.metrics_url = f"http://{self.running.metrics_address}/metrics"
+        return self
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-        self.proc = None
+        if self.running is not None:
+            self.running.stop(signal.SIGKILL)
+        self.running = None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
+        if self.running is not None:
+            self.running.stop(signal.SIGTERM)
+        self.running = None
 
     def stats(self) -> dict[str, Any]:
         from kvoffd_client.client import KvoffdClient
