@@ -95,14 +95,14 @@ def test_a_batch_that_does_not_match_the_pieces_is_refused(tmp_path, pieces, say
             token = await asyncio.to_thread(fdpass.send_fds, srv.path, mine, [MiB2] * 3)
             for fd in mine:
                 os.close(fd)
-            reg = Registrar(sessions=types.SimpleNamespace(fd_handover=srv), index=None, pool=None, metrics=None,
+            reg = Registrar(sessions=types.SimpleNamespace(fd_handover=srv), keyspace=None, metrics=None,
                             fds=None, by_kind={})
             memory = P.CudaVmm(token=token, pieces=[P.VmmPiece(offset=o, size=s) for o, s in pieces],
                                size=MiB2, device_uuid="GPU-0")
             handover = reg._claim(memory)
             before = len(os.listdir("/proc/self/fd"))
             with pytest.raises(P.ProtocolError) as e:
-                reg._backend_memory(memory, handover)
+                reg._handed(memory, handover)
             kept = len(handover.fds)
             handover.close()
             return e.value, kept, before - len(os.listdir("/proc/self/fd"))

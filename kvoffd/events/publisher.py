@@ -69,7 +69,7 @@ from kvoffd.events.wire import (
 from kvoffd_client.protocol import KEY_SIZE, ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
-    from kvoffd.cache.index import Entry, Index
+    from kvoffd.cache.index import Entry
     from kvoffd.config import Config
     from kvoffd.metrics import Metrics
 
@@ -403,16 +403,16 @@ def _wire(p: _Pending) -> BlockStored | BlockRemoved | AllBlocksCleared:
                         ownership=OWNERSHIP)
 
 
-def make_publisher(cfg: Config, metrics: Metrics, index: Index,
+def make_publisher(cfg: Config, metrics: Metrics,
                    sink: Callable[[Endpoints], EventSink]) -> KvEventPublisher | None:
-    """The publisher ``--kv-events-address`` asks for (None when off), watching ``index``; ``sink``
-    makes where its batches go from the endpoints (the server's outlet: kvoffd/server/outlet_link.py)."""
+    """The publisher ``--kv-events-address`` asks for (None when off), to be handed to the keyspace as
+    its mirror (``Keyspace.add_events``: it then observes the index); ``sink`` makes where its batches
+    go from the endpoints (the server's outlet: kvoffd/server/outlet_link.py)."""
     if not cfg.kv_events_address:
         return None
     replay = cfg.kv_events_replay_address or replay_endpoint_for(cfg.kv_events_address)
     pub = KvEventPublisher(sink(Endpoints(cfg.kv_events_address, replay, cfg.kv_events_topic)), metrics,
                            token_ids=cfg.kv_events_token_ids)
-    index.observers.append(pub)
     return pub
 
 

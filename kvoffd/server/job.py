@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvoffd.cache.index import Entry, StorePlan
+from kvoffd.cache.keyspace import Entry, StorePlan
 from kvoffd.server.sessions import Conn, Engine
 from kvoffd.transfer.base import Direction
 from kvoffd_client import protocol as P

@@ -10,9 +10,9 @@ notice. Three orderings matter and are kept where they happen:
 * **answer first, then hold**: LOOKUP replies, then takes the lease's refs; nothing else runs on
   the loop in between, so no eviction can take a block the answer promised.
 
-With tiers below the pool (kvoffd/cache/tiers/manager.py), a LOOKUP's hits extend to the blocks found
-there (their promotion into the pool starts before the answer), and a LOAD of such blocks first waits
-for their promotions, then copies from the pool as usual.
+Everything the cache knows is asked of the keyspace (kvoffd/cache/keyspace.py): a LOOKUP's hits,
+below the pool too (``Keyspace.lookup``: its answer, then ``Answer.after_reply``), and the
+promotions a LOAD of such blocks waits for before it copies from the pool as usual.
 
 Every STORE or LOAD gets an answer naming its job, whatever fails inside the daemon (the client waits
 for it without a timer): an exception before the copy starts is an ``internal`` ERROR with the
@@ -28,28 +28,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from kvoffd.cache.index import Index, StorePlan
-from kvoffd.cache.restart.keeper import Keeper
-from kvoffd.cache.tiers.manager import PROMOTE_WAIT_S, Tiers
+from kvoffd.cache.keyspace import PROMOTE_WAIT_S, Keyspace
 from kvoffd.metrics import Metrics
-from kvoffd.pool.allocator import Pool
 from kvoffd.server.job import Job
 from kvoffd.server.limits import MAX_JOBS_PER_CONN, MAX_RUNS_PER_JOB
 from kvoffd.server.sessions import Conn, Engine, Lease, Reply, Sessions
-from kvoffd.server.verify import LoadVerify
+from kvoffd.server.verify import Verifier
 from kvoffd.transfer.base import Direction, JobExpired
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import DropReason, ErrorCode, MissReason, NoticeCode, ProtocolError
-
-if TYPE_CHECKING:
-    from kvoffd.events.publisher import KvEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -62,25 +55,18 @@ def _failed_future(exc: BaseException) -> asyncio.Future:
     return fut
 
 
-class Jobs(LoadVerify):
-    """The data path's requests. ``running`` is every accepted job until its notice. ``kv_events``
-    (--kv-events-address; None: off) keeps what a STORE tells of its blocks for their KV events."""
+class Jobs:
+    """The data path's requests. ``running`` is every accepted job until its notice. ``verifier``
+    checks the sums of a LOAD that must check first (--verify, adopted blocks: kvoffd/server/verify.py)."""
 
-    def __init__(self, *, sessions: Sessions, index: Index, pool: Pool, metrics: Metrics, verify: bool,
-                 persist: Keeper, reply: Reply, spawn: Spawn, kv_events: KvEventPublisher | None = None,
-                 tiers: Tiers | None = None) -> None:
-        """``persist``: the pool file's keeper (kvoffd/cache/restart/persistence.py): adopted blocks are checked on
-        their first LOAD, and loaded blocks get new last-use stamps."""
+    def __init__(self, *, sessions: Sessions, keyspace: Keyspace, metrics: Metrics, reply: Reply,
+                 spawn: Spawn) -> None:
         self.sessions = sessions
-        self.index = index
-        self.tiers = tiers if tiers is not None else Tiers(index, [])  # below the pool (none: no tier)
-        self.pool = pool
+        self.keyspace = keyspace
         self.metrics = metrics
-        self.verify = verify
-        self.persist = persist
         self.reply = reply
         self.spawn = spawn
-        self.kv_events = kv_events
+        self.verifier = Verifier(keyspace, metrics)
         self.running: set[Job] = set()
 
     def in_flight(self) -> tuple[dict[str, int], float]:
@@ -95,45 +81,27 @@ class Jobs(LoadVerify):
 
     # --- LOOKUP -----------------------------------------------------------------------------------------
     def lookup(self, conn: Conn, msg: P.Lookup) -> P.Message | None:
-        """Answer first, then promote, count and hold: the client waits on the answer, and nothing else
-        runs on the loop in between, so no eviction can take a block the answer promised. Blocks found
-        below the pool are answered as hits before their promotion's per-block work (``Tiers.promote``)
-        when the pool surely has slots for them all, free or evictable (``Tiers.fits``); otherwise they
-        are promoted first (the evictions may fall short) and the answer counts those that got a slot."""
-        total = P.count_keys(msg.keys)
-        hits = self.index.lookup(msg.namespace, msg.keys, with_entries=msg.lease_ms > 0)
-        if (hits.n < total and hits.miss_reason is MissReason.ABSENT  # a restart still indexing: not a miss
-                and self.persist.adopt_asked(msg.namespace, msg.keys[hits.n * P.KEY_SIZE:])):
-            hits = self.index.lookup(msg.namespace, msg.keys, with_entries=msg.lease_ms > 0)
-        below = None
-        if self.tiers.enabled and hits.n < total:  # blocks below the pool are hits too
-            below = self.tiers.find_below(msg.namespace, msg.keys, hits)
-            if below is not None and not self.tiers.fits(below):  # room not sure: promote, then answer
-                hits, below = self.tiers.promote(below), None
-        n = below.n if below is not None else hits.n
+        """Answer first, then hold (``Answer.after_reply``: promotions, then the lease's refs) and
+        count: the client waits on the answer, and nothing else runs on the loop in between, so no
+        eviction can take a block the answer promised."""
+        answer = self.keyspace.lookup(msg.namespace, msg.keys, hold=msg.lease_ms > 0)
+        n = answer.n
         lease_id = 0
         if n and msg.lease_ms:
-            self.sessions.check_lease(conn, n * hits.world_size, msg.seq)
+            self.sessions.check_lease(conn, n * answer.world_size, msg.seq)
             lease_id = self.sessions.next_lease_id()
-        self.reply(conn.ident, P.LookupResult(seq=msg.seq, hits=n, lease_id=lease_id, world_size=hits.world_size))
-        if below is not None:
-            # The answer is queued for libzmq's I/O thread, which the send just woke, often on this core;
-            # the promotion's per-block work (4-9 us a block) would run ahead of it. One yield lets it
-            # go out first (one run on the 2-core VM: 1,024-block disk hits 779 -> 646 us at p50).
-            os.sched_yield()
-            hits = self.tiers.promote(below, answered=True)  # they surely get slots: nothing falls short
+        self.reply(conn.ident, P.LookupResult(seq=msg.seq, hits=n, lease_id=lease_id, world_size=answer.world_size))
+        held = answer.after_reply()
         if lease_id:
-            held = self.index.hold(hits)
             self.sessions.add_lease(conn, Lease(lease_id, conn.ident, time.monotonic() + msg.lease_ms / 1000,
-                                                hits.by_rank, msg.namespace), held)
+                                                answer.by_rank, msg.namespace), held)
         counts = self.metrics.lookup
         counts.lookups += 1
         counts.hit_blocks += n
-        missed = total - n
+        missed = P.count_keys(msg.keys) - n
         if missed:
             counts.miss_blocks += missed
-            reason = hits.miss_reason if hits.n == n else MissReason.ABSENT
-            self.metrics.misses.labels((reason or MissReason.ABSENT).value).inc(missed)
+            self.metrics.misses.labels(answer.miss_reason.value).inc(missed)
         return None
 
     # --- checks shared by STORE and LOAD ----------------------------------------------------------------
@@ -219,7 +187,7 @@ class Jobs(LoadVerify):
                                 f"rank {eng.table.rank} stores (replicas); it does not store", seq=msg.seq,
                                 job_id=msg.job_id)
         described = self._described(eng, msg, len(keys))  # KV events: the blocks' tokens and parents
-        plan = self.index.prepare_store(eng.table, keys, shard=eng.placement.shard)  # on its NUMA node's shard
+        plan = self.keyspace.prepare_store(eng.table, keys, shard=eng.placement.shard)  # on its NUMA node's shard
         m = self.metrics
         if plan.present:
             m.store_noop_blocks.inc(plan.present)
@@ -239,9 +207,9 @@ class Jobs(LoadVerify):
         fut = self._submit(eng, Direction.STORE, block_ids, slots, msg)
         fault: Exception | None = None
         try:
-            self.index.add_pending(plan)
+            self.keyspace.add_pending(plan)
             if described:
-                self._note_described(eng, msg, plan)
+                self.keyspace.note_described(eng.namespace, plan, msg.tokens, msg.parents)
         except Exception as e:  # the copy is running: the job fails once it has ended, never before
             fault = e
         job = Job(conn=conn, engine=eng, msg=msg, direction=Direction.STORE, started=t0, entries=plan.entries,
@@ -257,26 +225,17 @@ class Jobs(LoadVerify):
         with contextlib.suppress(Exception):
             await job.future
         if job.plan is not None and job.entries:
-            self.index.complete_store(job.plan, False)
+            self.keyspace.complete_store(job.plan, False)
         raise fault
 
     def _described(self, eng: Engine, msg: P.Store, n: int) -> bool:
         """Whether this STORE's ``tokens``/``parents`` are kept for its blocks' events; ``bad_field``
         when they do not fit its keys. A daemon without KV events ignores them (it never asked)."""
-        if self.kv_events is None or not (msg.tokens or msg.parents):
-            return False
         try:
-            return self.kv_events.check_described(eng.namespace, eng.rank, n, msg.tokens, msg.parents)
+            return self.keyspace.describes(eng.namespace, eng.rank, n, msg.tokens, msg.parents)
         except ProtocolError as e:
             e.seq, e.job_id = msg.seq, msg.job_id
             raise
-
-    def _note_described(self, eng: Engine, msg: P.Store, plan: StorePlan) -> None:
-        ev = self.kv_events
-        assert ev is not None
-        ident = ev.identity(eng.namespace)
-        assert ident is not None  # check_described said so, in this same callback
-        ev.note_described(plan.entries, plan.copy_idx, msg.tokens, msg.parents, ident.block_size)
 
     async def _finish_store(self, job: Job) -> None:
         plan, entries = job.plan, job.entries
@@ -284,21 +243,21 @@ class Jobs(LoadVerify):
         try:
             await job.future
         except asyncio.CancelledError:
-            self.index.complete_store(plan, False)
+            self.keyspace.complete_store(plan, False)
             self._end(job)
             raise
         except Exception as e:
             code = self._job_failed(job, e)
             self._end(job)
             self._notice(job, sorted(job.failed + job.idx), code, str(e)[:200])
-            self.index.complete_store(plan, False)  # a partial (or expired) store is never committed
+            self.keyspace.complete_store(plan, False)  # a partial (or expired) store is never committed
             self.metrics.dropped_stores.labels(DropReason.FAILED.value).inc(len(entries))
             return
-        if self.verify:
+        if self.keyspace.verify:
             try:
-                sums = await asyncio.get_running_loop().run_in_executor(None, self._checksums, entries)
+                sums = await asyncio.get_running_loop().run_in_executor(None, self.keyspace.checksums, entries)
             except Exception:
-                self.index.complete_store(plan, False)  # not committed without its sums
+                self.keyspace.complete_store(plan, False)  # not committed without its sums
                 raise
             for e, c in zip(entries, sums, strict=True):
                 e.checksum = c
@@ -308,7 +267,7 @@ class Jobs(LoadVerify):
         # the notice sees the blocks.
         self._notice(job, job.failed, job.code, "")
         self._account(job, len(entries))
-        done = self.index.complete_store(plan, True)
+        done = self.keyspace.complete_store(plan, True)
         if done < len(entries):
             self.metrics.dropped_stores.labels(DropReason.CLEAR.value).inc(len(entries) - done)
 
@@ -316,7 +275,7 @@ class Jobs(LoadVerify):
     def load(self, conn: Conn, msg: P.Load) -> P.Message | None:
         eng, keys, ids = self._check(conn, msg)
         try:
-            waiting = self.tiers.promotions(eng.table, keys)
+            waiting = self.keyspace.promotions(eng.table, keys)
             if waiting:  # blocks a LOOKUP found below the pool, still on their way into it
                 job = Job(conn=conn, engine=eng, msg=msg, direction=Direction.LOAD, started=time.monotonic(),
                           entries=[], idx=[], block_ids=ids[:0], slots=np.empty(0, dtype=np.int64), failed=[],
@@ -350,7 +309,7 @@ class Jobs(LoadVerify):
     def _load_resident(self, conn: Conn, eng: Engine, msg: P.Load, keys: list[bytes],
                        ids: np.ndarray) -> P.Message | None:
         """The LOAD of what the pool holds now (the blocks not resident are reported failed)."""
-        lp = self.index.prepare_load(eng.table, keys)  # a ref on each entry, released when the copy ends
+        lp = self.keyspace.prepare_load(eng.table, keys)  # a ref on each entry, dropped when the copy ends
         entries, failed = lp.entries, lp.missing_idx
         try:
             if msg.lease_id and entries:
@@ -362,14 +321,13 @@ class Jobs(LoadVerify):
                                 code=NoticeCode.NOT_RESIDENT.value if failed else "")
             slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
             if eng.placement.shard >= 0:  # a sharded pool: blocks read from another node than the engine's
-                far = int(np.count_nonzero(self.pool.chunk_node[slots // self.pool.chunk_bytes]
-                                           != eng.placement.node))
+                far = self.keyspace.far_blocks(slots, eng.placement.node)
                 if far:
                     self.metrics.cross_numa_loads.inc(far)
             ids = ids[lp.found_idx] if failed else ids
-            checks_first = self.verify or self.persist.must_check(entries)
+            checks_first = self.keyspace.checks_first(entries)
         except Exception:
-            self.index.release(entries)  # the refs ``prepare_load`` took: no job holds them
+            self.keyspace.complete_load(entries, False)  # the refs ``prepare_load`` took: no job holds them
             raise
         t0 = time.monotonic()
         fut: Awaitable[None] | None = None
@@ -390,10 +348,10 @@ class Jobs(LoadVerify):
             if job.future is not None:
                 await job.future
             else:  # --verify, or adopted blocks not checked yet since a warm restart: checksums first
-                failed, code, text, moved = await self._verified_load(job)
+                failed, code, text, moved = await self.verifier.load(job)
         except asyncio.CancelledError:
             self._end(job)
-            self.index.release(job.entries)
+            self.keyspace.complete_load(job.entries, False)
             raise
         except Exception as e:
             code = self._job_failed(job, e)
@@ -405,9 +363,8 @@ class Jobs(LoadVerify):
         try:
             if moved >= 0:
                 self._account(job, moved)
-                self.persist.touched(job.entries)  # last-use stamps, for the next daemon's LRU order
-        finally:
-            self.index.release(job.entries)
+        finally:  # last-use stamps (for the next daemon's LRU order), then the refs drop
+            self.keyspace.complete_load(job.entries, moved >= 0)
 
     # --- a job's life -----------------------------------------------------------------------------------
     def _begin(self, job: Job) -> None:

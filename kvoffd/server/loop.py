@@ -27,13 +27,11 @@ from typing import Any
 import zmq
 
 from kvoffd import __version__, sdnotify
-from kvoffd.cache.index import Index
-from kvoffd.cache.restart.keeper import abandon_pool, keeper, open_pool, purge_command
-from kvoffd.cache.tiers.manager import make_tiers
+from kvoffd.cache.keyspace import Keyspace, purge_command
 from kvoffd.config import Config
 from kvoffd.events.publisher import KvEventPublisher, make_publisher
 from kvoffd.metrics import Metrics
-from kvoffd.pool.file import PoolFile
+from kvoffd.pool.allocator import Pool
 from kvoffd.pool.reap import reap_stale
 from kvoffd.pool.topology import parse_numa_map, read_topology
 from kvoffd.runtime import ensure_private_dir, load_or_create_token
@@ -102,7 +100,7 @@ class Server:
         self._t_process = t0 - process_age_s()  # the process's start, on the monotonic clock
         # First the address: a second daemon of this address stops here, before it touches a pool or a tier
         self.claim = AddressClaim(cfg.address)
-        self._pool_file: PoolFile | None = None  # given back by ``abandon`` if the start fails
+        self.keyspace: Keyspace | None = None  # given back by ``abandon`` if the start fails
         self.sock: zmq.Socket | None = None
         self._socket_ino = 0  # the ipc socket file this daemon made (removed at stop only if still it)
         self.fd_handover: FdServer | None = None  # where engines hand over memory descriptors (cpu_fd, cuda_vmm)
@@ -115,39 +113,30 @@ class Server:
 
     def _build(self, cfg: Config, t0: float) -> None:
         reap_stale(cfg.address)  # this user's pools that no daemon can come back for
-        self.topology = read_topology(cfg.sysfs_root, parse_numa_map(cfg.numa_map))
-        self.pool, pool_file = open_pool(cfg.pool_size, cfg.pool_path, cfg.address, cfg.cold, self.topology)
-        self._pool_file = pool_file
-        t_pool = time.monotonic()
-        self.index = Index(self.pool, cfg.eviction_policy)
-        self.persist = keeper(pool_file, self.pool, self.index)  # adopts the previous daemon's blocks
-        t_adopt = time.monotonic()
-        self.tiers = make_tiers(self.index, cfg.disk_path, cfg.disk_size, cfg.verify,
-                                cfg.disk_policy, keeper=self.persist)  # below the pool
-        t_tiers = time.monotonic()
-        self.backends = make_backends(cfg, self.pool)
+        topology = read_topology(cfg.sysfs_root, parse_numa_map(cfg.numa_map))
+        ks = self.keyspace = Keyspace.open(cfg, topology, t0)  # the pool, its index, its blocks, the tiers
+        t_keyspace = time.monotonic()
+        self.backends = make_backends(cfg, ks.pool)
         # where a start's time goes (the serving line says it: a warm restart's first hit is this)
-        self.start_phases = {"before the server": t0 - self._t_process, "pool": t_pool - t0, "adoption": t_adopt - t_pool, "tiers": t_tiers - t_adopt,
-                             "backends": time.monotonic() - t_tiers}
+        self.start_phases = {"before the server": t0 - self._t_process, **ks.phases,
+                             "backends": time.monotonic() - t_keyspace}
         self._t_built = time.monotonic()
         self.by_kind = by_kind(self.backends)
         self.fds = FdBudget()
         self.metrics = Metrics(__version__)
         # --kv-events-address (None: off); its endpoints are another process's (kvoffd/server/outlet.py)
-        self.kv_events = make_publisher(cfg, self.metrics, self.index, outlet_for(cfg, self.metrics))
-        self.sessions = Sessions(daemon_id=self.daemon_id, index=self.index, metrics=self.metrics, fds=self.fds,
+        self.kv_events = make_publisher(cfg, self.metrics, outlet_for(cfg, self.metrics))
+        if self.kv_events is not None:
+            ks.add_events(self.kv_events)  # a mirror of the index, the tiers and the adopted blocks
+        self.sessions = Sessions(daemon_id=self.daemon_id, keyspace=ks, metrics=self.metrics, fds=self.fds,
                                  by_kind=self.by_kind, engine_timeout_s=cfg.engine_timeout, reply=self._send,
                                  capabilities=("kv_events",) if self.kv_events and self.kv_events.token_ids else ())
-        self.registrar = Registrar(sessions=self.sessions, index=self.index, pool=self.pool, metrics=self.metrics,
-                                   fds=self.fds, by_kind=self.by_kind, kv_events=self.kv_events,
-                                   topology=self.topology, persist=self.persist)
-        self.jobs = Jobs(sessions=self.sessions, index=self.index, pool=self.pool, metrics=self.metrics,
-                         verify=cfg.verify, persist=self.persist, reply=self._send, spawn=self._spawn,
-                         kv_events=self.kv_events, tiers=self.tiers)
-        self.admin = Admin(sessions=self.sessions, jobs=self.jobs, index=self.index, pool=self.pool,
-                           metrics=self.metrics, verify=cfg.verify, eviction_policy=cfg.eviction_policy,
-                           persist=self.persist, describe_daemon=self.describe, kv_events=self.kv_events,
-                           tiers=self.tiers)
+        self.registrar = Registrar(sessions=self.sessions, keyspace=ks, metrics=self.metrics, fds=self.fds,
+                                   by_kind=self.by_kind)
+        self.jobs = Jobs(sessions=self.sessions, keyspace=ks, metrics=self.metrics, reply=self._send,
+                         spawn=self._spawn)
+        self.admin = Admin(sessions=self.sessions, jobs=self.jobs, keyspace=ks, metrics=self.metrics,
+                           describe_daemon=self.describe)
         self.metrics.watch_live_state(self.admin.live_state)
         self.metrics.watch_tiers(self.admin.tier_stats)
         self._routes = self._table()
@@ -189,6 +178,10 @@ class Server:
     @property
     def engines(self) -> dict[str, Engine]:
         return self.sessions.engines
+
+    @property
+    def pool(self) -> Pool:
+        return self.keyspace.pool
 
     @property
     def jobs_in_flight(self) -> int:
@@ -256,20 +249,14 @@ class Server:
         for b in self.backends:
             b.start()
         t_backends = time.monotonic()
-        self.persist.start(loop)
-        self.start_phases["bind"] = t0 - self._t_built
-        self.start_phases["started"] = t_backends - t0
-        self.start_phases["keeper"] = time.monotonic() - t_backends
-        self.tiers.start(loop)
-        if self.fd_handover is not None:
-            self.fd_handover.start(loop)
-        adopted, identities = self.persist.take_adopted()  # a warm restart's blocks, for the KV-event stream
         if self.kv_events is not None:
             self.kv_events.start()
-            self.kv_events.adopted(adopted, identities)
-            kv_events = self.kv_events
-            self.persist.on_adopted = lambda entries: kv_events.adopted(entries, {})  # the slices still to come
-            self.tiers.publish(self.kv_events)  # the disk tier's changes, and what it found at start
+        keeper_s = self.keyspace.start(loop)  # the keeper, the tiers, and what the KV-event mirror hears first
+        self.start_phases["bind"] = t0 - self._t_built
+        self.start_phases["started"] = t_backends - t0
+        self.start_phases["keeper"] = keeper_s
+        if self.fd_handover is not None:
+            self.fd_handover.start(loop)
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain)
         self._guard = ListenerGuard(self._ctx, self.sock, self._listener, self._zmq_fd, self.fds)
@@ -303,8 +290,8 @@ class Server:
         """The start failed before serving: leave nothing behind that no one will use. A pool this start
         made or emptied goes with its files (one holding a previous daemon's blocks stays for the next
         start), the socket files this start made go, and so does the address's lock."""
-        abandon_pool(self._pool_file)
-        self._pool_file = None
+        if self.keyspace is not None:
+            self.keyspace.abandon()
         if self.kv_events is not None:
             try:
                 self.kv_events.close()
@@ -324,10 +311,10 @@ class Server:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self.sessions.shutdown()
-        await self.tiers.aclose()  # spills in flight land first
+        await self.keyspace.stop_tiers()  # spills in flight land first
         for b in self.backends:
             b.close()
-        await self.persist.close()  # seals what is left: the next daemon adopts it
+        await self.keyspace.close()  # seals what is left: the next daemon adopts it
         if self.fd_handover is not None:
             self.fd_handover.close()
         if self.kv_events is not None:
@@ -338,7 +325,7 @@ class Server:
                 self._listener.close()
             if self.bound_address.startswith("ipc://"):
                 unlink_if_ours(self.bound_address[6:], self._socket_ino)
-        kept = self.persist.stats()["path"]
+        kept = self.keyspace.kept_at()
         if kept:
             log.info("kvoffd stopped; its pool stays in memory in %s for the next start to adopt ('%s' gives the "
                      "memory back)", kept, purge_command(self.cfg.address, self.cfg.pool_path))

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
-from kvoffd.cache.identity import parse_identity
-from kvoffd.cache.index import Index
+from kvoffd.cache.keyspace import Keyspace
 from kvoffd.metrics import Metrics
-from kvoffd.pool.allocator import MIN_SLOT_BYTES, Pool
-from kvoffd.pool.topology import Topology
+from kvoffd.pool.allocator import MIN_SLOT_BYTES
 from kvoffd.server.fdbudget import FdBudget
 from kvoffd.server.fdserver import Handover
 from kvoffd.server.limits import MAX_ENGINES_PER_CONN, MAX_SEGMENTS
@@ -28,32 +26,22 @@ from kvoffd.transfer.base import AttachError, TransferBackend
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import ErrorCode, ProtocolError
 
-if TYPE_CHECKING:
-    from kvoffd.cache.restart.keeper import Keeper
-    from kvoffd.events.publisher import KvEventPublisher
-
 log = logging.getLogger(__name__)
 
 
 class Registrar:
-    """Serves REGISTER for the sessions (an ``is_async`` row of the server's table). ``kv_events``
-    (--kv-events-address; None: off) is told each registered namespace's ``layout.kv_events``.
-    ``topology``: the host's NUMA nodes, which place each engine's stores on a pool shard. ``persist``
-    (the pool file's keeper) keeps each namespace's ``layout.kv_events`` too, events on or off here:
-    the next daemon announces the blocks it adopts under it (kvoffd/cache/restart/persistence.py)."""
+    """Serves REGISTER for the sessions (an ``is_async`` row of the server's table). The keyspace
+    checks and creates each engine's table, hears each namespace's ``layout.kv_events``
+    (``Keyspace.note_identity``), and its ``topology`` (the host's NUMA nodes) places each engine's
+    stores on a pool shard."""
 
-    def __init__(self, *, sessions: Sessions, index: Index, pool: Pool, metrics: Metrics, fds: FdBudget,
-                 by_kind: dict[str, TransferBackend], kv_events: KvEventPublisher | None = None,
-                 topology: Topology | None = None, persist: Keeper | None = None) -> None:
-        self.topology = topology
-        self.persist = persist
+    def __init__(self, *, sessions: Sessions, keyspace: Keyspace, metrics: Metrics, fds: FdBudget,
+                 by_kind: dict[str, TransferBackend]) -> None:
         self.sessions = sessions
-        self.index = index
-        self.pool = pool
+        self.keyspace = keyspace
         self.metrics = metrics
         self.fds = fds
         self.by_kind = by_kind
-        self.kv_events = kv_events
 
     async def register(self, conn: Conn, msg: P.Register) -> P.Message | None:
         """Map an engine's memory (in an executor: slow) and create its table; a refusal changes
@@ -85,14 +73,15 @@ class Registrar:
             raise ProtocolError(ErrorCode.TOO_MANY, f"the daemon's file descriptors are nearly exhausted "
                                 f"({self.fds.in_use()} of {self.fds.limit}); try again later")
         slot_bytes = sum(s.length for s in segments)
-        if slot_bytes > self.pool.chunk_bytes:
+        chunk_bytes = self.keyspace.pool.chunk_bytes
+        if slot_bytes > chunk_bytes:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"a block of {slot_bytes} bytes exceeds the pool's "
-                                f"{self.pool.chunk_bytes}-byte chunks")
+                                f"{chunk_bytes}-byte chunks")
         if slot_bytes < MIN_SLOT_BYTES:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"a block of {slot_bytes} bytes is below the "
                                 f"{MIN_SLOT_BYTES}-byte minimum (the index's bookkeeping would outweigh it)")
         try:  # checked now, created only once the memory is mapped: a refused REGISTER leaves nothing
-            self.index.check_table(msg.namespace, msg.rank, msg.world_size, tuple(s.length for s in segments),
+            self.keyspace.check_table(msg.namespace, msg.rank, msg.world_size, tuple(s.length for s in segments),
                                    msg.replicas)
         except ValueError as e:
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(e)) from None
@@ -141,19 +130,15 @@ class Registrar:
             if self.sessions.engines.get(msg.engine_id) is not old:
                 raise ProtocolError(ErrorCode.NOT_REGISTERED, "the engine was registered again meanwhile")
             try:
-                table = self.index.table(msg.namespace, msg.rank, msg.world_size, slot_bytes, layout_fp,
-                                         msg.replicas)
+                table = self.keyspace.table(msg.namespace, msg.rank, msg.world_size, slot_bytes, layout_fp,
+                                            msg.replicas)
             except ValueError as e:
                 raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, str(e)) from None
         except ProtocolError:
             await loop.run_in_executor(None, backend.detach, mapped)
             raise
-        identity = parse_identity(msg.layout.kv_events)
-        if self.persist is not None:
-            self.persist.note_identity(msg.namespace, identity)
-        if self.kv_events is not None:  # whether its keys are block hashes, before its first STORE
-            self.kv_events.set_identity(msg.namespace, identity)
-        placement = place_engine(self.pool, self.topology, mapped, conn.pid)
+        self.keyspace.note_identity(msg.namespace, msg.layout.kv_events)  # whether its keys are block hashes
+        placement = place_engine(self.keyspace.pool, self.keyspace.topology, mapped, conn.pid)
         self.sessions.attach(Engine(engine_id=msg.engine_id, conn=conn, namespace=msg.namespace, rank=msg.rank,
                                     world_size=msg.world_size, mapped=mapped, backend=backend, table=table,
                                     placement=placement), old)

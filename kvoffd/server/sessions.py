@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvoffd.cache.index import Entry, Index, Table
+from kvoffd.cache.keyspace import Entry, Keyspace, Table
 from kvoffd.metrics import Metrics
 from kvoffd.server.fdbudget import FdBudget
 from kvoffd.server.fdserver import FdServer
@@ -139,11 +139,11 @@ class Sessions:
     ``auth_token`` and ``fd_handover`` when it binds. ``capabilities``: what HELLO_OK lists besides
     the requests and memory kinds every daemon serves (``kv_events`` with --kv-events-address)."""
 
-    def __init__(self, *, daemon_id: str, index: Index, metrics: Metrics, fds: FdBudget,
+    def __init__(self, *, daemon_id: str, keyspace: Keyspace, metrics: Metrics, fds: FdBudget,
                  by_kind: dict[str, TransferBackend], engine_timeout_s: float, reply: Reply,
                  capabilities: Sequence[str] = ()) -> None:
         self.daemon_id = daemon_id
-        self.index = index
+        self.keyspace = keyspace
         self.metrics = metrics
         self.fds = fds
         self.by_kind = by_kind
@@ -278,7 +278,7 @@ class Sessions:
         if eng.mapped.in_flight == 0:
             self.detach(eng)
         if why is not Departure.REPLACED and not any(e.namespace == eng.namespace for e in self.engines.values()):
-            self.index.forget_if_idle(eng.namespace)  # its world size and layouts bind nobody now
+            self.keyspace.forget_if_idle(eng.namespace)  # its world size and layouts bind nobody now
 
     @staticmethod
     def detach(eng: Engine) -> None:
@@ -303,7 +303,7 @@ class Sessions:
         return next(self._lease_ids)
 
     def add_lease(self, conn: Conn, lease: Lease, held: int) -> None:
-        """Record a lease whose refs the index has just taken (``Index.hold``)."""
+        """Record a lease whose refs the index has just taken (``Answer.after_reply``, kvoffd/cache/keyspace.py)."""
         self.leases[lease.lease_id] = lease
         conn.leases.add(lease.lease_id)
         conn.leased_keys += held
@@ -333,7 +333,7 @@ class Sessions:
         for r in ranks:
             entries = lease.by_rank.pop(r, ())
             freed += len(entries)
-            self.index.release(entries)
+            self.keyspace.release(entries)
         self.leased_keys -= freed
         owner = self.conns.get(lease.owner)
         if owner is not None:
