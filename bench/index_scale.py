@@ -46,8 +46,8 @@ from control_plane import echo_server  # noqa: E402  (the same echo floor as the
 from kvtest import start_daemon  # noqa: E402
 from reliability_util import ShmEngine, rss_kb  # noqa: E402
 
+from kvoffd.cache.tiers.diskindex import DiskIndex  # noqa: E402
 from kvoffd.cache.tiers.diskio import block_crc  # noqa: E402
-from kvoffd.cache.tiers.table import BlockTable  # noqa: E402
 from kvoffd.server.procfs import cpu_seconds, major_faults, minor_faults  # noqa: E402
 from kvoffd_client import protocol as P  # noqa: E402
 
@@ -64,7 +64,7 @@ def build(directory: str, n: int, seed: int = 1) -> tuple[np.ndarray, int]:
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "tables.json"), "w") as f:
         json.dump({"tables": [{"tid": 1, "namespace": "scale", "rank": 0, "world_size": 1, "layout": LAYOUT}]}, f)
-    t = BlockTable(n)  # in memory, then saved in one pass (BlockTable.save says why)
+    t = DiskIndex(n)  # in memory, then saved in one pass (DiskIndex.save says why)
     rng = np.random.default_rng(seed)
     first = None
     for lo in range(0, n, BUILD_BATCH):
@@ -79,7 +79,7 @@ def build(directory: str, n: int, seed: int = 1) -> tuple[np.ndarray, int]:
     return first, t.used
 
 
-def _write_hits(directory: str, t: BlockTable, keys: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> None:
+def _write_hits(directory: str, t: DiskIndex, keys: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> None:
     """Real blocks for the keys the bench asks as disk hits: their bytes in the data file and their
     checksums in the table, so that a promotion reads a good block (the rest of the file stays sparse;
     a block whose checksum failed would be forgotten, a write into the table the real path never does)."""

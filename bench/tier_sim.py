@@ -18,7 +18,7 @@ evictions, in eviction order, as ``kvoffd/cache/tiers/manager.py`` spills them. 
   through the disk policy's ``admit`` (its parent is present if it is in the pool or on disk).
 
 Disk policies beyond bench/policy_zoo.py's: ``clockN`` (CLOCK with an N-bit count, raised by a read or
-a re-spill, lowered by each pass of the hand: ``clock2`` is kvoffd/cache/tiers/disk.py's CLOCK, step
+a re-spill, lowered by each pass of the hand: ``clock2`` is kvoffd/cache/tiers/diskslots.py's CLOCK, step
 for step) and prefix-aware CLOCK variants of our own (``Clock`` below). The ceiling for context is
 Belady's MIN over pool + disk blocks in one tier (bench/trace_replay.py's optimum).
 
@@ -63,7 +63,7 @@ MODES = ("incl", "excl")
 
 
 class Clock:
-    """CLOCK with a ``bits``-bit count over a ring of slots: kvoffd/cache/tiers/disk.py's ``_alloc``.
+    """CLOCK with a ``bits``-bit count over a ring of slots: kvoffd/cache/tiers/diskslots.py's ``SizeClass.alloc``.
 
     A new block starts at 0; a read or a re-spill (``on_access``) raises the count by one (saturating);
     the hand lowers each count it passes and takes the first block at 0. Prefix-aware options, each a

@@ -390,12 +390,12 @@ def test_a_disk_hit_is_answered_before_its_promotion_only_when_the_pool_surely_h
 
 
 def test_the_disk_index_is_locked_private_memory_never_a_mapping_of_its_file(make_daemon, tmp_path):
-    """The index lives in private memory, mlocked (BlockTable.lock_in_memory, in a thread): the kernel may
+    """The index lives in private memory, mlocked (DiskIndex.lock_in_memory, in a thread): the kernel may
     not drop its pages, so a LOOKUP never waits on the loop for one to be read back. And the index file
     is not mapped (a page fault in a mapping of it could only be answered with SIGBUS on a full or
     truncated file system: issue 28). Checked in the daemon's own /proc/PID/smaps: no mapping names the
     file, and at least the records and fingerprints of its 1,024 slots are locked."""
-    from kvoffd.cache.tiers.table import BlockTable
+    from kvoffd.cache.tiers.diskindex import DiskIndex
 
     d = make_daemon(POOL, *_disk(tmp_path))
     rig = Rig(d)
@@ -405,5 +405,5 @@ def test_the_disk_index_is_locked_private_memory_never_a_mapping_of_its_file(mak
         smaps = f.read()
     assert f"index-{SLOT}.kvx" not in smaps
     locked_kb = sum(int(line.split()[1]) for line in smaps.splitlines() if line.startswith("Locked:"))
-    assert locked_kb * 1024 >= BlockTable(1024).memory_bytes, locked_kb
+    assert locked_kb * 1024 >= DiskIndex(1024).memory_bytes, locked_kb
     rig.close()

@@ -440,7 +440,7 @@ def test_every_store_gets_its_notice_when_the_tier_fails_inside(tmp_path):
 
 def _records_in_file(path) -> int:
     """Live records in an index file, read as the next daemon would."""
-    from kvoffd.cache.tiers.tablefile import HEADER, RECORD
+    from kvoffd.cache.tiers.indexfile import HEADER, RECORD
 
     with open(path, "rb") as f:
         f.seek(HEADER)

@@ -47,7 +47,7 @@ async def _pressure(path: str) -> None:
         assert all(r is SpillResult.WRITTEN for r in res)
         c = tier._classes[SLOT]
         owned = c.owner[c.owner != 0xFFFFFFFF]
-        assert len(owned) == len(set(owned.tolist())) == c.table.used == 64
+        assert len(owned) == len(set(owned.tolist())) == c.index.used == 64
         for k_all, w_all in ((keys, want), (keys2, want2)):
             held = tier.contains(REF, k_all)
             n = len(w_all)
@@ -214,7 +214,7 @@ async def _reopen(path: str) -> None:
         rest, more = tier.take_reopened("unit", 100)
         assert not more and sorted(_split(got + rest)) == sorted(set(_split(keys)) - {keys[96:128]})
         assert tier.take_reopened("unit", 100) == (b"", False) and tier.reopened_namespaces() == set()
-        assert tier._classes[SLOT].reopened is None  # the marks freed once all were handed out
+        assert SLOT not in tier.events.marks  # the marks freed once all were handed out
     finally:
         tier.close()
 

@@ -1,4 +1,4 @@
-"""The disk tier's compact block table (kvoffd/cache/tiers/table.py) against a dict model: batched
+"""The disk tier's compact block table (kvoffd/cache/tiers/diskindex.py) against a dict model: batched
 lookups, inserts and removals agree with it, the file reopens to the same contents, a table of another
 size imports what fits, and a table filled to its capacity places (nearly) every block."""
 
@@ -13,15 +13,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffd.cache.tiers import table as table_module
-from kvoffd.cache.tiers.table import LOAD_FACTOR, RECORD, BlockTable, keys_u64
+from kvoffd.cache.tiers import diskindex as table_module
+from kvoffd.cache.tiers.diskindex import LOAD_FACTOR, RECORD, DiskIndex, keys_u64
 
 
 def _keys(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(0, 2**63, size=(n, 4), dtype=np.int64).astype(np.uint64)
 
 
-def _check(t: BlockTable, model: dict[tuple[int, bytes], int]) -> None:
+def _check(t: DiskIndex, model: dict[tuple[int, bytes], int]) -> None:
     for tid in {tid for tid, _ in model} | {1, 2}:
         ks = [k for (i, k) in model if i == tid]
         if ks:
@@ -40,7 +40,7 @@ def _check(t: BlockTable, model: dict[tuple[int, bytes], int]) -> None:
                 max_size=30), st.integers(0, 2**31))
 def test_matches_a_dict_model(ops, seed):
     rng = np.random.default_rng(seed)
-    t = BlockTable(200)
+    t = DiskIndex(200)
     model: dict[tuple[int, bytes], int] = {}
     slot = 0
     for op, tid, n in ops:
@@ -66,7 +66,7 @@ def test_matches_a_dict_model(ops, seed):
 def test_persists_and_resizes(tmp_path):
     rng = np.random.default_rng(7)
     path = str(tmp_path / "t.kvx")
-    t = BlockTable(10_000, path)
+    t = DiskIndex(10_000, path)
     k = _keys(rng, 5000)
     t.insert(3, k, np.arange(5000, dtype=np.uint32), np.arange(5000, dtype=np.uint32) * 7)
     t.remove(t.lookup(3, k[:1000]))
@@ -74,20 +74,20 @@ def test_persists_and_resizes(tmp_path):
     t.insert(9, k9, np.arange(5000, 5100, dtype=np.uint32), np.zeros(100, dtype=np.uint32))
     t.flush()
     del t
-    t = BlockTable(10_000, path)  # reopened: the same records, the removed ones still gone
+    t = DiskIndex(10_000, path)  # reopened: the same records, the removed ones still gone
     pos = t.lookup(3, k)
     assert (pos[:1000] == -1).all() and (pos[1000:] >= 0).all() and t.used == 4100
     assert t.by_table == {3: 4000, 9: 100}  # counted again from the records at open
     assert (t.recs["crc"][pos[1000:]] == np.arange(1000, 5000) * 7).all()
     del t
-    small = BlockTable(3000, path)  # --disk-size shrank: what fits is imported, the rest dropped
+    small = DiskIndex(3000, path)  # --disk-size shrank: what fits is imported, the rest dropped
     assert 2950 <= small.used <= 3000
     assert (small.lookup(3, k[1000:]) >= 0).sum() + (small.lookup(9, k9) >= 0).sum() == small.used
     assert sum(small.by_table.values()) == small.used
 
 
 def test_a_full_table_places_nearly_every_block():
-    t = BlockTable(100_000)
+    t = DiskIndex(100_000)
     k = _keys(np.random.default_rng(3), 100_000)
     pos = t.insert(1, k, np.arange(100_000, dtype=np.uint32), np.zeros(100_000, dtype=np.uint32))
     assert (pos >= 0).mean() > 0.999 and len(set(pos[pos >= 0].tolist())) == t.used
@@ -96,19 +96,19 @@ def test_a_full_table_places_nearly_every_block():
 
 def test_memory_per_block_is_below_100_bytes():
     """Records and fingerprints, plus the disk tier's 7 bytes of slot arrays and 2.5 of ghost filters."""
-    t = BlockTable(1_000_000)
+    t = DiskIndex(1_000_000)
     per = t.memory_bytes / 1_000_000
     assert per == pytest.approx((RECORD.itemsize + 4) / LOAD_FACTOR, rel=0.01) and per + 7 + 2.5 <= 100
 
 
 def test_a_table_built_in_memory_and_saved_is_found_again(tmp_path):
-    """BlockTable.save: the file a bench (or an import) writes in one pass opens as the same table."""
-    t = BlockTable(1000)
+    """DiskIndex.save: the file a bench (or an import) writes in one pass opens as the same table."""
+    t = DiskIndex(1000)
     k = np.random.default_rng(3).integers(0, 2**63, size=(700, 4), dtype=np.int64).astype(np.uint64)
     pos = t.insert(1, k, np.arange(700, dtype=np.uint32), np.arange(700, dtype=np.uint32) * 7)
     path = str(tmp_path / "index-4096.kvx")
     t.save(path)
-    u = BlockTable(1000, path)
+    u = DiskIndex(1000, path)
     assert u.used == t.used == int((pos >= 0).sum())
     got = u.lookup(1, k)
     assert (got == pos).all()
@@ -141,7 +141,7 @@ def test_lookup_find_and_probe_agree_with_a_model(kernel, max_blocks):
     present key's first three words (its buckets and fingerprint: the record decides), with each
     kernel (8 blocks: two buckets, so a key's two choices often coincide)."""
     rng = np.random.default_rng(3)
-    t = BlockTable(max_blocks)
+    t = DiskIndex(max_blocks)
     present = _keys(rng, max_blocks * 3 // 4)
     pos = t.insert(1, present, np.arange(len(present), dtype=np.uint32), np.zeros(len(present), dtype=np.uint32))
     held = pos >= 0
@@ -175,7 +175,7 @@ def test_the_kernels_agree_after_random_inserts_and_removals(seed, n):
     if table_module._probe is None:
         pytest.skip("the compiled kernel is not built here")
     rng = np.random.default_rng(seed)
-    t = BlockTable(400)
+    t = DiskIndex(400)
     k = _keys(rng, n)
     t.insert(1, k[: n // 2], np.arange(n // 2, dtype=np.uint32), np.zeros(n // 2, dtype=np.uint32))
     t.insert(2, k[n // 2:], np.arange(n - n // 2, dtype=np.uint32), np.zeros(n - n // 2, dtype=np.uint32))
@@ -196,21 +196,21 @@ def test_the_kernels_agree_after_random_inserts_and_removals(seed, n):
 
 @pytest.mark.parametrize("writer", ["c", "python"])
 def test_the_file_follows_the_table_and_is_reserved_whole(tmp_path, writer, monkeypatch):
-    """The index file is written behind the table by its writer thread (kvoffd/cache/tiers/tablefile.py),
+    """The index file is written behind the table by its writer thread (kvoffd/cache/tiers/indexfile.py),
     by the compiled ``write_pages`` or by the Python loop it replaces: once ``wait`` says a change is
     written, the file holds exactly the memory (header and every record), its space is allocated whole
     at creation (no hole a write could find the file system full in), it reopens to the same records,
     and a file truncated under the table is written whole again at the next change."""
-    from kvoffd.cache.tiers import tablefile
+    from kvoffd.cache.tiers import indexfile
 
     if writer == "python":
-        monkeypatch.setattr(tablefile, "_probe", None)
-    elif tablefile._probe is None:
+        monkeypatch.setattr(indexfile, "_probe", None)
+    elif indexfile._probe is None:
         pytest.skip("the compiled kernel is not built here")
     path = tmp_path / "index-4096.kvx"
     rng = np.random.default_rng(11)
-    t = BlockTable(20_000, str(path))
-    assert os.stat(path).st_blocks * 512 >= os.path.getsize(path) == tablefile.file_bytes(t.cap)
+    t = DiskIndex(20_000, str(path))
+    assert os.stat(path).st_blocks * 512 >= os.path.getsize(path) == indexfile.file_bytes(t.cap)
     assert (t._file._scratch is None) == (writer == "python")
     live = []
     for _ in range(12):
@@ -229,7 +229,7 @@ def test_the_file_follows_the_table_and_is_reserved_whole(tmp_path, writer, monk
     assert t.wait(t.mark(), 10) and t._file.rewrites == 1
     assert path.read_bytes() == bytes(t._file.image)
     t.close()
-    u = BlockTable(20_000, str(path))
+    u = DiskIndex(20_000, str(path))
     assert u.used == t.used and u.note == ""
     for keys, pos in live:
         assert (u.lookup(2, keys) == pos).all()

@@ -1,5 +1,5 @@
-/* The disk tier's block table, probed in C: kvoffd/cache/tiers/table.py's ``probe`` and ``lookup``
- * for a batch of keys in one call; and ``write_pages``, the index file's writer (tablefile.py).
+/* The disk tier's index, probed in C: kvoffd/cache/tiers/diskindex.py's ``probe`` and ``lookup``
+ * for a batch of keys in one call; and ``write_pages``, the index file's writer (indexfile.py).
  *
  * Why C: a LOOKUP of a disk hit asks the table about every key before it is answered, and the numpy
  * version of that is a dozen to two dozen array calls. Each costs microseconds hot and tens of
@@ -9,7 +9,7 @@
  * of a chunk of keys are prefetched together). The numpy version stays, as the reference and the
  * fallback where this module is not built: tests/test_tier_table.py checks that both agree.
  *
- * The rules are table.py's, bit for bit: the key's first two words mixed with the table id pick its
+ * The rules are diskindex.py's, bit for bit: the key's first two words mixed with the table id pick its
  * two buckets of BUCKET records (the second moved on by one if both are the same), its third word
  * mixed the same way gives the fingerprint (the top 32 bits of a product, made odd: 0 is an empty
  * record). A record is RECORD_BYTES bytes: the key (32), the table id (4), the slot, the crc.
@@ -37,7 +37,7 @@ typedef struct {
 
 static inline uint64_t word(const unsigned char *key, int i) {
     uint64_t w;
-    memcpy(&w, key + 8 * i, 8); /* little-endian hosts only: checked at import (table.py) */
+    memcpy(&w, key + 8 * i, 8); /* little-endian hosts only: checked at import (diskindex.py) */
     return w;
 }
 

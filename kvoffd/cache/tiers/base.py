@@ -6,7 +6,7 @@ makes it small enough for a remote store is that every call is *batched* and *as
 
 * ``contains`` answers from memory on the loop thread (the LOOKUP is answered before anything else
   runs): a local tier reads its own index; a remote tier keeps a local presence table of what it wrote
-  (the same :class:`kvoffd.cache.tiers.table.BlockTable`) and treats a stale "yes" as a failed read.
+  (the same :class:`kvoffd.cache.tiers.diskindex.DiskIndex`) and treats a stale "yes" as a failed read.
 * ``read`` and ``write`` take a whole batch and return an ``asyncio.Future`` resolved *on the loop*
   (the tier's own threads or event loop call ``loop.call_soon_threadsafe``); the work itself happens
   off the loop. A read fills the caller's buffers (pool slots) and says, per block, whether the bytes

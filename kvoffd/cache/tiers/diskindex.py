@@ -1,9 +1,13 @@
-"""A compact, persistent, vectorised hash table of blocks: (table id, 32-byte key) -> (slot, checksum).
+"""The disk tier's index: compact, persistent, vectorised, (table id, 32-byte key) -> (slot, checksum).
 
-Why not a dict of Entry objects: the DRAM index costs ~530 bytes per block (issue 15), which at the
+"Table" in kvoffd means one thing: one namespace x rank's blocks (kvoffd/cache/entries.py's ``Table``;
+a tier names one by its ``TableRef`` and numbers it with a table id, kvoffd/cache/tiers/disktables.py).
+A ``DiskIndex`` holds the blocks of every table of one block size, keyed by (table id, key).
+
+Why not a dict of Entry objects: the DRAM index costs ~530 bytes per block, which at the
 67M blocks of a 16 TiB disk tier would be 35 GB. Here a block is one 44-byte record in a numpy
 structured array at a load factor of 0.6 (73 bytes per block), kept in private memory and mirrored
-in a file next to the data (kvoffd/cache/tiers/tablefile.py: read once at open, each change written
+in a file next to the data (kvoffd/cache/tiers/indexfile.py: read once at open, each change written
 back with ``pwrite`` by one thread, never a mapping of the file, which a full or truncated file system
 would answer with SIGBUS), so it survives a restart and a SIGKILL without a write-ahead log.
 
@@ -15,10 +19,10 @@ removal just empties its record, and nothing ever needs a rebuild (a rebuild wou
 stall of the event loop). ``lookup``, ``probe`` and ``insert`` take whole batches.
 
 Beside the file, in memory only, each record position has a 32-bit fingerprint of its (table id,
-key) (31 bits, odd; 0 = empty), rebuilt from the records when the table is opened (6.7 bytes per
+key) (31 bits, odd; 0 = empty), rebuilt from the records when the index is opened (6.7 bytes per
 block). A lookup reads the fingerprints of its keys' two buckets (2 x 32 bytes) and then only the
 record a match names, instead of the 16 candidate records' fields (44-byte strides over a file
-mapping of 4 KiB pages: 750 us for 1,024 keys of a 1M-block table on the 2-core VM). ``probe`` stops
+mapping of 4 KiB pages: 750 us for 1,024 keys of a 1M-block index on the 2-core VM). ``probe`` stops
 at the fingerprints: "maybe held", never a false "no", a false "yes" for about 16 in 2^31 absent
 keys; a LOOKUP of a disk hit is answered on it (kvoffd/cache/tiers/manager.py says why that is safe).
 Both run in the compiled kernel (kvoffd/cache/tiers/_probe.c, one call per batch: 28 us for 1,024
@@ -45,11 +49,12 @@ from array import array
 
 import numpy as np
 
-from kvoffd.cache.tiers.tablefile import RECORD, Damaged, TableFile, anonymous, header_of, read_live
+from kvoffd import libc
+from kvoffd.cache.tiers.indexfile import RECORD, Damaged, IndexFile, anonymous, header_of, read_live
 
 EMPTY = 0
 BUCKET = 8
-# At 3/4 a full table's churn (a disk tier always full: one removal, one insert per spill) found both
+# At 3/4 a full index's churn (a disk tier always full: one removal, one insert per spill) found both
 # buckets full for 0.4% of inserts (each a spill dropped "full", and its chain's later disk hits lost:
 # 1,514 of 202,521 spills of the conversation trace replay); at 0.6, none in 208,000 (bench-free check:
 # 3,000 rounds of 64 removals and 64 inserts at 16,000 blocks). 73 bytes per block instead of 59.
@@ -116,7 +121,7 @@ def _tally(counts: dict[int, int], tids: np.ndarray, sign: int) -> None:
             counts.pop(tid, None)
 
 
-class BlockTable:
+class DiskIndex:
     """Records for up to ``max_blocks`` blocks, in memory only or mirrored in the file ``path`` (a name
     under the directory ``dir_fd`` when given, opened without following symlinks). ``note`` says why
     the file was started over ("" when it was found whole, or imported)."""
@@ -127,13 +132,13 @@ class BlockTable:
         self.cap = self.nbuckets * BUCKET
         self.path = path
         self.note = ""
-        self._file: TableFile | None = None
+        self._file: IndexFile | None = None
         if path is None:
             self.recs = np.zeros(self.cap, dtype=RECORD)
         else:
-            opened = TableFile.open(path, dir_fd, self.cap)
+            opened = IndexFile.open(path, dir_fd, self.cap)
             self._file, self.note = opened.file, opened.note
-            weakref.finalize(self, self._file.close)  # the writer thread and the descriptor go with the table
+            weakref.finalize(self, self._file.close)  # the writer thread and the descriptor go with the index
             self.recs = self._file.records
         self._tids = self.recs["tid"]
         self._fp = anonymous(self.cap * 4).view(np.uint32)
@@ -148,7 +153,7 @@ class BlockTable:
 
     def _build_fingerprints(self) -> int:
         """The fingerprints of the records found in the file, a bounded chunk at a time (at 100M blocks
-        the table is 7 GB); returns how many records are live."""
+        the index is 7 GB); returns how many records are live."""
         used = 0
         for lo in range(0, self.cap, _FP_CHUNK):
             tids = self._tids[lo:lo + _FP_CHUNK]
@@ -160,10 +165,10 @@ class BlockTable:
         return used
 
     def _import(self, old_name: str, dir_fd: int | None) -> None:
-        """The records of a table of another capacity (``--disk-size`` changed), left as ``old_name`` by
-        ``TableFile.open`` (or by a daemon killed while importing), rehashed into this one and written
+        """The records of an index of another capacity (``--disk-size`` changed), left as ``old_name`` by
+        ``IndexFile.open`` (or by a daemon killed while importing), rehashed into this one and written
         in one pass; those that do not fit are dropped (their blocks become misses). A file there that
-        is not a table's is a note, and removed: it never stops the tier."""
+        is not an index's is a note, and removed: it never stops the tier."""
         try:
             sel = read_live(old_name, dir_fd, self.max_blocks)
         except FileNotFoundError:
@@ -195,7 +200,7 @@ class BlockTable:
 
     @property
     def memory_bytes(self) -> int:
-        """What the table costs in memory: its records and their fingerprints."""
+        """What the index costs in memory: its records and their fingerprints."""
         return self.nbytes + self._fp.nbytes
 
     def _mixed(self, tid: int, k: np.ndarray, words: int = 3) -> np.ndarray:
@@ -346,10 +351,10 @@ class BlockTable:
         return out
 
     def save(self, path: str) -> None:
-        """Write this table (usually an in-memory one) as the file ``path`` in one sequential pass.
+        """Write this index (usually an in-memory one) as the file ``path`` in one sequential pass.
 
-        Why: filling a big table through its memmap dirties every page of the file at each batch of
-        random inserts, and the kernel writes them back over and over (a 100M-block table, 5.9 GB,
+        Why: filling a big index through its memmap dirties every page of the file at each batch of
+        random inserts, and the kernel writes them back over and over (a 100M-block index, 5.9 GB,
         had written 2 TB after 7 minutes on a small VM). Built in memory and saved once, it is written
         once. Atomic (a temporary file, renamed)."""
         fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -376,15 +381,13 @@ class BlockTable:
 
     def lock_in_memory(self) -> str:
         """Lock the file's pages and the fingerprints in memory (mlock): "" once locked, else why not (a
-        table in memory has nothing to lock). Why: the table is read at random, a few pages per LOOKUP,
+        index in memory has nothing to lock). Why: the index is read at random, a few pages per LOOKUP,
         so most of it looks cold to the kernel, which may drop its clean page-cache pages (memory
         pressure, or a proactive reclaimer: the 2-core VM's DAMON pages out memory idle for a minute);
         the next LOOKUP then waits on the event loop for a disk read. Locked, it stays at its 80 bytes
-        per block of RAM (73.3 of records, 6.7 of fingerprints). Takes seconds for a big table (every page is read): call it off the loop."""
+        per block of RAM (73.3 of records, 6.7 of fingerprints). Takes seconds for a big index (every page is read): call it off the loop."""
         if self.path is None or not self.nbytes:
             return ""
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         for arr in (self.recs, self._fp):
             addr = arr.ctypes.data
             lo = addr - addr % mmap.PAGESIZE
@@ -396,7 +399,7 @@ class BlockTable:
 
     # --- the file ------------------------------------------------------------------------------------
     def mark(self) -> int:
-        """A point in this table's changes (0 without a file): see ``wait``."""
+        """A point in this index's changes (0 without a file): see ``wait``."""
         return self._file.mark() if self._file is not None else 0
 
     def wait(self, mark: int, timeout: float | None = None) -> bool:
@@ -416,6 +419,6 @@ class BlockTable:
             self._file.flush()
 
     def close(self) -> None:
-        """Write what is pending and release the file (the table stays readable in memory)."""
+        """Write what is pending and release the file (the index stays readable in memory)."""
         if self._file is not None:
             self._file.close()

@@ -5,16 +5,16 @@ Why not a shared mapping of the file: a store into a page of a sparse file mappi
 when it faults, and on a full file system the kernel has nothing to answer with but SIGBUS, which
 kills the daemon (issue 28: the first spill on a full disk did, then every restart before it served);
 a truncation of the file under the daemon did the same at its next access, in Python or in the
-compiled probe. Here the table lives in anonymous memory (``TableFile.image``: the file's bytes, header
+compiled probe. Here the index lives in anonymous memory (``IndexFile.image``: the file's bytes, header
 included), the file's space is reserved when the file is made (``posix_fallocate``: no room, and that
 block size is refused with one log line), and changes reach the file as ``pwrite``s of whole pages: a
 full, truncated or failing file is a counted write error and a colder restart, never a signal.
 
-What is written: the table tells ``changed`` the records it wrote (after writing them); one writer
+What is written: the index tells ``changed`` the records it wrote (after writing them); one writer
 thread takes the pages they lie on, copies them out of the image and writes them. The copy is made
 with the GIL held (the compiled ``write_pages``, a chunk of pages per hold, the writes without it; or
 ``bytes`` of a memoryview per run of pages), so it sees the loop's numpy statements either done or,
-for at most one of them, in progress; the table's rule (a record's ``tid`` is written last, a
+for at most one of them, in progress; the index's rule (a record's ``tid`` is written last, a
 removal clears ``tid`` alone) makes every record of such a copy either invisible, or whole, or a
 record whose checksum then fails: what a SIGKILL at any moment left in the old file mapping too. A
 page written after a change always follows it, so the file catches up with the memory; ``mark`` and
@@ -60,7 +60,7 @@ RUN_PAGES_C = 1024  # pages per copy in the compiled writer: 4 MiB, ~0.5 ms of G
 READ_CHUNK = 64 << 20  # bytes per read at open
 # A woken writer waits this long before it takes the pages: the loop's batch (a spill's removals, then
 # its inserts) goes on without the writer asking for the GIL in its middle, and one pass writes it all.
-# Measured on the 2-core VM (1,024 inserts and removals into a 1M-block table): the loop's p90 2-5 ms
+# Measured on the 2-core VM (1,024 inserts and removals into a 1M-block index): the loop's p90 2-5 ms
 # with no writer, 10-19 ms with a writer woken at once, 2.5-7.6 ms with this wait.
 GATHER_S = 0.002
 _NOT_SUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -68,7 +68,7 @@ _NOT_SUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 def anonymous(nbytes: int) -> np.ndarray:
     """Zeroed private memory for a big array, in transparent huge pages where the kernel allows
-    (madvise mode): the table is read at random, one or two TLB entries per 2 MiB, not 512."""
+    (madvise mode): the index is read at random, one or two TLB entries per 2 MiB, not 512."""
     if nbytes < 2 << 20:
         return np.zeros(nbytes, dtype=np.uint8)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -102,7 +102,7 @@ def read_header(fd: int, name: str) -> int:
     """The capacity an index file's header states, checked against the file's size."""
     head = os.pread(fd, 16, 0)
     if len(head) < 16 or head[:8] != MAGIC:
-        raise Damaged(f"{name} is not a kvoffd block table")
+        raise Damaged(f"{name} is not a kvoffd disk index")
     cap = int.from_bytes(head[8:16], "little")
     size = os.fstat(fd).st_size
     if not 0 < cap < (1 << 40) or size != file_bytes(cap):
@@ -137,14 +137,14 @@ def read_live(name: str, dir_fd: int | None, limit: int) -> np.ndarray:
 
 @dataclass
 class Opened:
-    """What ``TableFile.open`` found: the file, and why it was started over ("" when found whole)."""
+    """What ``IndexFile.open`` found: the file, and why it was started over ("" when found whole)."""
 
-    file: TableFile
+    file: IndexFile
     note: str = ""
 
 
-class TableFile:
-    """One index file and its writer thread; ``records`` are the table's records, in private memory."""
+class IndexFile:
+    """One index file and its writer thread; ``records`` are the index's records, in private memory."""
 
     def __init__(self, fd: int, image: np.ndarray, name: str):
         self.fd = fd
@@ -173,7 +173,7 @@ class TableFile:
     @classmethod
     def open(cls, name: str, dir_fd: int | None, cap: int) -> Opened:
         """The index file ``name`` (under ``dir_fd``) for ``cap`` records: read whole into memory when
-        it is one of this capacity; another capacity is moved to ``name.old`` (for the table to
+        it is one of this capacity; another capacity is moved to ``name.old`` (for the index to
         import); a damaged one is started over (the note says why). A new file's space is reserved
         at once: OSError when it cannot be (ENOSPC), and no file is left."""
         size = file_bytes(cap)
@@ -192,7 +192,7 @@ class TableFile:
                     return Opened(cls(fd, image, name))
                 os.close(fd)
                 fd = -1
-                os.rename(name, name + ".old", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # imported by the table
+                os.rename(name, name + ".old", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # imported by the index
             except Damaged as e:
                 note = f"{e}: started over, its blocks are not served"
             except BaseException:
@@ -204,7 +204,7 @@ class TableFile:
         return Opened(cls._create(name, dir_fd, cap), note)
 
     @classmethod
-    def _create(cls, name: str, dir_fd: int | None, cap: int) -> TableFile:
+    def _create(cls, name: str, dir_fd: int | None, cap: int) -> IndexFile:
         size = file_bytes(cap)
         tmp = name + ".tmp"
         with contextlib.suppress(FileNotFoundError):  # a leftover (or anything else by that name) goes
@@ -247,7 +247,7 @@ class TableFile:
             return self._cond.wait_for(lambda: self._done >= mark or self._closing, timeout) and self._done >= mark
 
     def write_all(self) -> None:
-        """The whole image, in order (after an import filled a new table in memory; before any change)."""
+        """The whole image, in order (after an import filled a new index in memory; before any change)."""
         self._write_pages(np.arange(-(-len(self.image) // PAGE), dtype=np.int64))
 
     def flush(self, timeout: float = 30.0) -> None:
