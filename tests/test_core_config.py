@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from daemon import DaemonProc, run_daemon
 
 from kvoffd.cache.policy import DiskPolicy
 from kvoffd.config import (
@@ -76,7 +77,7 @@ def test_address_forms_kept_or_refused():
                                   ["--engine-timeout", "abc"], ["--address", "inproc://x"],
                                   ["--address", "ipc:///tmp/" + "y" * 200]])
 def test_bad_values_fail_at_start_with_one_line(args):
-    r = subprocess.run([sys.executable, "-m", "kvoffd", *args], capture_output=True, text=True, timeout=30)
+    r = run_daemon(args, timeout=30)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvoffd: "), r.stderr
@@ -117,7 +118,7 @@ def test_socket_directory_and_socket_are_private(make_daemon, tmp_path):
     rt = tmp_path / "rt"
     rt.mkdir()
     env = {**os.environ, "XDG_RUNTIME_DIR": str(rt), "KVOFFD_METRICS_ADDRESS": "off", "KVOFFD_POOL_SIZE": "16MiB"}
-    p = subprocess.Popen([sys.executable, "-m", "kvoffd"], env=env, stderr=subprocess.PIPE, text=True)
+    p = DaemonProc(f"ipc://{rt}/kvoffd/kvoffd.sock", env=env, argv=[sys.executable, "-m", "kvoffd"]).start()
     try:
         from kvtest import wait_until
 
@@ -125,11 +126,10 @@ def test_socket_directory_and_socket_are_private(make_daemon, tmp_path):
         assert stat.S_IMODE(os.stat(rt / "kvoffd").st_mode) == 0o700
         assert stat.S_IMODE(os.stat(rt / "kvoffd" / "kvoffd.sock").st_mode) == 0o600
         # a second daemon on the same socket refuses to steal it
-        r = subprocess.run([sys.executable, "-m", "kvoffd"], env=env, capture_output=True, text=True, timeout=30)
+        r = run_daemon([], env=env, timeout=30)
         assert r.returncode == 1 and "another daemon" in r.stderr
     finally:
-        p.terminate()
-        p.wait(10)
+        p.stop()
 
 
 def test_an_address_naming_a_regular_file_keeps_the_file(tmp_path):
@@ -138,8 +138,7 @@ def test_an_address_naming_a_regular_file_keeps_the_file(tmp_path):
     d.mkdir(mode=0o700)
     victim = d / "notes.txt"
     victim.write_text("keep me")
-    r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", f"ipc://{victim}", "--metrics-address", "off",
-                        "--pool-size", "16MiB"], capture_output=True, text=True, timeout=30)
+    r = run_daemon(["--address", f"ipc://{victim}", "--metrics-address", "off", "--pool-size", "16MiB"], timeout=30)
     assert r.returncode == 1 and "not a socket" in r.stderr
     assert victim.read_text() == "keep me"
 
@@ -162,9 +161,8 @@ def test_pool_larger_than_ram_is_refused_at_start_with_one_line(tmp_path):
     overcommit, started and swapped). It is a configuration error, named with both sizes."""
     ram = physical_ram()
     assert ram
-    r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", f"ipc://{tmp_path}/d.sock",
-                        "--metrics-address", "off", "--pool-size", str(2 * ram)], capture_output=True, text=True,
-                       timeout=30)
+    r = run_daemon(["--address", f"ipc://{tmp_path}/d.sock", "--metrics-address", "off", "--pool-size", str(2 * ram)],
+                   timeout=30)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvoffd: "), r.stderr
@@ -191,9 +189,8 @@ def test_pool_the_kernel_refuses_fails_with_one_clear_line(tmp_path):
     ram = physical_ram()
     if not ram or ram < (5 << 30):
         pytest.skip("needs a host with more than 4 GiB of RAM (the pool must fit RAM to pass the config check)")
-    r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", f"ipc://{tmp_path}/d.sock",
-                        "--metrics-address", "off", "--backend", "cpu", "--pool-size", "4GiB"],
-                       capture_output=True, text=True, timeout=60, preexec_fn=limit_address_space)
+    r = run_daemon(["--address", f"ipc://{tmp_path}/d.sock", "--metrics-address", "off", "--backend", "cpu",
+                    "--pool-size", "4GiB"], preexec_fn=limit_address_space)
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     line = next(ln for ln in r.stderr.splitlines() if "cannot start" in ln)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tracemalloc
 
+from daemon import run_daemon
 from kvtest import chain_keys
 
 from kvoffd.cache.index import Index, Table
@@ -168,8 +169,6 @@ def test_one_store_evicts_a_bounded_number_of_entries_for_another_slot_size():
 
 def test_a_pool_is_the_size_asked_for_or_refused_with_one_line(tmp_path):
     """Issue 13 point 6: 100 MiB used to give 64 MiB silently."""
-    import subprocess
-    import sys
 
     import pytest
 
@@ -180,8 +179,7 @@ def test_a_pool_is_the_size_asked_for_or_refused_with_one_line(tmp_path):
     assert Pool(16 << 20).nbytes == 16 << 20
     with pytest.raises(ValueError, match="not a whole number of 64MiB chunks; use 64MiB or 128MiB"):
         Pool(100 << 20)
-    r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", f"ipc://{tmp_path}/d.sock", "--metrics-address",
-                        "off", "--pool-size", "100MiB"], capture_output=True, text=True, timeout=60)
+    r = run_daemon(["--address", f"ipc://{tmp_path}/d.sock", "--metrics-address", "off", "--pool-size", "100MiB"])
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "kvoffd: --pool-size 100MiB is not a whole number of 64MiB chunks; use 64MiB or 128MiB"], r.stderr
 

@@ -15,11 +15,9 @@ import hashlib
 import os
 import shutil
 import socket
-import subprocess
-import sys
 
-from daemon import DaemonProc
-from kvtest import ROOT, start_daemon, wait_until
+from daemon import DaemonProc, run_daemon
+from kvtest import start_daemon, wait_until
 
 
 def _problems(stderr: str) -> list[str]:
@@ -41,9 +39,7 @@ def test_a_second_daemon_on_a_served_socket_gives_the_real_error_alone(tmp_path)
     try:
         before = _places(address)
         pool = first.client().stats()["persistence"]["path"]
-        r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", "64MiB",
-                            "--metrics-address", "127.0.0.1:0", *flags], capture_output=True, text=True, timeout=60,
-                           cwd=ROOT)
+        r = run_daemon(["--address", address, "--pool-size", "64MiB", "--metrics-address", "127.0.0.1:0", *flags])
         assert r.returncode == 1, r.stderr[-3000:]
         problems = _problems(r.stderr)
         assert len(problems) == 1, "\n".join(problems)
@@ -71,9 +67,7 @@ def test_a_second_daemon_on_a_served_tcp_port_gives_the_real_error_alone(tmp_pat
     first = start_daemon(address, "64MiB", "--pool-path", "")
     try:
         before = _places(address)
-        r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", "64MiB",
-                            "--pool-path", "", "--metrics-address", "off"], capture_output=True, text=True,
-                           timeout=60, cwd=ROOT)
+        r = run_daemon(["--address", address, "--pool-size", "64MiB", "--pool-path", "", "--metrics-address", "off"])
         assert r.returncode == 1, r.stderr[-3000:]
         problems = _problems(r.stderr)
         assert len(problems) == 1 and f"listens on 127.0.0.1:{port}" in problems[0], "\n".join(problems)
@@ -116,9 +110,7 @@ def test_a_second_daemon_while_the_first_is_still_starting_gives_the_real_error_
         assert wait_until(lambda: _waits_for_lock(f"/dev/shm/{place}", starting.pid) or starting.proc.poll() is not None,
                           30)
         assert starting.proc.poll() is None, log.read_text()
-        r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", "64MiB",
-                            "--pool-path", "", "--metrics-address", "off"], capture_output=True, text=True, timeout=60,
-                           cwd=ROOT)
+        r = run_daemon(["--address", address, "--pool-size", "64MiB", "--pool-path", "", "--metrics-address", "off"])
         assert r.returncode == 1, r.stderr[-3000:]
         problems = _problems(r.stderr)
         assert len(problems) == 1 and f"another daemon is starting on {sock_dir}/d.sock" in problems[0], problems

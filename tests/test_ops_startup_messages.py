@@ -8,11 +8,9 @@ the flag that moves it.
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 
-from daemon import DaemonProc
-from kvtest import ROOT, wait_until
+from daemon import DaemonProc, run_daemon
+from kvtest import wait_until
 
 from kvoffd_client.vllm.launch import vllm_serve_argument
 
@@ -32,9 +30,8 @@ def test_a_busy_metrics_port_names_the_flag_that_moves_it(tmp_path):
     sock = tmp_path / "s"
     sock.mkdir(mode=0o700)
     try:
-        r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", f"ipc://{sock}/d.sock", "--pool-size", "64MiB",
-                            "--pool-path", "none", "--metrics-address", f"127.0.0.1:{port}"],
-                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        r = run_daemon(["--address", f"ipc://{sock}/d.sock", "--pool-size", "64MiB", "--pool-path", "none",
+                        "--metrics-address", f"127.0.0.1:{port}"])
     finally:
         holder.close()
     assert r.returncode == 1, r.stderr[-2000:]

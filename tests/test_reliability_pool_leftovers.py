@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from daemon import DaemonProc
+from daemon import DaemonProc, run_daemon
 from kvtest import ROOT, chain_keys, start_daemon, wait_until
 from reliability_util import ShmEngine
 
@@ -130,8 +130,7 @@ def _store(d, eng: ShmEngine, keys: list[bytes]) -> None:
 
 
 def _run_failing(address: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", "64MiB",
-                           "--pool-path", "", *extra], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    return run_daemon(["--address", address, "--pool-size", "64MiB", "--pool-path", "", *extra])
 
 
 @pytest.fixture

@@ -219,3 +219,12 @@ class DaemonProc:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def run_daemon(args: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 60.0,
+               preexec_fn=None) -> subprocess.CompletedProcess:
+    """``python -m kvoffd *args`` for a start that ends by itself (a refused configuration, a second
+    daemon on an address already served): its exit status, stdout and stderr apart (the refusals are
+    one line on stderr)."""
+    return subprocess.run([sys.executable, "-m", "kvoffd", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT, preexec_fn=preexec_fn)
