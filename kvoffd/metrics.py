@@ -8,6 +8,7 @@ docs/metrics.md documents each one.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -170,6 +171,64 @@ class _LookupCounters(Collector):
         yield blocks
 
 
+class Tally:
+    """A counter as a plain integer: what STATS reports (``value``) is what a scrape exports
+    (``_Tallies``), without reading prometheus_client's private state. ``inc`` is thread-safe (the
+    KV-event counters are counted by the event loop and by the publisher thread)."""
+
+    __slots__ = ("value", "_lock")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def inc(self, n: int = 1) -> None:
+        with self._lock:
+            self.value += n
+
+
+class LabeledTally:
+    """One ``Tally`` per value of one label; the values named at construction exist from the start (at
+    0), so a query never sees their series appear."""
+
+    def __init__(self, values: Iterable[str]):
+        self._by: dict[str, Tally] = {v: Tally() for v in values}
+
+    def labels(self, value: str) -> Tally:
+        t = self._by.get(value)
+        return t if t is not None else self._by.setdefault(value, Tally())
+
+    def items(self) -> list[tuple[str, Tally]]:
+        return list(self._by.items())
+
+
+class _Tallies(Collector):
+    """The tallies' counter series, read at scrape time: rows of (name, help, label, tally)."""
+
+    def __init__(self) -> None:
+        self._rows: list[tuple[str, str, str | None, Tally | LabeledTally]] = []
+
+    def count(self, name: str, help_: str) -> Tally:
+        t = Tally()
+        self._rows.append((name, help_, None, t))
+        return t
+
+    def count_by(self, name: str, help_: str, label: str, values: Iterable[str]) -> LabeledTally:
+        t = LabeledTally(values)
+        self._rows.append((name, help_, label, t))
+        return t
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        for name, help_, label, t in self._rows:
+            if isinstance(t, Tally):
+                yield CounterMetricFamily(name, help_, value=t.value)
+                continue
+            fam = CounterMetricFamily(name, help_, labels=[label])
+            for value, one in t.items():
+                fam.add_metric([value], one.value)
+            yield fam
+
+
 class Metrics:
     def __init__(self, version: str, read_state: Callable[[], dict[str, Any]] | None = None):
         # no *_created series: they double the series count and kvoffd_start_time_seconds says it once
@@ -177,34 +236,35 @@ class Metrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.lookup = LookupCounts()
         r.register(_LookupCounters(self.lookup))
-        self._block_series(r)
-        self._job_series(r)
-        self._daemon_series(r, version)
+        tallies = _Tallies()  # the counters STATS reads too
+        self._block_series(r, tallies)
+        self._job_series(r, tallies)
+        self._daemon_series(r, tallies, version)
+        r.register(tallies)  # once every row is there: registration reads their names
         self._label_every_series()
         if read_state is not None:
             self.watch_live_state(read_state)
 
-    def _block_series(self, r: CollectorRegistry) -> None:
+    def _block_series(self, r: CollectorRegistry, tallies: _Tallies) -> None:
         """What happened to blocks: missed, stored, loaded, refused, dropped (evicted: ``_LiveState``)."""
         self.misses = Counter("kvoffd_misses", "Missed blocks by the reason of the first miss in the lookup",
                               ["reason"], registry=r)
-        self.stored_blocks = Counter("kvoffd_stored_blocks", "Blocks copied into the pool", registry=r)
-        self.store_noop_blocks = Counter("kvoffd_store_noop_blocks",
-                                         "Blocks a STORE named that were already resident (no copy)", registry=r)
-        self.loaded_blocks = Counter("kvoffd_loaded_blocks", "Blocks copied back into an engine: the hits "
-                                     "served", registry=r)
-        self.cross_numa_loads = Counter("kvoffd_cross_numa_loads", "Blocks a LOAD read from a pool shard on another "
-                                        "NUMA node than the engine's (a sharded pool only)", registry=r)
-        self.admission_refused = Counter("kvoffd_admission_refused_blocks", "New blocks of a STORE the "
-                                         "admission policy refused (--eviction-policy): not stored, not copied",
-                                         registry=r)
-        self.dropped_stores = Counter("kvoffd_dropped_stores", "Blocks a STORE could not keep, by reason",
-                                      ["reason"], registry=r)
+        self.stored_blocks = tallies.count("kvoffd_stored_blocks", "Blocks copied into the pool")
+        self.store_noop_blocks = tallies.count("kvoffd_store_noop_blocks",
+                                               "Blocks a STORE named that were already resident (no copy)")
+        self.loaded_blocks = tallies.count("kvoffd_loaded_blocks", "Blocks copied back into an engine: the hits "
+                                           "served")
+        self.cross_numa_loads = tallies.count("kvoffd_cross_numa_loads", "Blocks a LOAD read from a pool shard on "
+                                              "another NUMA node than the engine's (a sharded pool only)")
+        self.admission_refused = tallies.count("kvoffd_admission_refused_blocks", "New blocks of a STORE the "
+                                               "admission policy refused (--eviction-policy): not stored, not copied")
+        self.dropped_stores = tallies.count_by("kvoffd_dropped_stores", "Blocks a STORE could not keep, by reason",
+                                               "reason", DROP_REASONS)
 
-    def _job_series(self, r: CollectorRegistry) -> None:
+    def _job_series(self, r: CollectorRegistry, tallies: _Tallies) -> None:
         """How copies went: bytes, latency, sizes, speed, failures, expiries."""
-        self.transfer_bytes = Counter("kvoffd_transfer_bytes", "Bytes moved, by direction", ["direction"],
-                                      registry=r)
+        self.transfer_bytes = tallies.count_by("kvoffd_transfer_bytes", "Bytes moved, by direction", "direction",
+                                               DIRECTIONS)
         self.transfer_seconds = Histogram("kvoffd_transfer_seconds", "Job latency from accepted to complete",
                                           ["direction"], buckets=_SECONDS_BUCKETS, registry=r)
         self.transfer_blocks = Histogram("kvoffd_transfer_blocks", "Blocks per job", ["direction"],
@@ -222,15 +282,15 @@ class Metrics:
                                     "or stopped where their copy was to start (backlog or stalled daemon)",
                                     registry=r)
 
-    def _daemon_series(self, r: CollectorRegistry, version: str) -> None:
+    def _daemon_series(self, r: CollectorRegistry, tallies: _Tallies, version: str) -> None:
         """The daemon itself: errors, engines, KV events, start time, build."""
-        self.errors = Counter("kvoffd_errors", "ERROR replies, by code", ["code"], registry=r)
+        self.errors = tallies.count_by("kvoffd_errors", "ERROR replies, by code", "code", [c.value for c in ErrorCode])
         self.engine_events = Counter("kvoffd_engine_events", "Engine registrations and departures",
                                      ["event"], registry=r)
-        self.kv_events_published = Counter("kvoffd_kv_events_published", "KV events (BlockStored, BlockRemoved, "
-                                           "AllBlocksCleared) sent on --kv-events-address", registry=r)
-        self.kv_events_dropped = Counter("kvoffd_kv_events_dropped", "KV events dropped before sending: the "
-                                         "publisher thread was behind and its queue full", registry=r)
+        self.kv_events_published = tallies.count("kvoffd_kv_events_published", "KV events (BlockStored, "
+                                                 "BlockRemoved, AllBlocksCleared) sent on --kv-events-address")
+        self.kv_events_dropped = tallies.count("kvoffd_kv_events_dropped", "KV events dropped before sending: the "
+                                               "publisher thread was behind and its queue full")
         self.kv_events_connections = Gauge("kvoffd_kv_events_connections", "Connections to the KV-event "
                                            "endpoints now, by socket (publish, replay), held by the outlet "
                                            "process", ["socket"], registry=r)
@@ -255,16 +315,11 @@ class Metrics:
         for reason in MISS_REASONS:
             self.misses.labels(reason)
         for d in DIRECTIONS:
-            self.transfer_bytes.labels(d)
             self.transfer_seconds.labels(d)
             self.transfer_blocks.labels(d)
             self.transfer_gbps.labels(d)
             self.link_ceiling_gbps.labels(d)
             self.failed_jobs.labels(d)
-        for reason in DROP_REASONS:
-            self.dropped_stores.labels(reason)
-        for code in ErrorCode:
-            self.errors.labels(code.value)
         for ev in ("registered", "unregistered", "disconnected", "timed_out"):
             self.engine_events.labels(ev)
         for sock in ("publish", "replay"):

@@ -64,7 +64,7 @@ def test_a_publisher_behind_drops_and_counts_and_the_loop_never_waits():
     index.observers.append(pub)
     pub.set_identity("pub", EventIdentity(HashForm.BYTES, 16))
     published, dropped = metrics.kv_events_published, metrics.kv_events_dropped
-    gate = published._value._lock  # the thread takes it after each send
+    gate = published._lock  # the thread takes it after each send
     gate.acquire()
 
     async def turns() -> None:
@@ -75,11 +75,11 @@ def test_a_publisher_behind_drops_and_counts_and_the_loop_never_waits():
     try:
         asyncio.run(turns())  # returned although the publisher thread is stuck: the loop never waited
         # the stuck thread holds at most one batch and the queue one more: four or more were dropped
-        assert dropped._value.get() >= 4
+        assert dropped.value >= 4
     finally:
         gate.release()
-    assert _wait(lambda: published._value.get() + dropped._value.get() == 6)
-    sent = int(published._value.get())
+    assert _wait(lambda: published.value + dropped.value == 6)
+    sent = published.value
     assert _wait(lambda: _held(pub))
     sub = EventSubscriber(pub.bound.publish, pub.bound.replay)
     try:
@@ -114,7 +114,7 @@ def test_another_tier_publishes_under_its_own_medium():
 
     asyncio.run(turns())
     published = metrics.kv_events_published
-    assert _wait(lambda: published._value.get() == 3 and _held(pub))
+    assert _wait(lambda: published.value == 3 and _held(pub))
     sub = EventSubscriber(pub.bound.publish, pub.bound.replay)
     try:
         assert sub.catch_up() == 3
@@ -177,7 +177,7 @@ def test_adopted_blocks_are_announced_in_slices_that_never_hold_the_loop():
     asyncio.run(run())
     published = metrics.kv_events_published
     want_events = -(-n // SLICE_KEYS) + len(gone)  # the slices, and a removal event for each
-    assert _wait(lambda: published._value.get() == want_events and _held(pub)), published._value.get()
+    assert _wait(lambda: published.value == want_events and _held(pub)), published.value
     sub = EventSubscriber(pub.bound.publish, pub.bound.replay)
     try:
         sub.catch_up()
@@ -221,7 +221,7 @@ def test_adopted_blocks_wait_for_their_identity_and_a_cleared_namespace_is_not_a
             await asyncio.sleep(0)
 
     asyncio.run(run())
-    assert _wait(lambda: metrics.kv_events_published._value.get() == 1 and _held(pub))
+    assert _wait(lambda: metrics.kv_events_published.value == 1 and _held(pub))
     sub = EventSubscriber(pub.bound.publish, pub.bound.replay)
     try:
         sub.catch_up()

@@ -194,8 +194,8 @@ class KvEventPublisher(IndexObserver):
         m = self.metrics
         return {"endpoint": self.bound.publish, "replay_endpoint": self.bound.replay, "topic": self.bound.topic,
                 "token_ids": self.token_ids, "namespaces": len(self._identities),
-                "published": int(m.kv_events_published._value.get()),
-                "dropped": int(m.kv_events_dropped._value.get()), "adopted_announced": self._adopted.announced,
+                "published": m.kv_events_published.value,
+                "dropped": m.kv_events_dropped.value, "adopted_announced": self._adopted.announced,
                 "adopted_waiting": self._adopted.pending, "reopened_announced": self._adopted.announced_below,
                 **self.sink.describe()}
 

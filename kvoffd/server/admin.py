@@ -72,7 +72,7 @@ class Admin:
         tiers = self.tier_stats()
 
         def c(counter, *labels) -> int:
-            return int((counter.labels(*labels) if labels else counter)._value.get())
+            return (counter.labels(*labels) if labels else counter).value
 
         ks = self.keyspace
         return {
