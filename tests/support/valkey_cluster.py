@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -69,10 +70,14 @@ def free_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def command(port: int, *args: bytes | str | int, password: str | None = None, timeout: float = 5.0):
+def command(port: int, *args: bytes | str | int, password: str | None = None, timeout: float = 5.0,
+            tls_ca: str | None = None):
     """One command on a fresh connection; the reply decoded (bytes, int, list, None) or RuntimeError for
     an error reply."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as raw:
+        s = raw
+        if tls_ca is not None:
+            s = ssl.create_default_context(cafile=tls_ca).wrap_socket(raw, server_hostname="127.0.0.1")
         f = s.makefile("rb")
         if password is not None:
             s.sendall(_pack("AUTH", password))
@@ -151,6 +156,7 @@ class Servers:
     maxmemory: str = "512mb"
     node_timeout_ms: int = 1000
     extra: list[str] = field(default_factory=list)
+    tls: bool = False  # a plain server on TLS only (its own CA in ``ca_file``), for rediss://
     nodes: list[Node] = field(default_factory=list)
     root: str = ""
 
@@ -166,7 +172,24 @@ class Servers:
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
         user = f"default:{self.password}@" if self.password else ""
-        return f"redis://{user}{hosts}"
+        return f"{'rediss' if self.tls else 'redis'}://{user}{hosts}"
+
+    @property
+    def ca_file(self) -> str:
+        return os.path.join(self.root, "ca.crt")
+
+    def _make_certs(self) -> None:
+        """A CA and a server certificate for 127.0.0.1 (openssl), in the servers' directory."""
+        r = self.root
+        run = lambda *a: subprocess.run(["openssl", *a], cwd=r, check=True, capture_output=True)  # noqa: E731
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvoffd-test-ca",
+            "-keyout", "ca.key", "-out", "ca.crt")
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
+            "-out", "server.csr")
+        with open(os.path.join(r, "ext.cnf"), "w") as f:
+            f.write("subjectAltName=IP:127.0.0.1\n")
+        run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "1", "-extfile", "ext.cnf", "-out", "server.crt")
 
     @property
     def ports(self) -> list[int]:
@@ -178,6 +201,11 @@ class Servers:
              "--dir", d, "--daemonize", "no", "--logfile", ""]
         if self.password:
             a += ["--requirepass", self.password]
+        if self.tls:
+            r = self.root
+            a[a.index("--port") + 1] = "0"
+            a += ["--tls-port", str(port), "--tls-cert-file", f"{r}/server.crt", "--tls-key-file",
+                  f"{r}/server.key", "--tls-ca-cert-file", f"{r}/ca.crt", "--tls-auth-clients", "no"]
         if self.cluster:
             a += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                   "--cluster-node-timeout", str(self.node_timeout_ms),
@@ -186,6 +214,10 @@ class Servers:
 
     def start(self, timeout: float = 20.0) -> Servers:
         try:
+            if self.tls:
+                if self.cluster:
+                    raise ValueError("TLS servers here are plain servers (shards=0)")
+                self._make_certs()
             for i in range(max(self.shards, 1)):
                 port = free_port()
                 d = os.path.join(self.root, f"n{i}")
@@ -204,7 +236,7 @@ class Servers:
         return self
 
     def cmd(self, port: int, *args):
-        return command(port, *args, password=self.password)
+        return command(port, *args, password=self.password, tls_ca=self.ca_file if self.tls else None)
 
     def _wait_ping(self, n: Node, deadline: float) -> None:
         while True:

@@ -53,6 +53,7 @@ class RemoteConfig:
     breaker_max_cooldown: float = 0.5  # a shard that came back is tried again within this
     pipeline: int = 32  # GETs / EXISTS per round trip
     set_depth: int = 2  # SETs in flight per connection (more makes the server copy behind a big one)
+    check_threads: int = 2  # checksum (and MAC) threads: a block is summed while the next one moves
 
 
 COUNTERS = ("probes", "probe_hits", "fetches", "fetch_hits", "fetch_misses", "fetch_failures",
@@ -78,6 +79,8 @@ class RemoteStore:
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._logged: set[tuple[str, Addr]] = set()
         self.reasons: dict[str, int] = {}  # verify failures by reason (header, identity, checksum, mac, length)
+        self._checks = concurrent.futures.ThreadPoolExecutor(max(1, cfg.check_threads),
+                                                             thread_name_prefix="kvoffd-remote-sum")
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
@@ -247,8 +250,7 @@ class RemoteStore:
         def work(lane: Lane, idx: list[int], deadline: float, asking: bool) -> dict[int, object]:
             conn = lane.ready(deadline)
             res: dict[int, object] = {}
-            head = bytearray(HEADER)
-            hv = memoryview(head)
+            checks: list[tuple[int, concurrent.futures.Future]] = []
             bad: list[int] = []
             nbytes = 0
             for c in range(0, len(idx), pipe):
@@ -258,7 +260,8 @@ class RemoteStore:
                     if asking:
                         conn.reply(deadline)
                     d = dests[i]
-                    r = conn.bulk_into(hv, d, deadline)
+                    head = bytearray(HEADER)
+                    r = conn.bulk_into(memoryview(head), d, deadline)
                     if isinstance(r, RespError):
                         res[i] = self._reply_error(lane, r)
                     elif r == -1:
@@ -267,15 +270,17 @@ class RemoteStore:
                         res[i] = BAD
                         self._reason("length")
                         bad.append(i)
-                    else:
+                    else:  # summed on a check thread while the next value arrives
                         nbytes += r
-                        why = codec.verify(head, ns_id, keys[i], d)
-                        if why:
-                            res[i] = BAD
-                            self._reason(why)
-                            bad.append(i)
-                        else:
-                            res[i] = OK
+                        checks.append((i, self._checks.submit(codec.verify, head, ns_id, keys[i], d)))
+            for i, f in checks:
+                why = f.result()
+                if why:
+                    res[i] = BAD
+                    self._reason(why)
+                    bad.append(i)
+                else:
+                    res[i] = OK
             self._add(fetch_bytes=nbytes)
             if bad:  # best effort: a value that failed is never fetched again
                 conn.send(b"".join(pack("DEL", skeys[i]) for i in bad), deadline)
@@ -320,6 +325,7 @@ class RemoteStore:
                         todo.append(i)
             inflight: list[int] = []
             nbytes = 0
+            heads = [self._checks.submit(codec.header, ns_id, keys[i], srcs[i]) for i in todo]
 
             def land() -> None:
                 nonlocal nbytes
@@ -335,11 +341,11 @@ class RemoteStore:
                     res[j] = OK
                     nbytes += HEADER + len(srcs[j])
 
-            for i in todo:
+            for i, head in zip(todo, heads, strict=True):
                 src = srcs[i]
                 k = skeys[i]
                 cmd = b"*4\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, HEADER + len(src))
-                parts = [cmd, codec.header(ns_id, keys[i], src), src, b"\r\n$2\r\nNX\r\n"]
+                parts = [cmd, head.result(), src, b"\r\n$2\r\nNX\r\n"]
                 if asking:
                     parts.insert(0, ASKING)
                 conn.send_parts(parts, deadline)
@@ -374,3 +380,4 @@ class RemoteStore:
 
     def close(self) -> None:
         self.cluster.close()
+        self._checks.shutdown(wait=True)
