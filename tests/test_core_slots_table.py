@@ -100,14 +100,14 @@ def test_a_replicated_namespace_is_adopted_with_its_replicas():
     """REGISTER.replicas (MLA at TP > 1): one table per run of ranks, stored by its first rank. The
     namespace table keeps ``replicas`` so the adopted namespace answers every rank and a re-registering
     engine of the same replicas fits; a record naming a rank that does not store is not adopted."""
-    from kvoffd.cache.restart.records import NamespaceTable
+    from kvoffd.cache.restart.records import NamespaceArea
     from kvoffd.pool.format import NS_AREA_BYTES
 
-    table = NamespaceTable(memoryview(bytearray(2 * NS_AREA_BYTES)))
+    table = NamespaceArea(memoryview(bytearray(2 * NS_AREA_BYTES)))
     facts = NamespaceFacts("mla", 4, {0: RankFacts(SLOT, (SLOT,)), 2: RankFacts(SLOT, (SLOT,))}, replicas=2)
     assert table.id_for(facts) == 1
     assert table.id_for(NamespaceFacts("mla", 4, {0: RankFacts(SLOT, (SLOT,))})) == 2  # other replicas: another id
-    again = NamespaceTable(table.area)
+    again = NamespaceArea(table.area)
     again.load()
     assert again.by_id[1] == facts and again.by_id[2].replicas == 1
     rec = _records()
@@ -212,27 +212,27 @@ def test_the_namespace_table_keeps_the_kv_event_identity_and_reads_old_or_bad_on
     import zlib
 
     from kvoffd.cache.identity import EventIdentity, HashForm
-    from kvoffd.cache.restart.records import _NS_HEAD, _NS_MAGIC, NamespaceTable
+    from kvoffd.cache.restart.records import _NS_HEAD, _NS_MAGIC, NamespaceArea
     from kvoffd.pool.format import NS_AREA_BYTES
 
-    table = NamespaceTable(memoryview(bytearray(2 * NS_AREA_BYTES)))
+    table = NamespaceArea(memoryview(bytearray(2 * NS_AREA_BYTES)))
     ident = EventIdentity(HashForm.INT64, 16)
     assert table.id_for(NamespaceFacts("ev", 1, {0: RankFacts(SLOT, (SLOT,))}, events=ident)) == 1
     assert table.id_for(NamespaceFacts("ev", 1, {0: RankFacts(SLOT, (SLOT,))})) == 1  # same facts, same id
-    again = NamespaceTable(table.area)
+    again = NamespaceArea(table.area)
     again.load()
     assert again.by_id[1].events == ident
     again.set_events("ev", EventIdentity(HashForm.BYTES, 32))
-    third = NamespaceTable(table.area)
+    third = NamespaceArea(table.area)
     third.load()
     assert third.by_id[1].events == EventIdentity(HashForm.BYTES, 32)
 
-    def write(doc: dict) -> NamespaceTable:
+    def write(doc: dict) -> NamespaceArea:
         area = memoryview(bytearray(2 * NS_AREA_BYTES))
         body = json.dumps(doc).encode()
         area[:_NS_HEAD.size] = _NS_HEAD.pack(_NS_MAGIC, 1, len(body), zlib.crc32(body))
         area[_NS_HEAD.size:_NS_HEAD.size + len(body)] = body
-        t = NamespaceTable(area)
+        t = NamespaceArea(area)
         t.load()
         return t
 

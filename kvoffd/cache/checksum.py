@@ -1,6 +1,6 @@
 """The pool's block checksum: what a slot record holds (kvoffd/cache/restart/records.py), what ``--verify``
 and the first LOAD of an adopted block compare with (kvoffd/server/verify.py), what the background pass
-of a warm restart checks (kvoffd/cache/restart/persistence.py).
+of a warm restart checks (kvoffd/cache/restart/verifier.py).
 
 Why not zlib's crc32 (what records held before issue 29): one thread sums 2.1-2.4 GB/s, and stores land
 at 44-54 GB/s from one H200 engine, so a pool of checksums behind stores fell further behind every busy

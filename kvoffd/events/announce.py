@@ -1,6 +1,6 @@
 """Announcing a warm restart's adopted blocks on the KV-event stream (issue 16's "match the index").
 
-A daemon that adopts the previous daemon's pool file (kvoffd/cache/restart/persistence.py) holds blocks its own
+A daemon that adopts the previous daemon's pool file (kvoffd/cache/restart/filekeeper.py) holds blocks its own
 stream never named: no STORE committed them here. A router that consumes the stream (and dropped the
 node's kvoffd blocks when ``seq`` went back to 0) would score them uncached for as long as they live.
 So each adopted rank-0 block is announced once, as a ``BlockStored`` like any other (medium CPU; no
@@ -8,7 +8,7 @@ tokens, no parent: the pool file keeps neither, and vLLM's ``BlockStored`` allow
 what the daemon already sends for a block stored without a description).
 
 When: as soon as its namespace's event identity is known. That is at start for a namespace whose
-identity the pool file kept (``Persistence.take_adopted``), else at the REGISTER that says it
+identity the pool file kept (``FileKeeper.take_adopted``), else at the REGISTER that says it
 (``layout.kv_events``). Until then nothing can be published (the daemon cannot know the hash form), and
 an adopted block evicted meanwhile is simply never announced (nor removed: the stream never named it).
 

@@ -215,7 +215,7 @@ class KvEventPublisher(IndexObserver):
 
     def adopted(self, entries: Sequence[Entry], identities: dict[str, EventIdentity]) -> None:
         """A warm restart's adopted entries, and the identities the pool file kept for their namespaces
-        (kvoffd/cache/restart/persistence.py): told once, on the loop, after ``start``. Rank 0's are announced as
+        (kvoffd/cache/restart/filekeeper.py): told once, on the loop, after ``start``. Rank 0's are announced as
         their namespace's identity becomes known (now, for those the file kept; else at REGISTER)."""
         for ns, ident in identities.items():
             if ns not in self._identities:  # an engine that registered already said it itself

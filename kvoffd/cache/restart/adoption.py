@@ -1,7 +1,7 @@
 """Adoption: the blocks a warm restart found committed in the pool file become index entries again.
 
 ``Adoption`` is a part of ``Index`` (its base class): called at start, a slice per loop turn
-(kvoffd/cache/restart/plan.py, kvoffd/cache/restart/persistence.py), on the loop thread.
+(kvoffd/cache/restart/plan.py, kvoffd/cache/restart/filekeeper.py), on the loop thread.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kvoffd.cache.runs import Run
 class Adoption:
     def adopt(self, tables: Sequence[Table], keys: Sequence[bytes], slots: Sequence[int], stamps: Sequence[float],
               checksums: Sequence[int], cold_end: bool = False) -> list[Entry]:
-        """Blocks a warm restart found committed (kvoffd/cache/restart/persistence.py), in last-use order, oldest
+        """Blocks a warm restart found committed (kvoffd/cache/restart/filekeeper.py), in last-use order, oldest
         first: visible at once, least recently used first in their LRU lists (or handed to the
         policy as admitted); ``cold_end``: all of them before (colder than) the blocks already there,
         as a slice of older blocks than the slices adopted before it. Their slots are already held in

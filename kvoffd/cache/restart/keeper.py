@@ -1,6 +1,7 @@
-"""The daemon's pool and its keeper: a pool in its file with the ``Persistence`` that keeps the file's
-records true (kvoffd/cache/restart/persistence.py), or a pool in private memory with ``Volatile``, its stand-in, so
-that the server calls one ``Keeper`` without a branch.
+"""The daemon's pool and its keeper: a pool in its file with the ``FileKeeper`` that keeps the file's
+records true (kvoffd/cache/restart/filekeeper.py), or a pool in private memory with ``Volatile``, its
+stand-in, so that the server calls one ``Keeper`` without a branch. "Keeper" is the one name of that
+role (STATS calls its section ``persistence``: the wire's word, kept).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 
 from kvoffd.cache.identity import EventIdentity
 from kvoffd.cache.index import Entry, Index
-from kvoffd.cache.restart.persistence import Persistence
+from kvoffd.cache.restart.filekeeper import FileKeeper
 from kvoffd.pool.allocator import Pool, Provisioned
 from kvoffd.pool.file import PoolFile, PoolFileError, open_pool_file
 from kvoffd.pool.format import Layout, pool_geometry
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 class Volatile:
     """The pool in private memory (``--pool-path none``, or no room for a file): nothing survives the
-    process, and the daemon calls this instead of a ``Persistence`` without a branch."""
+    process, and the daemon calls this instead of a ``FileKeeper`` without a branch."""
 
     def __init__(self) -> None:
         self.unverified: set[Entry] = set()
@@ -74,7 +75,7 @@ class Volatile:
 
 
 #: what the server holds: the pool file's keeper, or its stand-in for a pool in private memory
-Keeper = Persistence | Volatile
+Keeper = FileKeeper | Volatile
 
 
 def open_pool(size: int, path: str, address: str, cold: bool,
@@ -139,7 +140,7 @@ def keeper(pf: PoolFile | None, pool: Pool, index: Index) -> Keeper:
     observers (a ``Volatile`` for a pool in private memory)."""
     if pf is None:
         return Volatile()
-    p = Persistence(pf, pool, index)
+    p = FileKeeper(pf, pool, index)
     p.adopt()
     index.observers.append(p)
     return p

@@ -5,7 +5,7 @@ namespace table with a rank (a storing rank, for replicas), world size and slot 
 with it; its slot must lie inside one chunk of the pool, on that slot size's grid; every record of a
 chunk must name one slot size; a key present twice in one table keeps its newest record. Whatever fails is not adopted (its
 record is invalidated) and counted. The bytes themselves are checked later, against each record's
-crc32 (kvoffd/cache/restart/persistence.py).
+crc32 (kvoffd/cache/restart/verifier.py).
 
 In two steps, so that a restarted daemon serves within a second whatever its pool holds
 (``bench/adopt_scale.py``: the index costs ~4 us per block, 17 s for four million 16 KiB blocks):

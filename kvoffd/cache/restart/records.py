@@ -1,5 +1,9 @@
 """The persistent pool's metadata: one record per slot, and the namespaces' registration facts.
 
+Names: the records are ``SlotRecords``, each chunk's slot size the chunk map, the namespaces' facts
+the namespace area (``NamespaceArea``); a *table* is only ever one namespace x rank's blocks
+(kvoffd/cache/entries.py's ``Table``), whose records say it by namespace id and rank.
+
 Records: ``records_per_chunk`` 64-byte records per chunk; slot ``i`` of a chunk has record ``i`` of
 that chunk when ``i < records_per_chunk`` (every slot of 16 KiB or more in 64 MiB chunks; smaller
 slots beyond the first 4096 of a chunk are simply not persisted: a miss after a restart, never a
@@ -27,7 +31,7 @@ aligned store) before its slot goes back to the pool (``invalidate``). A record 
 these, or whose check matches none of its forms, is ignored at adoption. Everything is numpy,
 vectorised over a batch of slots.
 
-Namespace table: a JSON document (namespace id -> name, world size, each rank's slot size and layout,
+Namespace area: a JSON document (namespace id -> name, world size, each rank's slot size and layout,
 and optionally its KV-event identity) written to the older of two areas with a generation number and a
 crc32, so one copy is whole whatever instant the process dies at.
 
@@ -90,10 +94,10 @@ class Found:
 
 
 class SlotRecords:
-    """The record table of one pool file, seen as an (n, 8) uint64 array."""
+    """The slot records of one pool file, seen as an (n, 8) uint64 array."""
 
     def __init__(self, words: np.ndarray, chunks: np.ndarray, layout: Layout):
-        """``chunks``: the chunk table, each chunk's slot size as of its last sealed record, so that a
+        """``chunks``: the chunk map, each chunk's slot size as of its last sealed record, so that a
         scan reads only the records a chunk of that size can have (32 of a 64 MiB chunk of 2 MiB
         slots, not 4,096: a 64 GiB pool is scanned in milliseconds). Written before the record; a
         chunk changes slot size only once all its slots were freed, so its records were invalidated."""
@@ -235,12 +239,12 @@ def _events_of(doc: object, name: str) -> EventIdentity | None:
             raise ValueError(f"block_size {block_size!r}, group_idx {group_idx!r}")
         return EventIdentity(HashForm(doc["hash"]), block_size, group_idx)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        log.warning("the pool's namespace table: namespace %r has a malformed KV-event identity (%s); its blocks "
+        log.warning("the pool's namespace area: namespace %r has a malformed KV-event identity (%s); its blocks "
                     "are announced once an engine registers it", name, e)
         return None
 
 
-class NamespaceTable:
+class NamespaceArea:
     """Namespace ids and facts, kept in the file's two namespace areas."""
 
     def __init__(self, area: memoryview):
@@ -272,7 +276,7 @@ class NamespaceTable:
                 self.by_id[int(item["id"])] = NamespaceFacts(name, int(item["world_size"]), ranks, replicas,
                                                              _events_of(item.get("events"), name))
         except (ValueError, KeyError, TypeError) as e:
-            log.warning("the pool's namespace table is damaged (%s); its blocks are not adopted", e)
+            log.warning("the pool's namespace area is damaged (%s); its blocks are not adopted", e)
             self.by_id.clear()
 
     def id_for(self, facts: NamespaceFacts) -> int | None:
@@ -303,7 +307,7 @@ class NamespaceTable:
             self.save()
 
     def keep_only(self, ids: set[int]) -> None:
-        """Forget the namespaces no adopted block uses (the table stays small across restarts)."""
+        """Forget the namespaces no adopted block uses (the area stays small across restarts)."""
         self.by_id = {i: f for i, f in self.by_id.items() if i in ids}
         self.save()
 
@@ -315,7 +319,7 @@ class NamespaceTable:
                               for i, f in self.by_id.items()]}
         body = json.dumps(doc, separators=(",", ":")).encode()
         if len(body) > NS_AREA_BYTES - _NS_HEAD.size:
-            log.warning("the pool's namespace table is full (%d bytes); new namespaces are not persisted", len(body))
+            log.warning("the pool's namespace area is full (%d bytes); new namespaces are not persisted", len(body))
             return False
         self.generation += 1
         a = self.generation % 2

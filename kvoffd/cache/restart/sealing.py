@@ -1,6 +1,6 @@
 """The checksums of committed blocks, computed on threads behind the stores (issue 29).
 
-A block's record is committed when its copy completes (kvoffd/cache/restart/persistence.py); its checksum is filled
+A block's record is committed when its copy completes (kvoffd/cache/restart/mirror.py); its checksum is filled
 in later, by ``Sealer``: the blocks of each commit are cut into tasks of ``TASK_BYTES`` and summed on the
 checksum threads (kvoffd/cache/checksum.py: numpy releases the GIL, so the threads run in parallel),
 each task's sums handed back to the loop, which fills in the records of the blocks still alive. Stores

@@ -25,7 +25,7 @@ was just asked for) as pending entries, visible only once the tier has verified 
 fails is aborted (its LOAD reports it failed, the engine recomputes). A slot is never freed while a
 read into it is in flight: the entry keeps its store ref until the tier resolves the read.
 
-A block adopted at a warm restart whose checksum the keeper has not verified yet (kvoffd/cache/restart/persistence.py)
+A block adopted at a warm restart whose checksum the keeper has not verified yet (kvoffd/cache/restart/verifier.py)
 is checked against it before it is spilled, on a thread, and dropped (counted ``corrupt``) when it
 fails: the tier would otherwise give the corrupt bytes a fresh checksum of its own and serve them.
 Until its check is done such a block is neither staged nor written. And a tier that raises is a
