@@ -227,7 +227,7 @@ def test_one_node_means_one_shard_and_no_policy(tmp_path):
 
 def _ctx(root, **kw) -> Context:
     base = dict(pool_size=256 << 20, pool_size_source="test", address="ipc:///nonexistent/kvoffd.sock",
-                bandwidth_bytes=0, ipc=False, gpu_timeout_s=60, sysfs_root=str(root), _gpu={})
+                bandwidth_bytes=0, ipc=False, gpu_timeout_s=60, sysfs_root=str(root), gpu_probe={})
     base.update(kw)
     return Context(**base)
 
@@ -239,7 +239,7 @@ def test_doctor_shows_the_gpu_node_shard_map(tmp_path):
     assert r.status == WARN and "node 1 (EINVAL" in r.detail, r
     assert "node 0 (CPUs 0): GPU0 0000:19:00.0; shard 0: 1/4 chunks" in r.detail
     assert "node 1 (CPUs 1): GPU1 0000:9a:00.0, GPU2 0000:9b:00.0, GPU3 0000:9c:00.0; shard 1: 3/4 chunks" in r.detail
-    probed = check_numa(_ctx(root, _gpu={"gpus": [{"index": 0, "bus_id": "00000000:9A:00.0"}]}))
+    probed = check_numa(_ctx(root, gpu_probe={"gpus": [{"index": 0, "bus_id": "00000000:9A:00.0"}]}))
     assert "node 1 (CPUs 1): GPU0 00000000:9A:00.0; the one shard" in probed.detail  # CUDA's view wins
     unknown = check_numa(_ctx(_two_nodes(tmp_path / "u", {"0000:19:00.0": -1, "0000:9a:00.0": 1})))
     assert unknown.status == WARN and "GPU0: firmware gives no NUMA node" in unknown.detail

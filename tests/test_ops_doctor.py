@@ -80,7 +80,7 @@ def test_doctor_without_torch_skips_gpu_checks(tmp_path):
 
 def test_gpu_probe_failure_is_a_result_not_a_crash(monkeypatch):
     c = ctx(ipc=True, bandwidth_bytes=1 << 20)
-    c._gpu = {"probe_error": "the GPU probe did not finish in 1s (a hung driver?)"}
+    c.gpu_probe = {"probe_error": "the GPU probe did not finish in 1s (a hung driver?)"}
     for check in (doctor_gpu_checks.check_gpus, doctor_gpu_checks.check_ipc, doctor_gpu_checks.check_bandwidth):
         r = check(c)
         assert r.status in (SKIP, FAIL) and "probe" in r.detail
@@ -89,7 +89,7 @@ def test_gpu_probe_failure_is_a_result_not_a_crash(monkeypatch):
 def test_gpu_results_are_judged(monkeypatch):
     """Findings as a GPU host would report them: a slow link warns, a failed IPC open fails."""
     c = ctx(ipc=True, bandwidth_bytes=256 << 20)
-    c._gpu = {"torch": "2.x", "torch_cuda": "12.8", "available": True, "count": 2, "gpus": [
+    c.gpu_probe = {"torch": "2.x", "torch_cuda": "12.8", "available": True, "count": 2, "gpus": [
         {"index": 0, "name": "H200", "uuid": "GPU-aaaa", "bus_id": "0000:19:00.0",
          "link": {"max": {"gts": 32.0, "width": 16, "gbps": 63.0}, "current": {"gts": 32.0, "width": 16, "gbps": 63.0}},
          "bandwidth": {"h2d": 53.1, "d2h": 54.0}, "ipc": {"ok": True, "open_s": 0.01}},

@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   daemon=view, daemon_error=why)
     results = run_checks(ctx)
     if args.json:
-        print(json.dumps({"results": [asdict(r) for r in results], "gpu_probe": ctx._gpu}, indent=2))
+        print(json.dumps({"results": [asdict(r) for r in results], "gpu_probe": ctx.gpu_probe}, indent=2))
     else:
         print(f"kvoffd doctor on {platform.node()} ({platform.system()} {platform.release()}, {platform.machine()}, "
               f"Python {platform.python_version()})")

@@ -18,6 +18,13 @@ from kvoffd.units import format_size
 BANDWIDTH_RATIO_WARN = 0.6  # achieved / link ceiling below this is worth a look
 
 
+def gpu_findings(ctx: Context) -> dict[str, Any]:
+    """The GPU probe's findings, run once per context in a child process (see doctor_gpu)."""
+    if ctx.gpu_probe is None:
+        ctx.gpu_probe = run_gpu_probe(ctx)
+    return ctx.gpu_probe
+
+
 def run_gpu_probe(ctx: Context) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "kvoffd.ops.doctor_gpu", "probe", str(ctx.bandwidth_bytes), "1" if ctx.ipc else "0",
            str(ctx.gpu_timeout_s / 2)]
@@ -51,7 +58,7 @@ def _exit_words(returncode: int) -> str:
 def check_gpus(ctx: Context) -> Result:
     nodes = doctor_host.device_nodes()
     gpu_nodes = doctor_host.gpu_nodes()
-    g = ctx.gpu()
+    g = gpu_findings(ctx)
     vis = [f"{k.upper()}={g[k]}" for k in ("cuda_visible_devices", "nvidia_visible_devices") if g.get(k) is not None]
     vis_s = f" ({', '.join(vis)})" if vis else ""
     if "probe_error" in g:
@@ -91,7 +98,7 @@ def check_gpus(ctx: Context) -> Result:
 
 
 def _gpu_skip(ctx: Context, name: str) -> Result | None:
-    g = ctx.gpu()
+    g = gpu_findings(ctx)
     if "probe_error" in g:
         return Result(name, SKIP, "the GPU probe did not run: " + g["probe_error"])
     if not g.get("available") or not g.get("gpus"):
@@ -106,7 +113,7 @@ def check_ipc(ctx: Context) -> Result:
     if skip:
         return skip
     bad, good = [], []
-    for x in ctx.gpu()["gpus"]:
+    for x in gpu_findings(ctx)["gpus"]:
         r = x.get("ipc") or {"ok": False, "error": x.get("error", "not run")}
         (good if r.get("ok") else bad).append((x["index"], r))
     if bad:
@@ -125,7 +132,7 @@ def check_bandwidth(ctx: Context) -> Result:
     if skip:
         return skip
     parts, slow = [], []
-    for x in ctx.gpu()["gpus"]:
+    for x in gpu_findings(ctx)["gpus"]:
         bw, link = x.get("bandwidth"), x.get("link") or {}
         if not bw:
             parts.append(f"GPU {x['index']}: not measured ({x.get('error', '?')})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 
+from kvoffd.ops.doctor_gpu_checks import gpu_findings
 from kvoffd.ops.doctor_result import PASS, WARN, Context, Result
 from kvoffd.pool.format import pool_geometry
 from kvoffd.pool.mempolicy import mbind
@@ -37,7 +38,7 @@ def _cpus(cpus: frozenset[int]) -> str:
 
 def _gpus(ctx: Context, topo: Topology) -> list[tuple[int, str, int]]:
     """(ordinal, bus id, node) of each GPU: the probe's view where it saw GPUs, else sysfs's."""
-    probed = [g for g in ctx.gpu().get("gpus", []) if "index" in g]
+    probed = [g for g in gpu_findings(ctx).get("gpus", []) if "index" in g]
     if probed:
         return [(g["index"], g.get("bus_id") or "", topo.gpu_node(g["index"], g.get("bus_id") or ""))
                 for g in probed]

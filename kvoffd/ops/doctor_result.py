@@ -1,5 +1,6 @@
 """What every ``kvoffd doctor`` check is given and returns: the ``Context`` (what to check against,
-and the GPU probe's findings, fetched once) and one ``Result`` line with its verdict word.
+and the GPU probe's findings once fetched: data only, it runs nothing) and one ``Result`` line with its
+verdict word.
 
 Kept free of the checks themselves so that the check modules (doctor_host, doctor_daemon,
 doctor_gpu_checks, doctor_pool) and the GPU probe's child process (doctor_gpu) share it without
@@ -38,15 +39,8 @@ class Context:
     overruled: list[str] = field(default_factory=list)  # this shell's KVOFFD_* (and the like) not used, as text
     daemon: Any = None  # the running daemon's DaemonView (doctor_settings), None: none answered
     daemon_error: str | None = None  # why it did not answer ("" none to ask); None: not asked yet
-    _gpu: dict[str, Any] | None = None
-
-    def gpu(self) -> dict[str, Any]:
-        """The GPU probe's findings, run once in a child process (see doctor_gpu)."""
-        if self._gpu is None:
-            from kvoffd.ops.doctor_gpu_checks import run_gpu_probe  # the checks import this module
-
-            self._gpu = run_gpu_probe(self)
-        return self._gpu
+    #: the GPU probe's findings once it ran (doctor_gpu_checks.gpu_findings runs it); None: not run
+    gpu_probe: dict[str, Any] | None = None
 
 
 def read_text(path: str) -> str:
