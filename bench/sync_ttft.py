@@ -121,7 +121,7 @@ def run(hit_blocks: list[int], tail: int, reps: int, background: int) -> dict[st
         llm = make_llm(model, daemon.address, kv_bytes=256 << 20, max_model_len=2048,
                        extra={"kvoffd_sync_load_bytes": 64 << 20, "kvoffd_sync_load_timeout_ms": 2000})
         try:
-            budget = connector_of(llm)._scheduler.sync_budget
+            budget = connector_of(llm)._scheduler.state.sync_budget
             bg = [0]
             _top_up(llm, background, bg)
             for n, (rep, h, mode) in enumerate(plan):

@@ -59,7 +59,7 @@ def test_reset_prefix_cache_then_external_hits(llm: Any, reference: list[list[in
     drain(llm)
     # The connector holds nothing once the engine is idle: no leases, no jobs, no request state.
     conn = core_of(llm).scheduler.get_kv_connector()
-    assert not conn._scheduler._reqs and not conn._scheduler._store_jobs
+    assert not conn._scheduler.state.reqs and not conn._scheduler.state.store_jobs
     assert daemon.stats()["leases"] == 0
 
 

@@ -129,7 +129,7 @@ def _run(arch: Arch, model: str, daemon: Any) -> Run:
         run.load_blocks = vllm_metric(llm, "vllm:kvoffd_load_blocks")
         drain(llm)
         sched = core_of(llm).scheduler.get_kv_connector()._scheduler
-        assert not sched._reqs and not sched._store_jobs  # nothing held once idle
+        assert not sched.state.reqs and not sched.state.store_jobs  # nothing held once idle
     finally:
         close_llm(llm)
     return run

@@ -114,7 +114,7 @@ def test_small_hit_same_step_large_hit_async(tiny_model: str, reference: list[li
     PROMPTS[3]'s 4-block hit waits for its load in WAITING_FOR_REMOTE_KVS and runs a step later."""
     llm = make_llm(tiny_model, daemon.address, extra={"kvoffd_sync_load_bytes": 3 * BLOCK_BYTES})
     try:
-        assert connector_of(llm)._scheduler.sync_budget.block_bytes == BLOCK_BYTES
+        assert connector_of(llm)._scheduler.state.sync_budget.block_bytes == BLOCK_BYTES
         assert generate(llm, PROMPTS) == reference  # stores every block
         drain(llm)
         log = watch(llm)
@@ -154,7 +154,7 @@ def test_all_hits_same_step_by_default(tiny_model: str, reference: list[list[int
     every prompt runs in the schedule() that allocates its hit, outputs identical."""
     llm = make_llm(tiny_model, daemon.address, extra={"kvoffd_sync_load_bytes": -1})  # the connector's default
     try:
-        assert connector_of(llm)._scheduler.sync_budget.per_step() >= 13 * BLOCK_BYTES
+        assert connector_of(llm)._scheduler.state.sync_budget.per_step() >= 13 * BLOCK_BYTES
         assert generate(llm, PROMPTS) == reference
         drain(llm)
         log = watch(llm)
@@ -228,15 +228,15 @@ def test_frozen_daemon_recomputes_without_hanging(tiny_model: str, reference: li
         assert out == reference
         assert not log.waited_remote  # nothing was moved to the asynchronous path mid-step
         drain(llm)
-        assert not worker._late and not connector_of(llm)._scheduler._sync_owner
+        assert not worker._late and not connector_of(llm)._scheduler.state.sync_owner
         # thawed after the wait ran out, the daemon met the load past its own (same) deadline:
         # answered expired, not a byte written
         assert d.metric("kvoffd_expired_jobs_total") >= 1
         # the daemon serves again afterwards: end the cooldown and forget the failed keys now
         # rather than after their timers
         sched_conn = connector_of(llm)._scheduler
-        sched_conn.sync_budget.cooldown_until = 0.0
-        sched_conn._negative.clear()
+        sched_conn.state.sync_budget.cooldown_until = 0.0
+        sched_conn.state.known.negative.clear()
         assert llm.reset_prefix_cache()
         h0 = external_hits(llm)
         assert generate(llm, PROMPTS) == reference

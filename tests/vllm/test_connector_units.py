@@ -88,29 +88,29 @@ def test_lookup_sends_a_slice_of_the_packed_keys_up_to_the_first_negative(daemon
             return super().send_lookup(namespace, keys, lease_ms)
 
     sched = KvoffdScheduler(Settings(address=daemon.address), None, 1, "units")
-    sched.identity = SimpleNamespace(namespace="units", hashes_per_block=1)
-    sched.client = RecordingClient(daemon.address, heartbeat=False)
+    sched.state.identity = SimpleNamespace(namespace="units", hashes_per_block=1)
+    sched.state.client = RecordingClient(daemon.address, heartbeat=False)
     try:
-        assert sched.client.connect(10)
+        assert sched.state.client.connect(10)
         hashes = [bytes([i]) * 32 for i in range(8)]
         st = RequestState(SimpleNamespace(request_id="r", block_hashes=hashes))
         now = time.monotonic()
-        assert sched._send_lookup(st, 2, 6, now)
+        assert sched.lookups.send(st, 2, 6, now)
         assert sent[-1] == b"".join(hashes[2:6])
-        sched._negative[hashes[4]] = now + 60
-        assert sched._send_lookup(st, 2, 6, now)
+        sched.state.known.negative[hashes[4]] = now + 60
+        assert sched.lookups.send(st, 2, 6, now)
         assert sent[-1] == b"".join(hashes[2:4])
-        sched._negative[hashes[2]] = now + 60
-        assert not sched._send_lookup(st, 2, 6, now) and len(sent) == 2
+        sched.state.known.negative[hashes[2]] = now + 60
+        assert not sched.lookups.send(st, 2, 6, now) and len(sent) == 2
         reply = None
         for _ in range(500):
-            reply = sched.client.take_reply(st.lookup.seq)
+            reply = sched.state.client.take_reply(st.lookup.seq)
             if reply is not None:
                 break
             time.sleep(0.01)
         assert reply is not None and reply.hits == 0  # the daemon took the packed keys
     finally:
-        sched.client.close()
+        sched.state.client.close()
 
 
 def test_a_miss_logs_its_keys_at_debug_for_kvoffctl_explain(daemon) -> None:
@@ -135,9 +135,9 @@ def test_a_miss_logs_its_keys_at_debug_for_kvoffctl_explain(daemon) -> None:
     handler, level = Collect(), logger.level
     logger.addHandler(handler)
     sched = KvoffdScheduler(Settings(address=daemon.address, prefetch_lookups=False), None, 1, "units")
-    sched.identity = SimpleNamespace(namespace="units-miss-log", hashes_per_block=1, block_size=16)
-    sched.enabled = True
-    sched.client = KvoffdClient(daemon.address, heartbeat=False)
+    sched.state.identity = SimpleNamespace(namespace="units-miss-log", hashes_per_block=1, block_size=16)
+    sched.state.enabled = True
+    sched.state.client = KvoffdClient(daemon.address, heartbeat=False)
     hashes = [bytes([0xA0 + i]) * 32 for i in range(6)]
 
     def lookup(req_id: str) -> None:
@@ -148,7 +148,7 @@ def test_a_miss_logs_its_keys_at_debug_for_kvoffctl_explain(daemon) -> None:
             time.sleep(0.01)
 
     try:
-        assert sched.client.connect(10)
+        assert sched.state.client.connect(10)
         logger.setLevel(logging.INFO)
         lookup("quiet")
         assert not [m for m in lines if "missed" in m], "logged without debug on"
@@ -168,7 +168,7 @@ def test_a_miss_logs_its_keys_at_debug_for_kvoffctl_explain(daemon) -> None:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-        sched.client.close()
+        sched.state.client.close()
 
 
 def test_known_keys_are_forgotten_while_the_daemon_is_out_of_reach(tmp_path) -> None:
@@ -187,24 +187,24 @@ def test_known_keys_are_forgotten_while_the_daemon_is_out_of_reach(tmp_path) -> 
 
     d = Daemon(tmp_path).start()
     sched = KvoffdScheduler(Settings(address=d.address), None, 1, "units")
-    sched.identity = SimpleNamespace(namespace="units", hashes_per_block=1, block_size=16)
-    sched.enabled = True
-    sched.client = KvoffdClient(d.address, heartbeat=False)
+    sched.state.identity = SimpleNamespace(namespace="units", hashes_per_block=1, block_size=16)
+    sched.state.enabled = True
+    sched.state.client = KvoffdClient(d.address, heartbeat=False)
     step = SimpleNamespace(preempted_req_ids=(), scheduled_new_reqs=[], kv_connector_block_state=None,
                            scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=()), num_scheduled_tokens={})
     key = bytes(range(32))
     try:
-        assert sched.client.connect(10)
+        assert sched.state.client.connect(10)
         sched.build_connector_meta(step)
-        sched._confirm([key], time.monotonic())
+        sched.state.known.confirm([key], time.monotonic())
         sched.build_connector_meta(step)
-        assert sched._is_known(key, time.monotonic()), "forgotten while the daemon is up"
+        assert sched.state.known.is_known(key, time.monotonic()), "forgotten while the daemon is up"
         d.kill()
-        assert wait_until(lambda: not sched.client.connected, 10)
+        assert wait_until(lambda: not sched.state.client.connected, 10)
         sched.build_connector_meta(step)
-        assert not sched._is_known(key, time.monotonic()), "still trusted with the daemon out of reach"
+        assert not sched.state.known.is_known(key, time.monotonic()), "still trusted with the daemon out of reach"
     finally:
-        sched.client.close()
+        sched.state.client.close()
         d.stop()
 
 

@@ -72,7 +72,7 @@ def test_kv_events_name_vllms_hashes_and_match_the_daemons_index(tiny_model, tmp
         prompts = [[rng.randrange(3, 500) for _ in range(130)] for _ in range(12)]  # 4 full blocks each
         generate(llm, prompts, max_tokens=4)
         drain(llm)
-        ns = connector_of(llm)._scheduler.identity.namespace
+        ns = connector_of(llm)._scheduler.state.identity.namespace
         assert theirs.wait_for(lambda s: len(_stored(s.events())) >= 48)
         vllm_hashes = _stored(theirs.events())
         held = {h for h in vllm_hashes if c.lookup(ns, [h]).hits == 1}
@@ -163,7 +163,7 @@ def test_after_a_warm_restart_the_stream_announces_the_adopted_blocks(tiny_model
         rng = random.Random(14)
         generate(llm, [[rng.randrange(3, 500) for _ in range(130)] for _ in range(6)], max_tokens=4)
         drain(llm)
-        ns = connector_of(llm)._scheduler.identity.namespace
+        ns = connector_of(llm)._scheduler.state.identity.namespace
         assert theirs.wait_for(lambda s: len(_stored(s.events())) >= 24)
         vllm_hashes = _stored(theirs.events())
         stored = c.stats()["counters"]["stored_blocks"]

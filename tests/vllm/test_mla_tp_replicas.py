@@ -211,7 +211,7 @@ def test_rank_0_stores_and_both_ranks_load_the_one_copy(mla_tp2: Any, daemon: An
         n = 20
         keys = [bytes([0x5A, i]) * 16 for i in range(n)]
         src, dst = list(range(n)), list(range(32, 32 + n))
-        sched._store_jobs[7] = PlannedStore(list(keys), ["req"])  # as build_connector_meta plans it
+        sched.state.store_jobs[7] = PlannedStore(list(keys), ["req"])  # as build_connector_meta plans it
         meta = KvoffdMetadata(store_job_id=7, store_keys=keys, store_block_ids=src, store_req_ids=["req"],
                               await_stores=["req"])
         for w in workers:
@@ -225,8 +225,8 @@ def test_rank_0_stores_and_both_ranks_load_the_one_copy(mla_tp2: Any, daemon: An
         assert {r for f in finished for r in (f.finished_sending or ())} == {"req"}  # both ranks counted
         for f in finished:
             sched.update_connector_output(f)
-        assert 7 not in sched._store_jobs, "the store job never completed at world_size"
-        assert all(sched._is_known(k, time.monotonic()) for k in keys)
+        assert 7 not in sched.state.store_jobs, "the store job never completed at world_size"
+        assert all(sched.state.known.is_known(k, time.monotonic()) for k in keys)
         assert probe.connect(10)
         ns = next(x for x in probe.stats()["namespaces"] if x["namespace"] == ident.namespace)
         assert (ns["blocks"], ns["ranks"], ns["replicas"]) == (n, [0], 2)  # one copy per block
@@ -241,7 +241,7 @@ def test_rank_0_stores_and_both_ranks_load_the_one_copy(mla_tp2: Any, daemon: An
         for kv in kvs:
             for name in LAYERS:
                 assert torch.equal(kv[name][dst].view(torch.int16), kvs[0][name][src].view(torch.int16))
-        assert not any(e["pinned"] for e in probe.explain(ident.namespace, keys))  # both shares consumed
+        assert not any(e["held"] for e in probe.explain(ident.namespace, keys))  # both shares consumed
     finally:
         probe.close()
         sched.shutdown()

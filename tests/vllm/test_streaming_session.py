@@ -97,6 +97,6 @@ def test_keys_follow_a_session_whose_hashes_shrink_and_regrow() -> None:
         expected = [fold_key(bytes(h)) for h in req.block_hashes]
         assert meta.store_keys == expected[2:4]
         assert meta.store_block_ids == blocks[2:4]
-        assert bytes(sched._state(req).packed) == b"".join(expected)  # what LOOKUP sends for this session
+        assert bytes(sched.state.request(req).packed) == b"".join(expected)  # what LOOKUP sends for this session
     finally:
         sched.shutdown()

@@ -39,7 +39,7 @@ def _serve(model: str, daemon: Daemon) -> tuple[list[list[int]], int, str]:
         drain(llm)
         conn = connector_of(llm)
         assert conn.refused is None, conn.refused
-        namespace = conn._scheduler.identity.namespace
+        namespace = conn._scheduler.state.identity.namespace
     finally:
         close_llm(llm)
     return out, hits, namespace
