@@ -98,7 +98,7 @@ async def attach(backend: CudaBackend, eng: Engine, name: str) -> MappedMemory:
     info = eng("export")
     num_blocks, segs = parse_layout(info["layout"])
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(None, backend.attach, name, info["memory"], num_blocks, segs)
+    return await loop.run_in_executor(None, backend.attach, name, info["memory"], None, num_blocks, segs)
 
 
 async def timed(coro_fn: Any, iters: int) -> float:
@@ -133,14 +133,14 @@ async def bench_layout(backend: CudaBackend, pool: Pool, layout: str, args: argp
         S, L = Direction.STORE, Direction.LOAD
         # correctness: store A, check pool bytes, scramble A, load back, compare; then load A into B
         eng("snapshot", tag="a", ids=a_ids.tolist())
-        await backend.copy(S, m, a_ids, sa)
+        await backend.submit(S, m, a_ids, sa)
         k = [0, n // 2, n - 1]
         want = eng("bytes", ids=a_ids[k].tolist())
         pool_ok = pool_bytes(pool, sa[k], m.slot_bytes) == want
         eng("scramble", ids=a_ids.tolist())
-        await backend.copy(L, m, a_ids, sa)
+        await backend.submit(L, m, a_ids, sa)
         back_ok = eng("compare", tag="a", ids=a_ids.tolist())
-        await backend.copy(L, m, b_ids, sa)
+        await backend.submit(L, m, b_ids, sa)
         cross_ok = eng("compare", tag="a", ids=b_ids.tolist())
         exact = pool_ok and back_ok and cross_ok
         row(f"[{layout}] byte-exact store/load", "yes" if exact else "NO",
@@ -148,11 +148,11 @@ async def bench_layout(backend: CudaBackend, pool: Pool, layout: str, args: argp
         eng("randomize", seed=2)
         runs = len(m.segments)
 
-        t_store = await timed(lambda: backend.copy(S, m, a_ids, sa), args.iters)
-        t_load = await timed(lambda: backend.copy(L, m, b_ids, sb), args.iters)
+        t_store = await timed(lambda: backend.submit(S, m, a_ids, sa), args.iters)
+        t_load = await timed(lambda: backend.submit(L, m, b_ids, sb), args.iters)
 
         async def both() -> None:
-            await asyncio.gather(backend.copy(S, m, a_ids, sa), backend.copy(L, m, b_ids, sb))
+            await asyncio.gather(backend.submit(S, m, a_ids, sa), backend.submit(L, m, b_ids, sb))
 
         t_both = await timed(both, args.iters)
         r = results.setdefault(layout, {})
@@ -166,8 +166,8 @@ async def bench_layout(backend: CudaBackend, pool: Pool, layout: str, args: argp
             br, bb = (int(x) for x in spec_s.split(":"))
             old = backend.tuning
             backend.tuning = dataclasses.replace(old, batch_runs=br, batch_bytes=bb << 20)
-            ts = await timed(lambda: backend.copy(S, m, a_ids, sa), args.iters)
-            tl = await timed(lambda: backend.copy(L, m, b_ids, sb), args.iters)
+            ts = await timed(lambda: backend.submit(S, m, a_ids, sa), args.iters)
+            tl = await timed(lambda: backend.submit(L, m, b_ids, sb), args.iters)
             tb = await timed(both, args.iters)
             backend.tuning = old
             r[f"batch{br}:{bb}"] = (gbps(nbytes, ts), gbps(nbytes, tl), gbps(2 * nbytes, tb))
@@ -175,16 +175,16 @@ async def bench_layout(backend: CudaBackend, pool: Pool, layout: str, args: argp
                 f"{gbps(nbytes, tl):.1f}/{gbps(2 * nbytes, tb):.1f}")
         # latency
         for nb in (1, 8, 64):
-            lat_s = await timed(lambda nb=nb: backend.copy(S, m, a_ids[:nb], sa[:nb]), 30)
-            lat_l = await timed(lambda nb=nb: backend.copy(L, m, b_ids[:nb], sb[:nb]), 30)
+            lat_s = await timed(lambda nb=nb: backend.submit(S, m, a_ids[:nb], sa[:nb]), 30)
+            lat_l = await timed(lambda nb=nb: backend.submit(L, m, b_ids[:nb], sb[:nb]), 30)
             r[f"lat{nb}"] = (lat_s * 1e6, lat_l * 1e6)
             row(f"[{layout}] latency {nb} block(s) store/load", f"{lat_s * 1e6:.0f}/{lat_l * 1e6:.0f} us")
         # per-run cuMemcpyAsync loop (reference): the backend's path for a driver without
         # cuMemcpyBatchAsync, forced on this instance for the measurement only
         backend._copy_runs = lambda drv, stream, _attrs, src, dst, lens: copy_runs_one_by_one(drv, stream, src,
                                                                                              dst, lens)
-        t_ls = await timed(lambda: backend.copy(S, m, a_ids, sa), 2)
-        t_ll = await timed(lambda: backend.copy(L, m, b_ids, sb), 2)
+        t_ls = await timed(lambda: backend.submit(S, m, a_ids, sa), 2)
+        t_ll = await timed(lambda: backend.submit(L, m, b_ids, sb), 2)
         del backend._copy_runs
         r["loop"] = (gbps(nbytes, t_ls), gbps(nbytes, t_ll))
         row(f"[{layout}] per-run cuMemcpyAsync loop store/load", f"{r['loop'][0]:.1f}/{r['loop'][1]:.1f}")
@@ -213,8 +213,8 @@ async def bench_matmul(backend: CudaBackend, m: MappedMemory, eng: Engine, a_ids
         moved = 0
         while time.perf_counter() < end:
             if busy:
-                await asyncio.gather(backend.copy(Direction.STORE, m, a_ids, sa),
-                                     backend.copy(Direction.LOAD, m, b_ids, sb))
+                await asyncio.gather(backend.submit(Direction.STORE, m, a_ids, sa),
+                                     backend.submit(Direction.LOAD, m, b_ids, sb))
                 moved += 2 * len(a_ids) * m.slot_bytes
             else:
                 await asyncio.sleep(0.05)
@@ -253,11 +253,11 @@ async def bench_two_gpus(backend: CudaBackend, pool: Pool, args: argparse.Namesp
         S, L = Direction.STORE, Direction.LOAD
 
         async def all4() -> None:
-            await asyncio.gather(*(backend.copy(S, m, i[:n], s[:n]) for m, i, s in zip(ms, ids, slots, strict=True)),
-                                 *(backend.copy(L, m, i[n:], s[n:]) for m, i, s in zip(ms, ids, slots, strict=True)))
+            await asyncio.gather(*(backend.submit(S, m, i[:n], s[:n]) for m, i, s in zip(ms, ids, slots, strict=True)),
+                                 *(backend.submit(L, m, i[n:], s[n:]) for m, i, s in zip(ms, ids, slots, strict=True)))
 
         async def stores() -> None:
-            await asyncio.gather(*(backend.copy(S, m, i[:n], s[:n]) for m, i, s in zip(ms, ids, slots, strict=True)))
+            await asyncio.gather(*(backend.submit(S, m, i[:n], s[:n]) for m, i, s in zip(ms, ids, slots, strict=True)))
 
         nb = n * ms[0].slot_bytes
         t4 = await timed(all4, args.iters)

@@ -394,7 +394,7 @@ class PagedKV:
         self.buf = torch.zeros(num_blocks * shape.block_bytes, dtype=torch.int8, device=device)
         self._derive()
         self.export: Any = None
-        self.memory: dict[str, Any] | None = None
+        self.memory: Any = None  # kvoffd_client.memory.local.LocalMemory once shared
         self.layout: dict[str, Any] | None = None
 
     def _derive(self) -> None:
@@ -427,7 +427,7 @@ class PagedKV:
             raise BenchError(f"expected one run per block (block-contiguous), got {self.layout['segments']}")
 
     def release(self) -> None:
-        if self.memory is not None and self.memory.get("kind") == "cpu_shm":
+        if self.memory is not None and self.export is None:  # the CPU memfd (a CUDA export keeps its own)
             from kvoffd_client.memory.cpu_fd import release_cpu_kv_caches
 
             release_cpu_kv_caches(self.memory)

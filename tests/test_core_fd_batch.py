@@ -31,6 +31,7 @@ from kvoffd_client import fdpass
 from kvoffd_client import protocol as P
 from kvoffd_client.errors import KvoffdError
 from kvoffd_client.memory.cpu_fd import create_sealed_memfd
+from kvoffd_client.memory.local import LocalMemory
 
 MiB2 = 2 << 20
 N = 300
@@ -119,7 +120,7 @@ def test_cpu_fd_memory_is_one_descriptor(fdd):
                                  memory={"kind": "cpu_fd", "token": token, "size": 16 * 4096}), 10)
         assert e.value.code == "bad_field" and "one descriptor" in e.value.message, e.value.message
         assert _back_to(pid, base)
-        reg = c.register("fdb-cpu", "fdb", 0, 1, {"kind": "cpu_fd", "fd": two[0], "size": 16 * 4096}, layout)
+        reg = c.register("fdb-cpu", "fdb", 0, 1, LocalMemory(P.CpuFd(token="", size=16 * 4096), [two[0]]), layout)
         assert reg.backend == "cpu"
         assert _back_to(pid, base), "a mapped cpu_fd engine keeps its descriptor"
         c.unregister("fdb-cpu", timeout_s=10)

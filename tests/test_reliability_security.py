@@ -242,7 +242,7 @@ def test_a_lease_is_released_only_by_its_owner(daemon, peer_of, shm):
     other.send_msg(P.Release(lease_id=lease))
     other.barrier()
     entries = daemon.client().explain("sec-lease", keys)
-    assert all(e.get("pinned") for e in entries), "another connection released the owner's lease"
+    assert all(e.get("held") for e in entries), "another connection released the owner's lease"
 
 
 def test_a_load_naming_a_lease_consumes_it_only_with_its_blocks(daemon, peer_of, shm):
@@ -262,10 +262,10 @@ def test_a_load_naming_a_lease_consumes_it_only_with_its_blocks(daemon, peer_of,
     other.send_msg(P.Load(engine_id="sec-lz-b", job_id=3, keys=others, block_ids=[0, 1], lease_id=lease))
     other.recv_until(lambda r: r.get("op") == "notice" and r.get("job_id") == 3)
     assert daemon.client().stats()["leases"] >= 1
-    assert all(e.get("pinned") for e in daemon.client().explain("sec-lz", keys)), "a keyless LOAD took the lease"
+    assert all(e.get("held") for e in daemon.client().explain("sec-lz", keys)), "a keyless LOAD took the lease"
     other.send_msg(P.Load(engine_id="sec-lz-b", job_id=4, keys=keys[2:], block_ids=[4, 5], lease_id=lease))
     assert other.recv_until(lambda r: r.get("op") == "notice" and r.get("job_id") == 4)[-1]["ok"]
-    assert not any(e.get("pinned") for e in daemon.client().explain("sec-lz", keys)), "the LOAD kept the lease"
+    assert not any(e.get("held") for e in daemon.client().explain("sec-lz", keys)), "the LOAD kept the lease"
 
 
 # --- per-connection bounds ---------------------------------------------------------------------------------

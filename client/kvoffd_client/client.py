@@ -22,9 +22,10 @@ import msgspec
 from kvoffd_client import protocol as P
 from kvoffd_client.errors import UNAVAILABLE, DaemonUnavailable, KvoffdError, answer
 from kvoffd_client.fdpass import FdRefused, wire_memory
-from kvoffd_client.jobs import Job, JobQueue, lost_job_notice
+from kvoffd_client.jobs import ClientJobs
 from kvoffd_client.link import Link, LinkState, read_auth_token
 from kvoffd_client.liveness import EXPIRY_GRACE_S, DaemonWatch
+from kvoffd_client.memory.local import LocalMemory
 
 __all__ = ["EXPIRY_GRACE_S", "DaemonUnavailable", "KvoffdClient", "KvoffdError", "LinkState", "read_auth_token"]
 
@@ -33,7 +34,7 @@ log = logging.getLogger("kvoffd_client")
 _UNSOLICITED = (P.Notice, P.HelloOk)  # never the answer a request() waits for
 
 
-class KvoffdClient(JobQueue):
+class KvoffdClient:
     """One DEALER connection to the daemon.
 
     ``job_deadline_s``: the daemon never starts (any further part of) a job after this long, and
@@ -59,10 +60,10 @@ class KvoffdClient(JobQueue):
         self._last_pump = 0.0
         self._replies: dict[int, P.Message] = {}
         self._wanted: set[int] = set()
-        self._notices: list[P.Notice] = []
-        self._jobs: dict[int, Job] = {}
         self._daemons = DaemonWatch(address, link_grace_s)  # which daemon took each job; is it gone
-        self._registrations: dict[str, P.Register] = {}
+        self._jobs = ClientJobs(self._link, self._daemons, self._pump, job_deadline_s)
+        # engine id -> REGISTER (its memory as the Struct, no token yet) and the memory's descriptors
+        self._registrations: dict[str, tuple[P.Register, LocalMemory]] = {}
         self._register_seqs: dict[int, str] = {}
         if heartbeat:
             self._link.start_heartbeat(lambda: self._pump(0))
@@ -138,12 +139,12 @@ class KvoffdClient(JobQueue):
             self._fail_requests("the daemon restarted; the request was lost")
         elif self.daemon_id is None:
             log.info("connected to kvoffd at %s (daemon %s)", self.address, msg.daemon_id)
-        self._daemons.met(msg.daemon_id, msg.pid, self._jobs)
+        self._jobs.met(msg.daemon_id, msg.pid)
         self.daemon_id = msg.daemon_id
         if restarted or not self._register_seqs:
-            for reg in self._registrations.values():
+            for reg, memory in self._registrations.values():
                 try:
-                    wire = self._wire_register(reg, self.timeout_s)
+                    wire = self._wire_register(reg, memory, self.timeout_s)
                 except KvoffdError as e:
                     log.error("kvoffd: cannot re-register engine %s: %s", reg.engine_id, e)
                     continue
@@ -151,17 +152,17 @@ class KvoffdClient(JobQueue):
                 if self._link.send(wire):
                     self._register_seqs[wire.seq] = reg.engine_id
 
-    def _wire_register(self, reg: P.Register, timeout_s: float) -> P.Register:
-        """REGISTER as it travels. ``cpu_fd`` memory holds this process's descriptor: hand it to the
-        daemon's fd socket now (each REGISTER needs a fresh one-time token) and send the token."""
-        mem = reg.memory
-        if mem.get("kind") not in ("cpu_fd", "cuda_vmm") or ("fd" not in mem and "pieces" not in mem):
+    def _wire_register(self, reg: P.Register, memory: LocalMemory, timeout_s: float) -> P.Register:
+        """REGISTER as it travels. Memory that comes as this process's descriptors (``cpu_fd``,
+        ``cuda_vmm``): hand them to the daemon's fd socket now (each REGISTER needs a fresh one-time
+        token) and send the token."""
+        if not memory.fds:
             return msgspec.structs.replace(reg)
         path = self.hello.fd_socket if self.hello is not None else ""
         if not path:
-            raise KvoffdError(P.ErrorCode.MEMORY_UNREACHABLE.value, f"the daemon takes no {mem['kind']} memory")
+            raise KvoffdError(P.ErrorCode.MEMORY_UNREACHABLE.value, f"the daemon takes no {memory.spec.KIND} memory")
         try:
-            wire = wire_memory(path, mem, timeout_s=max(min(timeout_s, 5.0), 0.5))
+            wire = wire_memory(path, memory, timeout_s=max(min(timeout_s, 5.0), 0.5))
         except FdRefused as e:
             raise KvoffdError(e.code, f"the daemon refused the memory descriptor: {e.message}") from None
         except OSError as e:
@@ -171,7 +172,7 @@ class KvoffdClient(JobQueue):
     def _lost(self, why: str) -> None:
         """The daemon does not know this client (restarted, or dropped the connection as silent): say
         HELLO again. Jobs stay in flight: HELLO_OK tells whether the daemon that took them is still
-        the one answering (then their notices still come), and _reap_jobs fails them once it is gone."""
+        the one answering (then their notices still come), and ClientJobs.reap fails them once it is gone."""
         if self._link.lost():
             log.warning("kvoffd link lost (%s)", why)
         self._fail_requests(why)
@@ -204,7 +205,7 @@ class KvoffdClient(JobQueue):
         if timeout_ms and link.wait(timeout_ms):
             self._read_all()
         if self._jobs:
-            self._reap_jobs(now)
+            self._jobs.reap(now)
 
     def _read_all(self) -> None:
         recv = self._link.recv_nowait
@@ -221,8 +222,7 @@ class KvoffdClient(JobQueue):
 
     def _dispatch_msg(self, msg: P.Message) -> None:
         if isinstance(msg, P.Notice):
-            if self._jobs.pop(msg.job_id, None) is not None:
-                self._notices.append(msg)
+            self._jobs.noticed(msg)
             return
         if isinstance(msg, P.HelloOk):
             if self._link.answers_hello(msg.seq):  # any HELLO of ours answered (the daemon answers each)
@@ -235,9 +235,7 @@ class KvoffdClient(JobQueue):
             if self._link.answers_hello(msg.seq):  # unauthorized, version_mismatch, too_many
                 self._link.refuse(msg, time.monotonic())
                 return
-            job = self._jobs.pop(msg.job_id, None) if msg.job_id is not None else None
-            if job is not None:  # the daemon refused the job: it is over, nothing was written
-                self._notices.append(lost_job_notice(msg.job_id, job, msg.code, msg.message))
+            if self._jobs.refused(msg):  # the daemon refused the job: it is over, nothing was written
                 return
         engine = self._register_seqs.pop(msg.seq, None)
         if engine is not None and msg.seq not in self._wanted:
@@ -318,17 +316,20 @@ class KvoffdClient(JobQueue):
 
     # --- engine registration ------------------------------------------------------------------------
 
-    def register(self, engine_id: str, namespace: str, rank: int, world_size: int, memory: dict[str, Any],
+    def register(self, engine_id: str, namespace: str, rank: int, world_size: int, memory: LocalMemory | P.Memory,
                  layout: dict[str, Any], timeout_s: float | None = None, replicas: int = 1) -> P.Registered:
-        """Register (and remember, to register again after a daemon restart)."""
+        """Register (and remember, to register again after a daemon restart). ``memory``: as
+        ``kvoffd_client.memory`` shares it (the Struct and this process's descriptors), or a Struct
+        that travels as it is."""
+        local = memory if isinstance(memory, LocalMemory) else LocalMemory(memory)
         msg = P.Register(engine_id=engine_id, namespace=namespace, rank=rank, world_size=world_size,
-                         memory=memory, layout=layout, replicas=replicas)
+                         memory=local.spec, layout=layout, replicas=replicas)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            self._registrations[engine_id] = msg
+            self._registrations[engine_id] = (msg, local)
             if not self._link.ready and not self.connect(timeout):
                 raise self._unreachable()
-            reply = self.request(self._wire_register(msg, timeout), timeout_s)
+            reply = self.request(self._wire_register(msg, local, timeout), timeout_s)
         assert isinstance(reply, P.Registered)
         return reply
 
@@ -357,7 +358,34 @@ class KvoffdClient(JobQueue):
                 if self._link.ready:
                     self._link.send(P.Release(seq=0, lease_id=lease_id))
 
-    # --- jobs (submit_store, submit_load, take_notices, wait_notices): kvoffd_client.jobs, JobQueue ---
+    # --- jobs: kvoffd_client.jobs.ClientJobs ----------------------------------------------------------
+
+    def submit_store(self, engine_id: str, job_id: int, keys: Sequence[bytes] | bytes,
+                     block_ids: Sequence[int] | bytes, event: int = -1, tokens: bytes = b"",
+                     parents: bytes = b"") -> None:
+        """``tokens``/``parents``: what KV events show of the blocks (P.Store); empty: nothing."""
+        self._jobs.submit(P.Store(engine_id=engine_id, job_id=job_id, keys=keys, block_ids=block_ids,
+                                  ready_event=event, tokens=tokens, parents=parents))
+
+    def submit_load(self, engine_id: str, job_id: int, keys: Sequence[bytes] | bytes,
+                    block_ids: Sequence[int] | bytes, lease_id: int = 0, event: int = -1,
+                    deadline_s: float | None = None) -> None:
+        """``deadline_s``: this job's own deadline, when shorter than ``job_deadline_s`` (a load the
+        engine waits for within its step is not worth starting after the engine gave up on it)."""
+        self._jobs.submit(P.Load(engine_id=engine_id, job_id=job_id, keys=keys, block_ids=block_ids,
+                                 lease_id=lease_id, ready_event=event), deadline_s)
+
+    def take_notices(self) -> list[P.Notice]:
+        """Completion notices that arrived (real or synthesized for lost jobs). Never waits."""
+        return self._jobs.take_notices()
+
+    def wait_notices(self, job_ids: set[int], timeout_s: float) -> list[P.Notice]:
+        """Block (bounded) until every job in ``job_ids`` has a notice; returns the ones received."""
+        return self._jobs.wait_notices(job_ids, timeout_s)
+
+    @property
+    def jobs_in_flight(self) -> int:
+        return len(self._jobs)
 
     # --- admin ---------------------------------------------------------------------------------------
 

@@ -24,6 +24,8 @@ import struct
 
 import msgspec
 
+from kvoffd_client import protocol as P
+from kvoffd_client.memory.local import LocalMemory
 from kvoffd_client.protocol import (
     FD_SOCKET_VERSION,
     MAX_FD_MESSAGE,
@@ -150,17 +152,11 @@ def _reply(s: socket.socket) -> FdReply:
     return reply
 
 
-def wire_memory(path: str, memory: dict, timeout_s: float) -> dict | None:
-    """REGISTER's ``memory`` as it travels, for the kinds that hold this process's descriptors
-    (``cpu_fd``: one; ``cuda_vmm``: one per piece): they are handed to the fd socket at ``path`` now, as
-    one batch, and replaced by its one-time token. None for a kind with no descriptor. Raises as
+def wire_memory(path: str, memory: LocalMemory, timeout_s: float) -> P.Memory:
+    """REGISTER's ``memory`` as it travels: the Struct with the one-time token of this process's
+    descriptors (``cpu_fd``: one; ``cuda_vmm``: one per piece), handed to the fd socket at ``path``
+    now, as one batch. A kind with no descriptor (``cuda_ipc``) travels as it is. Raises as
     :func:`send_fds`."""
-    kind = memory.get("kind")
-    if kind == "cpu_fd" and "fd" in memory:
-        return {"kind": "cpu_fd", "token": send_fd(path, memory["fd"], memory["size"], timeout_s),
-                "size": memory["size"]}
-    if kind == "cuda_vmm" and "pieces" in memory:
-        pieces = memory["pieces"]
-        token = send_fds(path, [p["fd"] for p in pieces], [p["size"] for p in pieces], timeout_s)
-        return {**memory, "token": token, "pieces": [{"offset": p["offset"], "size": p["size"]} for p in pieces]}
-    return None
+    if not memory.fds:
+        return memory.spec
+    return msgspec.structs.replace(memory.spec, token=send_fds(path, memory.fds, memory.sizes, timeout_s))

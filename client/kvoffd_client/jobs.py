@@ -1,16 +1,21 @@
-"""The STORE and LOAD jobs a ``KvoffdClient`` has in flight (a mixin of it, over its lock, link and
-state): submitted with a deadline the daemon honours, ended only by the daemon's notice or, once the
-daemon that took them is provably gone, by a failed notice made up here (kvoffd_client.liveness)."""
+"""The STORE and LOAD jobs a ``KvoffdClient`` has in flight (``ClientJobs``, held by the client):
+submitted with a deadline the daemon honours, ended only by the daemon's notice or, once the daemon
+that took them is provably gone, by a failed notice made up here (kvoffd_client.liveness).
+
+Threading: every method runs under the link's lock (the client's one lock); ``submit`` and the
+notice takers take it themselves, the rest are called by the client with it held.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvoffd_client import protocol as P
 from kvoffd_client.errors import DaemonUnavailable, KvoffdError
-from kvoffd_client.liveness import DaemonProcess
+from kvoffd_client.link import Link
+from kvoffd_client.liveness import DaemonProcess, DaemonWatch
 
 
 @dataclass(slots=True)
@@ -25,45 +30,63 @@ def lost_job_notice(job_id: int, job: Job, code: str, message: str) -> P.Notice:
     return P.Notice(job_id=job_id, ok=False, failed=list(range(job.n)), code=code, message=message)
 
 
-class JobQueue:
-    def _reap_jobs(self, now: float) -> None:
+class ClientJobs:
+    """Jobs in flight and the notices not yet taken. ``pump(timeout_ms)`` is the client's: it reads
+    what arrived (handing notices to ``noticed``/``refused``) and reaps lost jobs (``reap``)."""
+
+    def __init__(self, link: Link, daemons: DaemonWatch, pump: Callable[[int], None], job_deadline_s: float):
+        self.job_deadline_s = job_deadline_s
+        self._link = link
+        self._lock = link.lock
+        self._seq = link.seqs
+        self._daemons = daemons  # which daemon took each job; is it gone
+        self._pump = pump
+        self.jobs: dict[int, Job] = {}
+        self._notices: list[P.Notice] = []
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def met(self, daemon_id: str, pid: int) -> None:
+        """HELLO_OK from ``daemon_id``: the jobs in flight are watched against it."""
+        self._daemons.met(daemon_id, pid, self.jobs)
+
+    def reap(self, now: float) -> None:
         """Fail the jobs whose daemon is provably gone; log those overdue on a daemon that exists."""
-        for job_id, code in self._daemons.lost_jobs(self._jobs, now, self._link.down_since):
-            self._notices.append(lost_job_notice(job_id, self._jobs.pop(job_id), code,
+        for job_id, code in self._daemons.lost_jobs(self.jobs, now, self._link.down_since):
+            self._notices.append(lost_job_notice(job_id, self.jobs.pop(job_id), code,
                                                  "the daemon that took the job is gone; nothing more is copied"))
-        self._daemons.log_overdue(self._jobs, now)
+        self._daemons.log_overdue(self.jobs, now)
 
-    def submit_store(self, engine_id: str, job_id: int, keys: Sequence[bytes] | bytes,
-                     block_ids: Sequence[int] | bytes, event: int = -1, tokens: bytes = b"",
-                     parents: bytes = b"") -> None:
-        """``tokens``/``parents``: what KV events show of the blocks (P.Store); empty: nothing."""
-        self._submit(P.Store(engine_id=engine_id, job_id=job_id, keys=keys, block_ids=block_ids, event=event,
-                             tokens=tokens, parents=parents))
+    def noticed(self, msg: P.Notice) -> None:
+        """The daemon's notice: the job is over (a notice for no job of ours is dropped)."""
+        if self.jobs.pop(msg.job_id, None) is not None:
+            self._notices.append(msg)
 
-    def submit_load(self, engine_id: str, job_id: int, keys: Sequence[bytes] | bytes,
-                    block_ids: Sequence[int] | bytes, lease_id: int = 0, event: int = -1,
-                    deadline_s: float | None = None) -> None:
-        """``deadline_s``: this job's own deadline, when shorter than ``job_deadline_s`` (a load the
-        engine waits for within its step is not worth starting after the engine gave up on it)."""
-        self._submit(P.Load(engine_id=engine_id, job_id=job_id, keys=keys, block_ids=block_ids, lease_id=lease_id,
-                            event=event), deadline_s)
+    def refused(self, msg: P.Error) -> bool:
+        """An ERROR naming a job in flight: the daemon refused it, nothing was written; it is over."""
+        job = self.jobs.pop(msg.job_id, None) if msg.job_id is not None else None
+        if job is None:
+            return False
+        self._notices.append(lost_job_notice(msg.job_id, job, msg.code, msg.message))
+        return True
 
-    def _submit(self, msg: P.Store | P.Load, deadline_s: float | None = None) -> None:
+    def submit(self, msg: P.Store | P.Load, deadline_s: float | None = None) -> None:
         with self._lock:
             self._pump(0)
             if not self._link.ready:
                 raise DaemonUnavailable()
-            if msg.job_id in self._jobs:
+            if msg.job_id in self.jobs:
                 raise KvoffdError(P.ErrorCode.DUPLICATE_JOB.value, f"job {msg.job_id} is already in flight")
             msg.seq = next(self._seq)
             now = time.monotonic()
             # The daemon will not start the job (or any further part of it) after job_deadline_s; the
-            # job still ends only with its notice, or once that daemon is gone (see _reap_jobs).
+            # job still ends only with its notice, or once that daemon is gone (see reap).
             deadline = now + min(self.job_deadline_s, self.job_deadline_s if deadline_s is None else deadline_s)
             msg.expires_ns = int(deadline * 1e9)
             if not self._link.send(msg):
                 raise DaemonUnavailable("cannot send to kvoffd")
-            self._jobs[msg.job_id] = Job(P.count_keys(msg.keys), deadline, self._daemons.current)
+            self.jobs[msg.job_id] = Job(P.count_keys(msg.keys), deadline, self._daemons.current)
 
     def take_notices(self) -> list[P.Notice]:
         """Completion notices that arrived (real or synthesized for lost jobs). Never waits."""
@@ -93,7 +116,3 @@ class JobQueue:
                     break
                 self._pump(int(min(left, 0.05) * 1000) + 1)
         return got
-
-    @property
-    def jobs_in_flight(self) -> int:
-        return len(self._jobs)

@@ -97,6 +97,12 @@ class Handover:
         for fd in fds:
             os.close(fd)
 
+    def pass_on(self) -> Handover:
+        """These descriptors in a handover of their own, for whoever takes them next (a transfer
+        backend's ``attach``); this one is emptied, so closing it no longer touches them."""
+        fds, self.fds = self.fds, []
+        return Handover(fds=fds, sizes=list(self.sizes), pid=self.pid, uid=self.uid, expires=self.expires)
+
 
 @dataclass
 class _Client:

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
-
-import msgspec
 
 from kvoffd.cache.keyspace import Keyspace
 from kvoffd.metrics import Metrics
@@ -117,11 +114,11 @@ class Registrar:
                                 f"this daemon maps {sorted(self.by_kind)}")
         old = self._check_register(conn, msg, segments)
         slot_bytes, layout_fp = sum(s.length for s in segments), tuple(s.length for s in segments)
-        memory = self._backend_memory(msg.memory, handover)
+        handed = self._handed(msg.memory, handover)
         loop = asyncio.get_running_loop()
         try:
-            mapped = await loop.run_in_executor(None, backend.attach, msg.engine_id, memory, num_blocks,
-                                                segments)
+            mapped = await loop.run_in_executor(None, backend.attach, msg.engine_id, msg.memory, handed,
+                                                num_blocks, segments)
         except AttachError as e:
             raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, str(e)) from None
         try:
@@ -150,25 +147,25 @@ class Registrar:
                  if placement.shard >= 0 else "")
         return P.Registered(seq=msg.seq, engine_id=msg.engine_id, slot_bytes=slot_bytes, backend=backend.name)
 
-    def _backend_memory(self, memory: P.Memory, handover: Handover | None) -> dict[str, Any]:
-        """What the backend's ``attach`` maps (its shape already checked by the decoder). ``cpu_fd`` and
-        ``cuda_vmm``: the descriptors of the batch the token named, in a dict built here (never from the
-        client's fields, which could name an ``fd`` of its own choosing); from here the backend owns
-        them and closes them whatever happens (``handover`` is emptied)."""
+    def _handed(self, memory: P.Memory, handover: Handover | None) -> Handover | None:
+        """The descriptors the backend's ``attach`` takes with ``memory`` (its shape already checked by
+        the decoder), checked against it: ``cpu_fd`` one, ``cuda_vmm`` one per piece, ``cuda_ipc`` none.
+        Only the batch the token named, never the client's fields (which could name an ``fd`` of its
+        own choosing); from here the backend owns them and closes them whatever happens (``handover``
+        is emptied)."""
         if isinstance(memory, P.CudaIpc):
-            return {"kind": memory.KIND, **msgspec.structs.asdict(memory)}
+            return None
         if handover is None:
             raise ProtocolError(ErrorCode.MEMORY_UNREACHABLE, "unknown or expired memory token: hand the "
                                 "descriptors to the fd socket again (a token is good for one REGISTER)")
         if isinstance(memory, P.CudaVmm):
-            return self._vmm_memory(memory, handover)
-        if len(handover.fds) != 1:
+            self._check_pieces(memory, handover)
+        elif len(handover.fds) != 1:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"cpu_fd memory is one descriptor; the token names "
                                 f"{len(handover.fds)}")
-        fd, handover.fds = handover.fds[0], []
-        return {"kind": memory.KIND, "fd": fd, "size": memory.size}
+        return handover.pass_on()
 
-    def _vmm_memory(self, memory: P.CudaVmm, handover: Handover) -> dict[str, Any]:
+    def _check_pieces(self, memory: P.CudaVmm, handover: Handover) -> None:
         """``cuda_vmm``: piece i is descriptor i of the batch; the batch must have one per piece, each
         declared with the piece's size (else the REGISTER is refused and the descriptors closed)."""
         if len(handover.fds) != len(memory.pieces):
@@ -178,7 +175,3 @@ class Registrar:
             if p.size != size:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"memory.pieces[{i}] is {p.size} bytes; its descriptor "
                                     f"was handed over as {size}")
-        fds, handover.fds = handover.fds, []
-        pieces = [{"fd": fd, "offset": p.offset, "size": p.size} for fd, p in zip(fds, memory.pieces, strict=True)]
-        return {"kind": memory.KIND, "pieces": pieces, "size": memory.size, "offset": memory.offset,
-                "device_uuid": memory.device_uuid, "events": list(memory.events)}

@@ -11,17 +11,29 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from kvoffd.pool.allocator import Pool
+from kvoffd_client import protocol as P
 from kvoffd_client.protocol import Segment
 
 
 class Direction(enum.Enum):
     STORE = "store"  # engine -> pool
     LOAD = "load"  # pool -> engine
+
+
+class Descriptors(Protocol):
+    """The descriptors REGISTER's memory token named (the server's fd-socket ``Handover``): in the
+    order the client handed them over, each with the size it declared (already checked against the
+    memory's fields). Whoever holds it owns the descriptors; ``close`` closes those still held."""
+
+    fds: list[int]
+    sizes: list[int]
+
+    def close(self) -> None: ...
 
 
 class AttachError(Exception):
@@ -91,9 +103,12 @@ class TransferBackend(ABC):
         """Memory kinds (REGISTER memory.kind) this backend can map."""
 
     @abstractmethod
-    def attach(self, engine_id: str, memory: dict[str, Any], num_blocks: int,
+    def attach(self, engine_id: str, memory: P.Memory, handover: Descriptors | None, num_blocks: int,
                segments: list[Segment]) -> MappedMemory:
-        """Map the engine's memory. Raises AttachError. Runs off the event loop (may be slow)."""
+        """Map the engine's memory (REGISTER's, as decoded: its shape is checked, its values are the
+        backend's to check). ``handover``: the descriptors its token named (None for a kind without
+        descriptors); from here they are the backend's, which closes them whatever happens. Raises
+        AttachError. Runs off the event loop (may be slow)."""
 
     @abstractmethod
     def detach(self, mapped: MappedMemory) -> None:
@@ -114,10 +129,6 @@ class TransferBackend(ABC):
         daemon cannot start it late. A job stopped that way raises :class:`JobExpired`, and only once
         nothing of it is still moving: its notice tells the client that the blocks are free again.
         """
-
-    async def copy(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
-                   slots: np.ndarray, event: int = -1) -> None:
-        await self.submit(direction, mapped, block_ids, slots, event)
 
     def abort(self, mapped: MappedMemory) -> int:
         """The engine died: fail its jobs that have not started (e.g. waiting on an event its GPU will

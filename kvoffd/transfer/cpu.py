@@ -36,6 +36,7 @@ from kvoffd import libc
 from kvoffd.pool.allocator import Pool
 from kvoffd.transfer.base import (
     AttachError,
+    Descriptors,
     Direction,
     JobExpired,
     MappedMemory,
@@ -46,6 +47,7 @@ from kvoffd.transfer.base import (
     past,
     pool_chunks,
 )
+from kvoffd_client import protocol as P
 from kvoffd_client.protocol import Segment
 
 log = logging.getLogger(__name__)
@@ -106,18 +108,19 @@ class CpuBackend(TransferBackend):
     def kinds(self) -> tuple[str, ...]:
         return ("cpu_fd",)
 
-    def attach(self, engine_id: str, memory: dict[str, Any], num_blocks: int,
+    def attach(self, engine_id: str, memory: P.Memory, handover: Descriptors | None, num_blocks: int,
                segments: list[Segment]) -> MappedMemory:
-        """``memory`` is built by the server: ``{"kind": "cpu_fd", "fd": int, "size": int}``, the fd
-        claimed from the fd socket. The fd is always closed here, mapped or not."""
-        fd, size = memory["fd"], memory.get("size")
+        """``cpu_fd`` memory: the one memfd its token named (``handover``, claimed from the fd socket),
+        mapped shared. The descriptor is always closed here, mapped or not."""
         try:
-            if type(size) is not int or size <= 0:
-                raise AttachError("memory.size must be a positive integer")
+            if not isinstance(memory, P.CpuFd) or handover is None or len(handover.fds) != 1:
+                raise AttachError("cpu_fd memory is one descriptor, handed over under its token")
+            size = memory.size
             check_bounds(size, num_blocks, segments)
-            address = map_sealed_memfd(fd, size)
+            address = map_sealed_memfd(handover.fds[0], size)
         finally:
-            os.close(fd)
+            if handover is not None:
+                handover.close()
         return FdMapping(engine_id=engine_id, kind="cpu_fd", size=size, num_blocks=num_blocks, segments=segments,
                          slot_bytes=sum(s.length for s in segments), address=address)
 

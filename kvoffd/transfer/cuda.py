@@ -32,6 +32,8 @@ import numpy as np
 from kvoffd.pool.allocator import Pool
 from kvoffd.transfer import cuda_driver as cudart
 from kvoffd.transfer.base import (
+    AttachError,
+    Descriptors,
     Direction,
     JobExpired,
     MappedMemory,
@@ -43,6 +45,7 @@ from kvoffd.transfer.base import (
 from kvoffd.transfer.cuda_mapping import CudaMapping, IpcMaps
 from kvoffd.transfer.cuda_poll import CudaJob, Poller
 from kvoffd.transfer.pinning import Pinner
+from kvoffd_client import protocol as P
 from kvoffd_client.protocol import Segment
 
 log = logging.getLogger(__name__)
@@ -162,11 +165,15 @@ class CudaBackend(TransferBackend):
         return d
 
     # --- attach / detach ------------------------------------------------------------------------------
-    def attach(self, engine_id: str, memory: dict[str, Any], num_blocks: int,
+    def attach(self, engine_id: str, memory: P.Memory, handover: Descriptors | None, num_blocks: int,
                segments: list[Segment]) -> MappedMemory:
         with self.pinner.yielding() if self.pinner is not None else contextlib.nullcontext():
-            if memory.get("kind") == "cuda_vmm":
-                return self._maps.open_vmm(engine_id, memory, num_blocks, segments)
+            if isinstance(memory, P.CudaVmm):
+                return self._maps.open_vmm(engine_id, memory, handover, num_blocks, segments)
+            if handover is not None:
+                handover.close()  # (cuda_ipc comes without descriptors; none is kept)
+            if not isinstance(memory, P.CudaIpc):
+                raise AttachError(f"{memory.KIND} memory is not GPU memory")
             return self._maps.open(engine_id, memory, num_blocks, segments)
 
     def detach(self, mapped: CudaMapping) -> None:  # type: ignore[override]  # the mapping attach returned

@@ -9,14 +9,14 @@ pool of completion events and its stream priority range.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffd.transfer import cuda_driver as cudart
 from kvoffd.transfer import cuda_vmm
-from kvoffd.transfer.base import AttachError, Direction, MappedMemory, check_bounds
+from kvoffd.transfer.base import AttachError, Descriptors, Direction, MappedMemory, check_bounds
+from kvoffd_client import protocol as P
 from kvoffd_client.protocol import Segment
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,10 @@ class IpcMaps:
                 dev = self.devices[ordinal] = Device(ordinal, uuid, low, high, bus_id)
             return dev
 
-    def open(self, engine_id: str, memory: dict[str, Any], num_blocks: int, segments: list[Segment]
+    def open(self, engine_id: str, memory: P.CudaIpc, num_blocks: int, segments: list[Segment]
              ) -> CudaMapping:
         """Validate REGISTER's ``cuda_ipc`` memory and open it: region, event ring, two streams."""
-        handle, offset, size = memory.get("handle"), memory.get("offset", 0), memory.get("size")
+        handle, offset, size = memory.handle, memory.offset, memory.size
         if type(handle) is not bytes or len(handle) != cudart.IPC_HANDLE_BYTES:
             raise AttachError(f"memory.handle must be {cudart.IPC_HANDLE_BYTES} bytes")
         drv, dev, events = self._prepare(memory, num_blocks, segments)
@@ -100,41 +100,40 @@ class IpcMaps:
                 self._close(drv, key)
             raise AttachError(f"cannot map the engine's GPU memory: {e}") from None
 
-    def open_vmm(self, engine_id: str, memory: dict[str, Any], num_blocks: int, segments: list[Segment]
-                 ) -> CudaMapping:
-        """``cuda_vmm`` memory (cuda_vmm.py): import the pieces' descriptors, map them into one VA range,
-        then the event ring and streams as for IPC. The descriptors are closed whatever happens."""
-        pieces = memory.get("pieces")
+    def open_vmm(self, engine_id: str, memory: P.CudaVmm, handover: Descriptors | None, num_blocks: int,
+                 segments: list[Segment]) -> CudaMapping:
+        """``cuda_vmm`` memory (cuda_vmm.py): import the pieces' descriptors (``handover``: descriptor i
+        is piece i), map them into one VA range, then the event ring and streams as for IPC. The
+        descriptors are closed whatever happens."""
+        fds, pieces = (handover.fds if handover is not None else []), memory.pieces
         try:
-            if type(pieces) is not list or not pieces or any(
-                    type(p) is not dict or type(p.get("fd")) is not int for p in pieces):
-                raise AttachError("memory.pieces must list the pieces' descriptors")
+            if not pieces or len(fds) != len(pieces) or any(type(fd) is not int for fd in fds):
+                raise AttachError("memory.pieces must come with one descriptor per piece")
             drv, dev, events = self._prepare(memory, num_blocks, segments)
             vmm = cuda_vmm.Vmm(drv)
         except (AttachError, cudart.CudaUnavailable) as e:
-            for p in pieces if type(pieces) is list else []:
-                if type(p) is dict and type(p.get("fd")) is int:
-                    os.close(p["fd"])
+            if handover is not None:
+                handover.close()
             raise AttachError(str(e)) from None
         rng = None
         try:
             drv.use_device(dev.ordinal)
-            rng = cuda_vmm.map_pieces(vmm, dev.ordinal, pieces)
-            if memory["offset"] + memory["size"] > rng.reserved:
-                raise AttachError(f"region [{memory['offset']}, +{memory['size']}) exceeds the {rng.reserved} "
+            rng = cuda_vmm.map_pieces(vmm, dev.ordinal, fds, pieces)
+            if memory.offset + memory.size > rng.reserved:
+                raise AttachError(f"region [{memory.offset}, +{memory.size}) exceeds the {rng.reserved} "
                                   "bytes of its pieces")
             return self._finish(engine_id, "cuda_vmm", drv, dev, memory, num_blocks, segments, events,
-                                key=(dev.ordinal, b""), region=rng.va + memory["offset"], vmm=rng)
+                                key=(dev.ordinal, b""), region=rng.va + memory.offset, vmm=rng)
         except (cudart.CudaError, AttachError) as e:
             if rng is not None:
                 cuda_vmm.unmap(vmm, rng)
             raise AttachError(f"cannot map the engine's VMM memory: {e}") from None
 
-    def _prepare(self, memory: dict[str, Any], num_blocks: int, segments: list[Segment]
+    def _prepare(self, memory: P.CudaIpc | P.CudaVmm, num_blocks: int, segments: list[Segment]
                  ) -> tuple[cudart.Driver, Device, list[bytes]]:
         """The checks both kinds share (size, offset, GPU, event ring) and the device they name."""
-        offset, size = memory.get("offset", 0), memory.get("size")
-        uuid, events = memory.get("device_uuid"), memory.get("events", [])
+        offset, size = memory.offset, memory.size
+        uuid, events = memory.device_uuid, list(memory.events)
         if type(offset) is not int or offset < 0 or type(size) is not int or size <= 0:
             raise AttachError("memory.offset must be an integer >= 0 and memory.size a positive integer")
         if type(uuid) is not str or not uuid:
@@ -150,7 +149,7 @@ class IpcMaps:
             raise AttachError(str(e)) from None
         return drv, self._device(drv, ordinal, uuid), events
 
-    def _finish(self, engine_id: str, kind: str, drv: cudart.Driver, dev: Device, memory: dict[str, Any],
+    def _finish(self, engine_id: str, kind: str, drv: cudart.Driver, dev: Device, memory: P.CudaIpc | P.CudaVmm,
                 num_blocks: int, segments: list[Segment], events: list[bytes], *, key: tuple[int, bytes],
                 region: int, vmm: cuda_vmm.VmmRange | None = None) -> CudaMapping:
         """Open the event ring and make the two streams; on failure destroy what was made and raise."""
@@ -167,7 +166,7 @@ class IpcMaps:
             for s in streams:
                 _quiet(drv.stream_destroy, s)
             raise
-        size = memory["size"]
+        size = memory.size
         log.info("engine %s: mapped %d bytes on GPU %d (%s, %s), %d events, %d segments", engine_id, size,
                  dev.ordinal, dev.uuid, kind, len(opened_events), len(segments))
         return CudaMapping(engine_id=engine_id, kind=kind, size=size, num_blocks=num_blocks,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffd.transfer import cuda_driver as cudart
+from kvoffd_client import protocol as P
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,6 @@ SIGNATURES: dict[str, list[Any]] = {
     "cuMemMap": [cudart.CUdeviceptr, ctypes.c_size_t, ctypes.c_size_t, _H, ctypes.c_ulonglong],
     "cuMemUnmap": [cudart.CUdeviceptr, ctypes.c_size_t],
     "cuMemSetAccess": [cudart.CUdeviceptr, ctypes.c_size_t, ctypes.POINTER(AccessDesc), ctypes.c_size_t],
-    "cuMemExportToShareableHandle": [_P, _H, ctypes.c_int, ctypes.c_ulonglong],
     "cuMemImportFromShareableHandle": [ctypes.POINTER(_H), _P, ctypes.c_int],
     "cuMemRetainAllocationHandle": [ctypes.POINTER(_H), _P],
     "cuMemGetAllocationPropertiesFromHandle": [ctypes.POINTER(AllocationProp), _H],
@@ -134,11 +134,6 @@ class Vmm:
         desc = AccessDesc(MemLocation(cudart.CU_MEM_LOCATION_TYPE_DEVICE, ordinal), CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
         self._check("cuMemSetAccess", va, size, ctypes.byref(desc), 1)
 
-    def export_fd(self, handle: int) -> int:
-        fd = ctypes.c_int(-1)
-        self._check("cuMemExportToShareableHandle", ctypes.byref(fd), handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
-        return fd.value
-
     def import_fd(self, fd: int) -> int:
         """The POSIX handle type passes the descriptor itself as the ``void*`` argument (cuda.h)."""
         h = _H()
@@ -156,21 +151,20 @@ class VmmRange:
     pieces: list[tuple[int, int, int]]  # (offset, size, imported handle)
 
 
-def map_pieces(vmm: Vmm, ordinal: int, pieces: list[dict[str, Any]]) -> VmmRange:
+def map_pieces(vmm: Vmm, ordinal: int, fds: list[int], pieces: list[P.VmmPiece]) -> VmmRange:
     """Import, reserve, map, set access; on any failure undo what was done and raise.
 
     Built for thousands of pieces (an expandable-segments KV cache is one 20 MiB piece per segment): one
     import and one map per piece, but one VA reservation and one ``cuMemSetAccess`` over the whole range.
     Each descriptor is closed as soon as it is imported (the imported handle keeps the memory alive), so
-    the daemon never holds a second copy of the batch; every descriptor in ``pieces`` is closed before
-    this returns, whatever happens.
+    the daemon never holds a second copy of the batch; every descriptor in ``fds`` (descriptor i backs
+    piece i) is closed before this returns, whatever happens (marked -1 in ``fds`` once closed).
     """
     handles: list[tuple[int, int, int]] = []
     rng: VmmRange | None = None
-    fds = [p["fd"] for p in pieces]
     try:
         for i, p in enumerate(pieces):
-            handles.append((p["offset"], p["size"], vmm.import_fd(fds[i])))
+            handles.append((p.offset, p.size, vmm.import_fd(fds[i])))
             _close(fds, i)
         total = sum(size for _, size, _ in handles)
         gran = vmm.granularity(ordinal)

@@ -26,8 +26,8 @@ def main() -> None:
     eng = Engine(Spec(layout="blocks", num_blocks=64))
     info = eng("export")
     drv.use_device(0)
-    base = drv.ipc_open_mem_handle(info["memory"]["handle"])
-    ev = drv.ipc_open_event_handle(info["memory"]["events"][0])
+    base = drv.ipc_open_mem_handle(info["memory"].handle)
+    ev = drv.ipc_open_event_handle(info["memory"].events[0])
     print("opened", flush=True)
     i = eng("record", sleep_cycles=2_000_000_000)
     assert i == 0

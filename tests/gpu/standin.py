@@ -94,7 +94,7 @@ def engine_main(conn: Any, spec: Spec, address: str | None = None) -> None:
     def cmd(op: str, a: dict[str, Any]) -> Any:
         nonlocal client
         if op == "export":
-            return {"memory": exp.memory, "layout": exp.layout, "block_bytes": spec.block_bytes,
+            return {"memory": exp.memory.spec, "layout": exp.layout, "block_bytes": spec.block_bytes,
                     "pid": os.getpid()}
         if op == "randomize":
             g = torch.Generator(device=buf.device).manual_seed(a.get("seed", 0))

@@ -30,7 +30,7 @@ async def _attach(backend, eng, name: str) -> MappedMemory:
 
     info = eng("export")
     nb, segs = parse_layout(info["layout"])
-    return await asyncio.get_running_loop().run_in_executor(None, backend.attach, name, info["memory"], nb, segs)
+    return await asyncio.get_running_loop().run_in_executor(None, backend.attach, name, info["memory"], None, nb, segs)
 
 
 def _run(coro):
@@ -139,16 +139,16 @@ def test_store_clear_load_byte_exact(layout, pool, backend, engines):
                 ids = np.sort(rng.choice(BLOCKS, 200, replace=False))
                 slots = rng.permutation(np.array(pool.alloc(m.slot_bytes, 200), dtype=np.int64))
                 eng("snapshot", tag="x", ids=ids.tolist())
-                await backend.copy(S, m, ids, slots)
+                await backend.submit(S, m, ids, slots)
                 # pool holds exactly the engine's bytes
                 k = [0, 77, 199]
                 assert b"".join(pool.view(int(s), m.slot_bytes).tobytes() for s in slots[k]) == \
                     eng("bytes", ids=ids[k].tolist())
                 eng("scramble", ids=ids.tolist())  # "clear" the engine side
-                await backend.copy(L, m, ids, slots)
+                await backend.submit(L, m, ids, slots)
                 assert eng("compare", tag="x", ids=ids.tolist())
                 other = np.sort(np.setdiff1d(np.arange(BLOCKS), ids)[:200])
-                await backend.copy(L, m, other, slots)  # into other blocks
+                await backend.submit(L, m, other, slots)  # into other blocks
                 assert eng("compare", tag="x", ids=other.tolist())
                 pool.free(m.slot_bytes, slots.tolist())
         finally:
@@ -171,7 +171,7 @@ def test_store_waits_for_the_engines_writes(pool, backend, engines):
             for it in range(150):
                 value = it % 250 - 120
                 ev = eng("write_late", ids=ids.tolist(), value=value, cycles=3_000_000)
-                await backend.copy(S, m, ids, slots, event=ev)
+                await backend.submit(S, m, ids, slots, event=ev)
                 eng("release", event=ev)
                 got = np.stack([pool.view(int(s), m.slot_bytes) for s in slots]).view(np.int8)
                 stale += int(not (got == value).all())
@@ -197,7 +197,7 @@ def test_killed_engine_leaves_daemon_serving(pool, backend, engines):
         sv = np.array(pool.alloc(mv.slot_bytes, 400), dtype=np.int64)
         # the victim's store waits on an event behind a ~1 s kernel; kill it meanwhile
         ev = victim("record", sleep_cycles=2_000_000_000)
-        job = asyncio.ensure_future(backend.copy(S, mv, ids, sv, event=ev))
+        job = asyncio.ensure_future(backend.submit(S, mv, ids, sv, event=ev))
         await asyncio.sleep(0.05)
         victim.kill()
         await asyncio.sleep(0.2)
@@ -213,9 +213,9 @@ def test_killed_engine_leaves_daemon_serving(pool, backend, engines):
         sg = np.array(pool.alloc(mg.slot_bytes, 200), dtype=np.int64)
         good("snapshot", tag="g", ids=gids.tolist())
         t = time.perf_counter()
-        await backend.copy(S, mg, gids, sg)
+        await backend.submit(S, mg, gids, sg)
         good("scramble", ids=gids.tolist())
-        await backend.copy(L, mg, gids, sg)
+        await backend.submit(L, mg, gids, sg)
         assert time.perf_counter() - t < 10
         assert good("compare", tag="g", ids=gids.tolist())
         pool.free(mg.slot_bytes, sg.tolist())
@@ -229,15 +229,14 @@ def test_killed_engine_leaves_daemon_serving(pool, backend, engines):
 
 def test_bad_memory_is_refused(backend):
     from kvoffd.transfer.base import AttachError
-    from kvoffd_client.protocol import Segment
+    from kvoffd_client.protocol import CudaIpc, Segment
 
     segs = [Segment(0, 1 << 20, 1 << 20)]
     with pytest.raises(AttachError):
-        backend.attach("x", {"kind": "cuda_ipc", "handle": b"\0" * 64, "size": 1 << 30,
-                             "device_uuid": "GPU-00000000-0000-0000-0000-000000000000", "events": []}, 4, segs)
+        backend.attach("x", CudaIpc(handle=b"\0" * 64, size=1 << 30,
+                                    device_uuid="GPU-00000000-0000-0000-0000-000000000000", events=[]), None, 4, segs)
     with pytest.raises(AttachError):
-        backend.attach("x", {"kind": "cuda_ipc", "handle": b"short", "size": 1 << 30, "device_uuid": "GPU-0"},
-                       4, segs)
+        backend.attach("x", CudaIpc(handle=b"short", size=1 << 30, device_uuid="GPU-0"), None, 4, segs)
 
 
 def test_two_gpus_share_the_pool(pool, backend):
@@ -256,8 +255,8 @@ def test_two_gpus_share_the_pool(pool, backend):
         e0("randomize", seed=5)
         ids = np.arange(0, 256)
         slots = np.array(pool.alloc(m0.slot_bytes, 256), dtype=np.int64)
-        await backend.copy(S, m0, ids, slots)
-        await backend.copy(L, m1, ids[::-1].copy(), slots)
+        await backend.submit(S, m0, ids, slots)
+        await backend.submit(L, m1, ids[::-1].copy(), slots)
         # block i of GPU 0 == block 255-i of GPU 1, byte for byte (the layouts differ; the slots don't)
         assert e0("digest", ids=ids[:32].tolist()) == e1("digest", ids=ids[::-1][:32].tolist())
         pool.free(m0.slot_bytes, slots.tolist())
@@ -299,7 +298,7 @@ def test_jobs_past_their_deadline_never_start(pool, engines):
             assert head < 100
             eng("randomize", seed=11)
             eng("snapshot", tag="pool_head", ids=ids[:head].tolist())
-            await b.copy(S, m, ids, slots)  # the pool holds the randomized bytes
+            await b.submit(S, m, ids, slots)  # the pool holds the randomized bytes
             eng("scramble", ids=ids.tolist())
             eng("snapshot", tag="engine_tail", ids=ids[head:].tolist())
             eng("snapshot", tag="engine_gated", ids=ids[100:104].tolist())

@@ -97,7 +97,8 @@ def vmm_main(conn: Any, spec: VmmSpec) -> None:
     def cmd(op: str, a: dict[str, Any]) -> Any:
         if op == "build":
             build()
-            return {"kind": st["exp"].memory["kind"], "pieces": len(st["exp"].memory.get("pieces", []))}
+            spec = st["exp"].memory.spec
+            return {"kind": spec.KIND, "pieces": len(getattr(spec, "pieces", ()))}
         if op == "randomize":
             g = torch.Generator(device=st["buf"].device).manual_seed(a.get("seed", 0))
             st["buf"].view(torch.int32).random_(generator=g)

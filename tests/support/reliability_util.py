@@ -38,6 +38,7 @@ from kvoffd_client import protocol as P  # noqa: E402
 from kvoffd_client.client import KvoffdClient  # noqa: E402
 from kvoffd_client.fdpass import send_fd  # noqa: E402
 from kvoffd_client.memory.cpu_fd import create_sealed_memfd  # noqa: E402
+from kvoffd_client.memory.local import LocalMemory  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # process measurements
@@ -174,8 +175,8 @@ class ShmEngine:
         self.mem = np.frombuffer(self._mm, dtype=np.uint8).reshape(layers, num_blocks, self.half)
 
     @property
-    def memory(self) -> dict[str, Any]:
-        return {"kind": "cpu_fd", "fd": self.fd, "size": self.size}
+    def memory(self) -> LocalMemory:
+        return LocalMemory(P.CpuFd(token="", size=self.size), [self.fd])
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -213,10 +214,12 @@ class ShmEngine:
 # a raw peer: the protocol without the client library's manners
 
 
-def wire_memory(fd_socket: str, memory: dict[str, Any]) -> dict[str, Any]:
-    """REGISTER's memory as it travels: the descriptor handed to the fd socket, named by its token."""
-    token = send_fd(fd_socket, memory["fd"], memory["size"])
-    return {"kind": "cpu_fd", "token": token, "size": memory["size"]}
+def wire_memory(fd_socket: str, memory: LocalMemory | dict[str, Any]) -> dict[str, Any]:
+    """REGISTER's memory as it travels: the descriptor handed to the fd socket, named by its token
+    (``memory``: an engine's, or a raw ``{"kind": "cpu_fd", "fd": ..., "size": ...}`` of a test's making)."""
+    fd, size = (memory.fds[0], memory.spec.size) if isinstance(memory, LocalMemory) else (memory["fd"], memory["size"])
+    token = send_fd(fd_socket, fd, size)
+    return {"kind": "cpu_fd", "token": token, "size": size}
 
 
 class RawPeer:
@@ -246,7 +249,8 @@ class RawPeer:
     def send_msg(self, msg: P.Message) -> int:
         if not msg.seq:
             msg.seq = self.next_seq()
-        if isinstance(msg, P.Register) and msg.memory.get("kind") == "cpu_fd" and "fd" in msg.memory:
+        if isinstance(msg, P.Register) and (isinstance(msg.memory, LocalMemory) or (
+                isinstance(msg.memory, dict) and msg.memory.get("kind") == "cpu_fd" and "fd" in msg.memory)):
             msg.memory = wire_memory(self.fd_socket, msg.memory)
         self.send(P.encode(msg))
         return msg.seq

@@ -14,7 +14,9 @@ import fcntl
 import os
 from typing import TYPE_CHECKING, Any
 
+from kvoffd_client import protocol as P
 from kvoffd_client.memory.layout import storage_of
+from kvoffd_client.memory.local import LocalMemory
 
 if TYPE_CHECKING:
     import torch
@@ -42,16 +44,16 @@ def create_sealed_memfd(nbytes: int, tag: str = "") -> int:
 
 
 def share_cpu_kv_caches(kv_caches: dict[str, torch.Tensor], tag: str = "",
-                        holders: Any = None) -> dict[str, Any]:
+                        holders: Any = None) -> LocalMemory:
     """Move the CPU KV allocation into a sealed memfd, in place, and return REGISTER's ``memory``.
 
     Every tensor in ``kv_caches`` is re-pointed (``Tensor.set_``) at the same bytes in the memfd, so
     the engine keeps using the very tensor objects it bound to its attention layers and the daemon
     maps the memfd: no copy per transfer, and none at registration beyond this one move.
 
-    The result, ``{"kind": "cpu_fd", "fd": fd, "size": n}``, holds this process's descriptor: the
-    client (KvoffdClient.register) hands it to the daemon's fd socket at every registration and sends
-    the token it gets back instead. Keep the descriptor open while the engine may register again
+    The result, ``P.CpuFd`` (its token empty) with the memfd's descriptor beside it, is what
+    KvoffdClient.register takes: it hands the descriptor to the daemon's fd socket at every
+    registration and sends the token it gets back in the Struct. Keep the descriptor open while the engine may register again
     (after a daemon restart); ``release_cpu_kv_caches`` closes it.
     """
     import torch
@@ -82,7 +84,7 @@ def share_cpu_kv_caches(kv_caches: dict[str, torch.Tensor], tag: str = "",
                 f"{left} tensor(s) outside the registered KV views still use the KV allocation (a layer "
                 "keeps a view of its own), so the bytes the daemon would copy are not the bytes the model "
                 "reads and writes")
-    return {"kind": "cpu_fd", "fd": fd, "size": nbytes}
+    return LocalMemory(P.CpuFd(token="", size=nbytes), [fd])
 
 
 class StaleViewError(ValueError):
@@ -120,11 +122,6 @@ def _repoint(tensors: list[torch.Tensor], old: Any, new: Any) -> list[torch.Tens
     return moved
 
 
-def release_cpu_kv_caches(memory: dict[str, Any]) -> None:
+def release_cpu_kv_caches(memory: LocalMemory) -> None:
     """Close the memfd's descriptor (the memory lives on while the tensors, or the daemon, map it)."""
-    fd = memory.pop("fd", None)
-    if memory.get("kind") == "cpu_fd" and isinstance(fd, int):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    memory.close()

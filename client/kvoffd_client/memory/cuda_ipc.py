@@ -21,10 +21,12 @@ Only this module imports torch; the daemon never does.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvoffd_client import protocol as P
+from kvoffd_client.memory.local import LocalMemory
 
 IPC_HANDLE_BYTES = 64
 DEFAULT_EVENTS = 64
@@ -143,19 +145,18 @@ class EventRing:
 
 @dataclass
 class CudaExport:
-    """What REGISTER needs (``memory``, ``layout``) plus the ring the worker records into."""
+    """What REGISTER needs (``memory``: ``P.CudaIpc``, or ``P.CudaVmm`` with its pieces' descriptors;
+    ``layout``) plus the ring the worker records into."""
 
-    memory: dict[str, Any]
+    memory: LocalMemory
     layout: dict[str, Any]
     ring: EventRing
     region_ptr: int
     keepalive: list[Any] = field(default_factory=list)
-    vmm: Any = None  # cuda_vmm.VmmExport for ``cuda_vmm`` memory: its descriptors, closed by close()
 
     def close(self) -> None:
         """Let go of the memory's exported descriptors (VMM): before the engine frees it (sleep)."""
-        if self.vmm is not None:
-            self.vmm.close()
+        self.memory.close()
 
 
 def export_kv_caches(tensors: dict[str, Any], num_blocks: int, *, layout: dict[str, Any] | None = None,
@@ -183,7 +184,7 @@ def export_kv_caches(tensors: dict[str, Any], num_blocks: int, *, layout: dict[s
 
         layout = describe_layout(tensors, num_blocks)
     try:
-        handle, offset, alloc_size = export_allocation(region_ptr)
+        handle, offset, _ = export_allocation(region_ptr)
     except RuntimeError:
         from kvoffd_client.memory import cuda_vmm
 
@@ -192,16 +193,8 @@ def export_kv_caches(tensors: dict[str, Any], num_blocks: int, *, layout: dict[s
         # cuMemCreate memory has no IPC handle: its physical pieces go as POSIX descriptors instead
         ring = EventRing(dev, num_events)
         vmm = cuda_vmm.export_region(region_ptr, storage.nbytes(), device_uuid=device_uuid(dev), events=ring.handles)
-        return CudaExport(memory=vmm.memory, layout=layout, ring=ring, region_ptr=region_ptr, keepalive=ts, vmm=vmm)
+        return CudaExport(memory=vmm, layout=layout, ring=ring, region_ptr=region_ptr, keepalive=ts)
     ring = EventRing(dev, num_events)
-    memory = {
-        "kind": "cuda_ipc",
-        "handle": handle,
-        "offset": offset,
-        "size": storage.nbytes(),
-        "alloc_size": alloc_size,
-        "device_uuid": device_uuid(dev),
-        "events": ring.handles,
-        "pid": os.getpid(),
-    }
-    return CudaExport(memory=memory, layout=layout, ring=ring, region_ptr=region_ptr, keepalive=ts)
+    memory = P.CudaIpc(handle=handle, offset=offset, size=storage.nbytes(), device_uuid=device_uuid(dev),
+                       events=ring.handles)
+    return CudaExport(memory=LocalMemory(memory), layout=layout, ring=ring, region_ptr=region_ptr, keepalive=ts)

@@ -10,7 +10,7 @@ VA range of its own.
 
 Export works only for allocations created with ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`` among their
 requested handle types; :class:`VmmNotExportable` says so in one sentence (the worker logs it once and
-serves without offload). The descriptors keep the physical memory alive: :meth:`VmmExport.close` them
+serves without offload). The descriptors keep the physical memory alive: :meth:`LocalMemory.close` them
 before the engine frees its KV cache (sleep), or the memory is not given back.
 """
 
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass, field
-from typing import Any
+
+from kvoffd_client import protocol as P
+from kvoffd_client.memory.local import LocalMemory
 
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
 CUDA_SUCCESS = 0
@@ -114,23 +115,6 @@ def _range(addr: int) -> tuple[int, int]:
     return base.value, size.value
 
 
-@dataclass
-class VmmExport:
-    """The pieces of one KV region: REGISTER's ``memory`` (descriptors included until it travels)."""
-
-    memory: dict[str, Any]
-    fds: list[int] = field(default_factory=list)
-
-    def close(self) -> None:
-        """Close the exported descriptors (before the engine frees the memory, e.g. on sleep)."""
-        fds, self.fds = self.fds, []
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
 #: descriptors an engine process keeps free for everything else while it holds its exported pieces
 NOFILE_SPARE = 256
 _NOFILE_STEP = 64  # pieces exported between two looks at the limit
@@ -156,14 +140,16 @@ def _room_for_more(held: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
-def export_region(ptr: int, nbytes: int, *, device_uuid: str, events: list[bytes]) -> VmmExport:
-    """Describe the VMM region ``[ptr, +nbytes)``: its pieces from the first one's base, in order.
+def export_region(ptr: int, nbytes: int, *, device_uuid: str, events: list[bytes]) -> LocalMemory:
+    """Describe the VMM region ``[ptr, +nbytes)``: its pieces from the first one's base, in order, each
+    exported as the descriptor at its position in ``fds`` (``close`` them before the engine frees the
+    memory, e.g. on sleep, or it is not given back).
 
     Raises VmmNotExportable (not exportable, or more pieces than the protocol allows) or RuntimeError.
     """
     first, _ = _range(ptr)
-    pieces: list[dict[str, Any]] = []
-    exp = VmmExport(memory={})
+    pieces: list[P.VmmPiece] = []
+    fds: list[int] = []
     addr, end = first, ptr + nbytes
     try:
         while addr < end:
@@ -173,14 +159,16 @@ def export_region(ptr: int, nbytes: int, *, device_uuid: str, events: list[bytes
             if len(pieces) == MAX_PIECES:
                 raise VmmNotExportable(f"the KV cache spans more than {MAX_PIECES} physical allocations; "
                                        f"kvoffd maps at most {MAX_PIECES} per engine (docs/cuda.md)")
-            _room_for_more(len(exp.fds))
-            fd = _export_piece(addr)
-            exp.fds.append(fd)
-            pieces.append({"fd": fd, "offset": addr - first, "size": size})
+            _room_for_more(len(fds))
+            fds.append(_export_piece(addr))
+            pieces.append(P.VmmPiece(offset=addr - first, size=size))
             addr += size
     except BaseException:
-        exp.close()
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         raise
-    exp.memory = {"kind": "cuda_vmm", "pieces": pieces, "offset": ptr - first, "size": nbytes,
-                  "device_uuid": device_uuid, "events": events}
-    return exp
+    spec = P.CudaVmm(token="", pieces=pieces, offset=ptr - first, size=nbytes, device_uuid=device_uuid, events=events)
+    return LocalMemory(spec, fds)

@@ -30,6 +30,8 @@ from kvoffd_client.vllm.registration import KvRegistration
 if TYPE_CHECKING:
     import torch
 
+    from kvoffd_client.memory.cuda_ipc import CudaExport
+
 
 @dataclass
 class _StoreJob:
@@ -48,25 +50,20 @@ class _LoadJob:
     late: bool = False  # the step's wait ran out: the daemon may still write its blocks
 
 
-class KvoffdWorker(KvRegistration):
+class KvoffdWorker:
     def __init__(self, settings: Settings, identity: CacheIdentity | None, engine_id: str, rank: int,
                  num_blocks: int, vllm_config: Any = None):
         self.s = settings
-        self.vllm_config = vllm_config
-        self.refused: str | None = None  # why this worker registered nothing (None: not refused)
-        self.identity = identity
         self.engine_id = engine_id
         self.rank = rank
-        self.num_blocks = num_blocks
         #: False on a rank whose KV another rank stores for it (MLA at TP > 1: identity.replicas).
         self.sends_stores = identity is None or identity.stores(rank)
         self.stats = KvoffdStats()
         self.client: KvoffdClient | None = None
-        self.memory: dict[str, Any] | None = None
-        self._cuda: Any = None  # handles_cuda.CudaExport on GPUs
-        self._kv_caches: dict[str, torch.Tensor] | None = None
-        self._registered = False  # REGISTER was sent (or is remembered for replay on connect)
-        self._block_bytes = 0  # bytes this rank copies per block (measures same-step loads)
+        #: this worker's KV memory as the daemon knows it (None: offload off, no identity)
+        self.registration = (KvRegistration(settings, identity, engine_id, rank, num_blocks,
+                                            sends_stores=self.sends_stores, vllm_config=vllm_config)
+                             if identity is not None else None)
         self._stores: dict[int, _StoreJob] = {}
         self._req_stores: dict[str, set[int]] = {}
         self._loads: dict[int, _LoadJob] = {}
@@ -88,10 +85,46 @@ class KvoffdWorker(KvRegistration):
 
     @property
     def active(self) -> bool:
-        return self.client is not None and self._registered
+        return self.client is not None and self.registration is not None and self.registration.registered
 
-    # registration and sleep mode (register_kv_caches, unregister_kv_caches, restore_kv_caches):
-    # kvoffd_client.vllm.registration, KvRegistration
+    @property
+    def _cuda(self) -> CudaExport | None:
+        return self.registration.cuda if self.registration is not None else None
+
+    # --------------------------------------------------------------------------------------------
+    # registration and sleep mode (kvoffd_client.vllm.registration)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        reg = self.registration
+        if self.client is None or reg is None or not kv_caches:
+            return
+        if not reg.register(self.client, kv_caches):
+            self._shutdown_client()
+
+    def unregister_kv_caches(self) -> None:
+        """Drain this worker's jobs, then UNREGISTER (``KvRegistration.unregister``), before vLLM
+        frees the KV memory for a sleep."""
+        client, reg = self.client, self.registration
+        if client is None or reg is None or not reg.sleeps:
+            return
+        pending = set(self._stores) | set(self._loads)
+        if pending:
+            self._complete(client.wait_notices(pending, self.s.job_timeout_s))
+        reg.unregister(client)
+
+    def restore_kv_caches(self) -> None:
+        """After wake the KV tensors keep their addresses but are backed by new physical memory:
+        export it again and register (a new mapping in the daemon)."""
+        kv = self.registration.to_restore() if self.registration is not None else None
+        if kv is not None:
+            self.register_kv_caches(kv)
+
+    def _shutdown_client(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.registration is not None:
+            self.registration.registered = False
 
     # --------------------------------------------------------------------------------------------
     # per step
@@ -245,7 +278,9 @@ class KvoffdWorker(KvRegistration):
             log.warning("kvoffd: %d same-step load(s) not done after %d ms; vLLM recomputes those blocks, "
                         "and loads are asynchronous for a while", len(late), self.s.sync_load_timeout_ms)
         elif us > 0:
-            self._meta.sync_bytes += sum(len(ld.block_ids) for ld in meta.loads if ld.job_id in jobs) * self._block_bytes
+            assert self.registration is not None
+            self._meta.sync_bytes += (sum(len(ld.block_ids) for ld in meta.loads if ld.job_id in jobs)
+                                      * self.registration.block_bytes)
             self._meta.sync_us += us
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -312,14 +347,11 @@ class KvoffdWorker(KvRegistration):
             if self._stores or self._late:
                 self._complete(client.wait_notices(set(self._stores) | set().union(*self._late.values()),
                                                    min(self.s.fence_timeout_s, 2.0)))
-            if self._registered and client.connected:
+            if self.active and client.connected:
                 try:
                     client.unregister(self.engine_id, timeout_s=1.0)
                 except (DaemonUnavailable, KvoffdError):
                     pass  # the daemon drops the engine anyway when this connection closes
             self._shutdown_client()
-        if self.memory is not None and self.memory.get("kind") == "cpu_fd":
-            from kvoffd_client.memory.cpu_fd import release_cpu_kv_caches
-
-            release_cpu_kv_caches(self.memory)
-            self.memory = None
+        if self.registration is not None:
+            self.registration.release()
