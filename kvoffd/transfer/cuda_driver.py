@@ -1,4 +1,5 @@
-"""ctypes bindings to the CUDA *driver* API (libcuda.so.1): the few calls the daemon needs.
+"""ctypes bindings to the CUDA *driver* API (libcuda.so.1): the few calls the daemon needs (the
+importing half of IPC: engines export, in the client library).
 
 Why the driver API and not libcudart or torch:
   * libcuda.so.1 is present wherever a GPU is usable (it comes with the driver), while libcudart
@@ -13,7 +14,7 @@ Handles are interchangeable with the runtime's (a ``cudaIpcMemHandle_t`` *is* a 
 so an engine that exported with torch / cudart is opened here without conversion.
 
 Every call is checked; failures raise :class:`CudaError` with the driver's error name. ctypes
-releases the GIL for the duration of each call, so a blocking call (event synchronize, host
+releases the GIL for the duration of each call, so a blocking call (stream synchronize, host
 register) in a worker thread never stalls the daemon's event loop.
 """
 
@@ -97,19 +98,14 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuEventCreate": [ctypes.POINTER(_p), ctypes.c_uint],
     "cuEventRecord": [_p, _p],
     "cuEventQuery": [_p],
-    "cuEventSynchronize": [_p],
     "cuEventDestroy_v2": [_p],
-    "cuIpcGetMemHandle": [ctypes.POINTER(IpcHandle), CUdeviceptr],
     "cuIpcOpenMemHandle_v2": [ctypes.POINTER(CUdeviceptr), IpcHandle, ctypes.c_uint],
     "cuIpcCloseMemHandle": [CUdeviceptr],
-    "cuIpcGetEventHandle": [ctypes.POINTER(IpcHandle), _p],
     "cuIpcOpenEventHandle": [ctypes.POINTER(_p), IpcHandle],
     "cuMemHostRegister_v2": [_p, ctypes.c_size_t, ctypes.c_uint],
     "cuMemHostUnregister": [_p],
     "cuMemGetAddressRange_v2": [ctypes.POINTER(CUdeviceptr), ctypes.POINTER(ctypes.c_size_t), CUdeviceptr],
     "cuMemcpyAsync": [CUdeviceptr, CUdeviceptr, ctypes.c_size_t, _p],
-    "cuMemcpyDtoH_v2": [_p, CUdeviceptr, ctypes.c_size_t],
-    "cuMemcpyHtoD_v2": [CUdeviceptr, _p, ctypes.c_size_t],
 }
 _OPTIONAL = {"cuDeviceGetUuid_v2": [ctypes.POINTER(CUuuid), ctypes.c_int],
              "cuDeviceGetUuid": [ctypes.POINTER(CUuuid), ctypes.c_int],
@@ -286,18 +282,10 @@ class Driver:
             return False
         raise self.error(rc, "cuEventQuery")
 
-    def event_synchronize(self, event: int) -> None:
-        self.check("cuEventSynchronize", event)
-
     def event_destroy(self, event: int) -> None:
         self.check("cuEventDestroy_v2", event)
 
     # --- IPC ------------------------------------------------------------------------------------------
-    def ipc_get_mem_handle(self, ptr: int) -> bytes:
-        h = IpcHandle()
-        self.check("cuIpcGetMemHandle", ctypes.byref(h), ptr)
-        return ctypes.string_at(ctypes.addressof(h), IPC_HANDLE_BYTES)
-
     def ipc_open_mem_handle(self, handle: bytes) -> int:
         """Map another process's allocation; returns the base address of the *whole* allocation."""
         h = _handle(handle)
@@ -307,11 +295,6 @@ class Driver:
 
     def ipc_close_mem_handle(self, ptr: int) -> None:
         self.check("cuIpcCloseMemHandle", ptr)
-
-    def ipc_get_event_handle(self, event: int) -> bytes:
-        h = IpcHandle()
-        self.check("cuIpcGetEventHandle", ctypes.byref(h), event)
-        return ctypes.string_at(ctypes.addressof(h), IPC_HANDLE_BYTES)
 
     def ipc_open_event_handle(self, handle: bytes) -> int:
         e = _p()
@@ -334,12 +317,6 @@ class Driver:
     # --- copies ---------------------------------------------------------------------------------------
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self.check("cuMemcpyAsync", dst, src, nbytes, stream)
-
-    def memcpy_dtoh(self, dst_host: int, src_dev: int, nbytes: int) -> None:
-        self.check("cuMemcpyDtoH_v2", dst_host, src_dev, nbytes)
-
-    def memcpy_htod(self, dst_dev: int, src_host: int, nbytes: int) -> None:
-        self.check("cuMemcpyHtoD_v2", dst_dev, src_host, nbytes)
 
     @property
     def has_batch(self) -> bool:
