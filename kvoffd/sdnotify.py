@@ -12,9 +12,8 @@ Everything here is best effort and never raises: outside systemd (a container, a
 What the daemon sends, and when:
 
 * ``ready(status)`` once the ROUTER socket is bound and the HTTP listener is up (engines can connect,
-  ``/healthz`` answers). The pool need not be pinned yet: pinning progresses behind readiness.
-* ``status(text)`` whenever a human-readable state changes (pinning progress, engines attached); it is
-  what ``systemctl status kvoffd`` prints on its "Status:" line.
+  ``/healthz`` answers). The pool need not be pinned yet: pinning progresses behind readiness. The
+  status is what ``systemctl status kvoffd`` prints on its "Status:" line.
 * ``stopping(text)`` as soon as SIGTERM/SIGINT is handled, before draining in-flight jobs.
 * ``watchdog()`` every ``watchdog_interval()`` seconds from the event loop itself, when the unit sets
   ``WatchdogSec=``; a stalled loop then stops pinging and systemd restarts the daemon.
@@ -66,10 +65,6 @@ def ready(status: str = "") -> bool:
     if status:
         msg += f"\nSTATUS={_one_line(status)}"
     return notify(msg)
-
-
-def status(text: str) -> bool:
-    return notify(f"STATUS={_one_line(text)}")
 
 
 def stopping(text: str = "") -> bool:

@@ -124,7 +124,7 @@ def test_sdnotify_module(tmp_path, monkeypatch):
     name = f"kvoffd-test-{time.monotonic_ns()}"
     a.bind("\0" + name)
     monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
-    assert sdnotify.status("pinning 1/2 GiB") and a.recv(4096) == b"STATUS=pinning 1/2 GiB"
+    assert sdnotify.notify("STATUS=pinning 1/2 GiB") and a.recv(4096) == b"STATUS=pinning 1/2 GiB"
     a.close()
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))
     assert sdnotify.notify("READY=1") is False  # never raises
