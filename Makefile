@@ -114,7 +114,6 @@ bench: install-test
 lint: install-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/ruff format --check . || true
 
 clean:
 	rm -rf $(VENV) build *.egg-info
