@@ -13,13 +13,13 @@ from kvoffd.cache.index import Index
 from kvoffd.cache.restart.plan import plan_adoption
 from kvoffd.cache.restart.records import NamespaceFacts, RankFacts, SlotRecords
 from kvoffd.pool.allocator import Pool
-from kvoffd.pool.format import Layout
+from kvoffd.pool.format import PoolLayout
 
 CHUNK, SLOT = 1 << 20, 64 << 10  # 16 slots per chunk, all with records
 
 
 def _records(chunks: int = 4) -> SlotRecords:
-    lay = Layout.of(chunks * CHUNK, CHUNK)
+    lay = PoolLayout.of(chunks * CHUNK, CHUNK)
     return SlotRecords(np.zeros((lay.num_records, 8), dtype=np.uint64), np.zeros(chunks, dtype=np.uint64), lay)
 
 

@@ -23,7 +23,7 @@ import pytest
 from kvtest import chain_keys, wait_until
 from reliability_util import ShmEngine
 
-from kvoffd.pool.format import Layout, default_pool_path, fs_type, pool_geometry, segment_path
+from kvoffd.pool.format import PoolLayout, default_pool_path, fs_type, pool_geometry, segment_path
 from kvoffd_client.client import KvoffdClient
 
 NB, SLOT = 128, 256 << 10  # 32 MiB of blocks in a 64 MiB pool
@@ -189,7 +189,7 @@ def _flip(pool_path: str, pool: str, slot: int) -> None:
     from kvoffd.config import parse_size
 
     size = parse_size(pool)
-    lay = Layout.of(size, pool_geometry(size)[0])
+    lay = PoolLayout.of(size, pool_geometry(size)[0])
     seg, at = divmod(slot + 1000, lay.segment_bytes)
     with open(segment_path(pool_path, os.stat(pool_path).st_ino, seg), "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
         m[at:at + 4] = bytes(255 - x for x in m[at:at + 4])

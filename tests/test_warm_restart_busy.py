@@ -25,7 +25,7 @@ from kvtest import chain_keys, wait_until
 from reliability_util import ShmEngine, metric_value
 
 from kvoffd.config import parse_size
-from kvoffd.pool.format import Layout, pool_geometry
+from kvoffd.pool.format import PoolLayout, pool_geometry
 from kvoffd_client.client import KvoffdClient
 
 HOLD = "KVOFFD_TEST_HOLD_SEALING"
@@ -121,7 +121,7 @@ def _status(address: str) -> str:
 def _flip(pool_path: str, pool: str, slot: int) -> None:
     """Flip bytes of the block at pool offset ``slot`` in its segment file, as a stray write would."""
     size = parse_size(pool)
-    lay = Layout.of(size, pool_geometry(size)[0])
+    lay = PoolLayout.of(size, pool_geometry(size)[0])
     seg, at = divmod(slot + 1000, lay.segment_bytes)
     segs = sorted(p for p in os.listdir(os.path.dirname(pool_path)) if p[-5:-4] == "." and p[-4:].isdigit())
     with open(os.path.join(os.path.dirname(pool_path), segs[seg]), "r+b") as f, mmap.mmap(f.fileno(), 0) as m:

@@ -2,10 +2,10 @@
 and the first LOAD of an adopted block compare with (kvoffd/server/verify.py), what the background pass
 of a warm restart checks (kvoffd/cache/restart/verifier.py).
 
-Why not zlib's crc32 (what records held before issue 29): one thread sums 2.1-2.4 GB/s, and stores land
-at 44-54 GB/s from one H200 engine, so a pool of checksums behind stores fell further behind every busy
-second. Measured (``bench/checksum.py``, GB/s, 2 MiB blocks; the H200 host on 1 / 8 / 14 threads, as
-reported in issue 29; the 2-core VM on one thread, shared with other work): zlib.crc32 2.4 / 14 / 22, VM
+Why not zlib's crc32 (what an older daemon's SEALED records hold, still read): one thread sums 2.1-2.4 GB/s, and stores land
+at 44-54 GB/s from one H200 engine, so checksums behind stores would fall further behind every busy
+second. Measured (``bench/checksum.py``, GB/s, 2 MiB blocks; an H200 host on 1 / 8 / 14 threads, and
+a 2-core VM on one thread, shared with other work; docs/benchmarks.md): zlib.crc32 2.4 / 14 / 22, VM
 2.1; crc32c (PyPI, hardware) 9.3 / 50 / 72, VM 8.6-9.7; xxh3_64 (PyPI) 6.9 / 43 / 66, VM 7.8; a numpy
 uint64 sum 8.4 / 53 / 70, VM 5.7-8.1; this function, VM 5.5-6.5, within the VM's noise of the plain
 sum. All are bound by memory bandwidth past a few threads, so no package clearly wins over numpy,

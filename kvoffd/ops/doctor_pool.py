@@ -20,7 +20,7 @@ from kvoffd.pool.format import (
     HEADER_BYTES,
     RANDOM_PART,
     Header,
-    Layout,
+    PoolLayout,
     allocated_bytes,
     default_pool_path,
     exact_size,
@@ -46,7 +46,7 @@ def _thp_shmem() -> str:
     return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
 
 
-def _holds(path: str, layout: Layout) -> tuple[str, str]:
+def _holds(path: str, layout: PoolLayout) -> tuple[str, str]:
     """What the existing file holds, in words, and why the next start will not adopt it ("": it will)."""
     try:
         with open(path, "rb") as f:
@@ -138,7 +138,7 @@ def _check_file(ctx: Any) -> tuple[str, str, str]:
         chunk, _ = pool_geometry(ctx.pool_size)
     except ValueError as e:
         return WARN, str(e), "choose a --pool-size of whole 64 MiB chunks"
-    layout = Layout.of(ctx.pool_size, chunk)
+    layout = PoolLayout.of(ctx.pool_size, chunk)
     d = os.path.dirname(path)
     probe = d if os.path.isdir(d) else os.path.dirname(d)
     try:

@@ -30,7 +30,7 @@ stays global (the index decides what goes); the slots it frees serve whichever s
 
 The size asked for is the size served: a pool is a whole number of chunks, or (below one chunk) one
 chunk of exactly its size, and any other size is refused with one line (``pool_geometry``, kvoffd/pool/format.py) rather
-than silently rounded down (100 MiB used to give 64 MiB). A backend that needs
+than silently rounded down (a pool is never smaller than asked). A backend that needs
 the memory pinned (CUDA) makes chunks usable as it pins them (``set_usable_bytes``); until then only
 usable chunks are handed out.
 """
@@ -195,11 +195,6 @@ class Pool:
         """The shard a slot (byte offset) lies in."""
         return self._chunks[offset // self.chunk_bytes].shard
 
-    def slots_capacity(self, slot_bytes: int) -> int:
-        """How many slots of this size the pool could hold if it held nothing else."""
-        per_chunk = self.chunk_bytes // slot_bytes
-        return per_chunk * self._usable_chunks
-
     def slots_share(self, slot_bytes: int) -> int:
         """How many slots of this size the pool holds for it now: its chunks plus the free usable ones,
         or its fair share of the usable chunks if that is more (a size below its share takes chunks
@@ -288,10 +283,11 @@ class Pool:
         if not heap or heap[0] >= self._usable_chunks:
             return None
         ch = self._chunks[heapq.heappop(heap)]
-        self._adopt(ch, slab)
+        self._assign(ch, slab)
         return ch
 
-    def _adopt(self, ch: _Chunk, slab: _Slab) -> None:
+    def _assign(self, ch: _Chunk, slab: _Slab) -> None:
+        """A free chunk joins ``slab``: carved into its slot size from empty."""
         ch.slot_bytes, ch.carved, ch.live, ch.free, ch.drain_for = slab.slot_bytes, 0, 0, [], 0
         slab.chunks.add(ch.index)
         slab.room[ch.shard][ch.index] = None
@@ -320,7 +316,7 @@ class Pool:
         slab.by_age.pop(ch.index, None)
         target = self._slabs.get(ch.drain_for) if ch.drain_for else None
         if target is not None and target is not slab:
-            self._adopt(ch, target)
+            self._assign(ch, target)
             self.reclaimed_chunks += 1
             return
         ch.slot_bytes, ch.carved, ch.free, ch.drain_for = 0, 0, [], 0
@@ -431,7 +427,7 @@ class Pool:
         for c, end in zip(wanted.tolist(), bounds.tolist(), strict=True):
             held = inner[start:end] // slot_bytes  # sorted, distinct
             ch = self._chunks[c]
-            self._adopt(ch, slab)
+            self._assign(ch, slab)
             ch.carved = int(held[-1]) + 1
             ch.live = len(held)
             gap = np.ones(ch.carved, dtype=bool)

@@ -24,7 +24,7 @@ adopted blocks; both fail with ENOSPC, never SIGBUS), and the pool hands out onl
 once whatever the pool size. If the room is not there the daemon keeps its pool in private memory
 and says so in one line: it works, it just does not survive a restart.
 
-The layout and header (``Layout``, ``Header``) are in kvoffd/pool/format.py, which ``kvoffd doctor``
+The layout and header (``PoolLayout``, ``Header``) are in kvoffd/pool/format.py, which ``kvoffd doctor``
 reads too; this module opens, locks, allocates and maps the files.
 """
 
@@ -47,7 +47,7 @@ from kvoffd.pool.format import (
     FORMAT_VERSION,
     HEADER_BYTES,
     Header,
-    Layout,
+    PoolLayout,
     fs_type,
     legacy_segment_path,
     segment_path,
@@ -72,7 +72,7 @@ class PoolFile:
     """The open, locked, mapped pool. ``map``: the metadata file's mapping; ``data``: the pool's data
     (the segments side by side). ``previous``: the header found (None: made new or reset)."""
 
-    def __init__(self, path: str, fd: int, mapping: mmap.mmap, data: mmap.mmap, layout: Layout,
+    def __init__(self, path: str, fd: int, mapping: mmap.mmap, data: mmap.mmap, layout: PoolLayout,
                  previous: Header | None, allocated: list[bool], inodes: list[int]):
         self.path, self.fd, self.map, self.data, self.layout = path, fd, mapping, data, layout
         self.previous = previous
@@ -199,7 +199,7 @@ class PoolFile:
             self.fd = -1
 
 
-def open_pool_file(path: str, layout: Layout, cold: bool) -> tuple[PoolFile, str]:
+def open_pool_file(path: str, layout: PoolLayout, cold: bool) -> tuple[PoolFile, str]:
     """Open (or make) the pool's files, locked for this daemon alone. Returns the pool file and, when a
     previous pool was found and not adopted, the one line saying why. PoolFileError when it cannot be
     used."""
@@ -246,7 +246,7 @@ def open_pool_file(path: str, layout: Layout, cold: bool) -> tuple[PoolFile, str
     return PoolFile(path, fd, mapping, data, layout, previous, allocated, inodes), why
 
 
-def discard_files(path: str, ino: int, layout: Layout) -> None:
+def discard_files(path: str, ino: int, layout: PoolLayout) -> None:
     """Unlink a pool's files: the segments named after the metadata inode ``ino`` and the metadata file
     if it is still that inode. Only while holding its lock, for a pool that holds nothing any daemon
     would adopt (made or emptied by this start). A daemon still mapping them keeps its pages until it
@@ -293,7 +293,7 @@ def _check_dir(path: str) -> str:
     return kind
 
 
-def _read_previous(fd: int, size: int, path: str, ino: int, layout: Layout) -> tuple[Header | None, str]:
+def _read_previous(fd: int, size: int, path: str, ino: int, layout: PoolLayout) -> tuple[Header | None, str]:
     if size == 0:
         return None, ""
     head = Header.unpack(os.pread(fd, HEADER_BYTES, 0))
@@ -303,7 +303,7 @@ def _read_previous(fd: int, size: int, path: str, ino: int, layout: Layout) -> t
     return (None, why) if why else (head, "")
 
 
-def _rename_legacy_segments(path: str, ino: int, layout: Layout) -> None:
+def _rename_legacy_segments(path: str, ino: int, layout: PoolLayout) -> None:
     """An adopted pool's segments that still have their pre-inode names get their names (the lock on
     the metadata file is held, and its header and segments were found to be this pool's)."""
     for i in range(layout.num_segments):
@@ -312,7 +312,7 @@ def _rename_legacy_segments(path: str, ino: int, layout: Layout) -> None:
             os.rename(legacy, seg)
 
 
-def _remove_stale_segments(path: str, ino: int, layout: Layout) -> None:
+def _remove_stale_segments(path: str, ino: int, layout: PoolLayout) -> None:
     """Unlink the segment files at ``path`` that are not this pool's: another metadata inode's (a
     metadata file removed and made again; a daemon still mapping them keeps its pages), the pre-inode
     names, a previous larger pool's. A pool file is RAM until someone deletes it."""
@@ -336,7 +336,7 @@ def _remove_stale_segments(path: str, ino: int, layout: Layout) -> None:
         log.info("removed %s of data segments at %s that were not this pool's", format_size(removed), path)
 
 
-def _open_segments(path: str, ino: int, layout: Layout, fresh: bool) -> list[int]:
+def _open_segments(path: str, ino: int, layout: PoolLayout, fresh: bool) -> list[int]:
     """Each data segment's descriptor, made (or emptied) to its length when ``fresh``. Every one must be
     a 0600 regular file of this user."""
     fds: list[int] = []
@@ -361,7 +361,7 @@ def _open_segments(path: str, ino: int, layout: Layout, fresh: bool) -> list[int
     return fds
 
 
-def _allocate_meta(fd: int, seg_fds: list[int], path: str, layout: Layout, kind: str, fresh: bool) -> None:
+def _allocate_meta(fd: int, seg_fds: list[int], path: str, layout: PoolLayout, kind: str, fresh: bool) -> None:
     """Check there is room for every file and allocate the metadata. A pool just made is given back
     (truncated here, its files removed by ``open_pool_file``) when there is no room; a previous pool is
     left for a daemon that has room."""
@@ -384,7 +384,7 @@ def _allocate_meta(fd: int, seg_fds: list[int], path: str, layout: Layout, kind:
         raise
 
 
-def _map(fd: int, seg_fds: list[int], path: str, ino: int, layout: Layout,
+def _map(fd: int, seg_fds: list[int], path: str, ino: int, layout: PoolLayout,
          fresh: bool) -> tuple[mmap.mmap, mmap.mmap]:
     """The metadata's mapping, and the data's: one reserved range with each segment mapped over its part."""
     try:

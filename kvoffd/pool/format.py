@@ -6,7 +6,7 @@ daemon only through the client library (the import contract of pyproject.toml), 
 tell an operator, with no daemon running, whether a ``--pool-size`` is one the pool serves and what
 an existing pool file holds. So the sizes and the file's layout and header live here, once.
 
-The pool (one ``Layout``) is a metadata file and data segment files beside it. The metadata file
+The pool (one ``PoolLayout``) is a metadata file and data segment files beside it. The metadata file
 (``--pool-path``): a 4 KiB header, two namespace-table areas (kvoffd/cache/restart/records.py), the chunk
 table, the slot records. The data: ``segment_bytes`` segments (1 GiB, more for pools over 1 TiB), each
 its own file ``<path>.ino<N>.0000``, ``<path>.ino<N>.0001``... mapped side by side into one address
@@ -16,8 +16,8 @@ per chunk); an adopter that finds anything else, or a segment missing or of anot
 Why the segments carry the metadata file's inode number ``N``: the daemon's lock is a ``flock`` of the
 metadata file, and the lock must cover the data too. A metadata file removed under a live daemon and
 made again by the next one is another inode, so the next daemon's segments are other files: it never
-truncates or writes the segments a live daemon maps (issue 28, item 6: it used to zero them and store
-its own blocks in them, and the live daemon served those). An inode number is not reused while the
+truncates or writes the segments a live daemon maps (which would zero them and put its own blocks
+under the live daemon's entries: wrong bytes served). An inode number is not reused while the
 live daemon holds its file open. Segments named ``<path>.0000`` (before the inode was in the name) are
 renamed by the daemon that adopts them.
 
@@ -189,8 +189,8 @@ def default_pool_path(address: str) -> str:
     directory of its own under /dev/shm, ``kvoffd-<uid>-<address hash>-<random>``, 0700: memory-backed
     and large (half the RAM by default), kept across restarts and ``systemctl stop`` (not a reboot), and
     out of other users' reach: they can create names in /dev/shm but not guess a random one, and
-    entries of theirs are never used (issue 28, item 11: a file another user made at the old,
-    predictable name sent the pool to private memory at every start). A pool already kept beside the
+    entries of theirs are never used (a file another user made at a predictable name would send the
+    pool to private memory at every start: kvoffd/pool/place.py). A pool already kept beside the
     socket by an older kvoffd stays there. A directory not made yet shows as ``...-XXXXXXXX``."""
     beside = pool_beside_socket(address)
     if beside:
@@ -207,7 +207,7 @@ def newest_pool_dir(dirs: tuple[str, ...] | list[str]) -> str:
 
 
 @dataclass(frozen=True)
-class Layout:
+class PoolLayout:
     """Where each part of the file lies, for a pool of ``pool_bytes`` in ``chunk_bytes`` chunks."""
 
     pool_bytes: int
@@ -215,7 +215,7 @@ class Layout:
     records_per_chunk: int
 
     @classmethod
-    def of(cls, pool_bytes: int, chunk_bytes: int) -> Layout:
+    def of(cls, pool_bytes: int, chunk_bytes: int) -> PoolLayout:
         return cls(pool_bytes, chunk_bytes, min(RECORDS_PER_CHUNK, chunk_bytes // MIN_SLOT_BYTES))
 
     @property
@@ -281,7 +281,7 @@ def adoptable_segment_path(path: str, ino: int, i: int) -> str:
     return legacy if not os.path.lexists(seg) and os.path.lexists(legacy) else seg
 
 
-def segments_mismatch(path: str, ino: int, layout: Layout) -> str:
+def segments_mismatch(path: str, ino: int, layout: PoolLayout) -> str:
     """Why the data segments of the metadata file ``path`` (inode ``ino``) cannot be adopted by a pool of
     ``layout`` ("" if they can): each must be a 0600 regular file of this user, of its segment's length."""
     for i in range(layout.num_segments):
@@ -298,7 +298,7 @@ def segments_mismatch(path: str, ino: int, layout: Layout) -> str:
     return ""
 
 
-def allocated_bytes(path: str, layout: Layout) -> int:
+def allocated_bytes(path: str, layout: PoolLayout) -> int:
     """Bytes of the pool's files (metadata and segments) that their filesystem has allocated already,
     counting only files of the right length (what a daemon of ``layout`` would keep)."""
     total = 0
@@ -345,7 +345,7 @@ class Header:
         magic, *fields = _HEADER.unpack_from(raw)
         return cls(*fields) if magic == MAGIC else None
 
-    def mismatch(self, layout: Layout, file_bytes: int) -> str:
+    def mismatch(self, layout: PoolLayout, file_bytes: int) -> str:
         """Why a pool of ``layout`` cannot adopt this metadata file ("" if it can; the segments are
         checked by their opener)."""
         want = (FORMAT_VERSION, mmap.PAGESIZE, layout.pool_bytes, layout.chunk_bytes, layout.records_per_chunk,

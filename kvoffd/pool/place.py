@@ -3,9 +3,8 @@ named at random, that no other user can take (kvoffd/pool/format.py ``default_po
 and why; this module makes it).
 
 Why a random name: /dev/shm is writable by every local user, so any name the daemon could work out
-in advance another user can create first. The old default (``/dev/shm/kvoffd-<uid>-<address
-hash>.pool``) was taken that way by a file of another user, and the daemon kept its pool in private
-memory at every start with one WARNING: no warm restart, ever (issue 28, item 11). Now the daemon
+in advance another user can create first, and a name taken that way would keep the pool in private
+memory at every start (one WARNING, no warm restart, ever; docs/security.md). So the daemon
 finds its directory again by owner and mode (a directory of this user that no one else can write,
 whose name starts with ``kvoffd-<uid>-<address hash>-``), and makes one with ``mkdtemp`` when there is
 none. Another user can still create names with that beginning; they are never used, and each is

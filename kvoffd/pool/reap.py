@@ -5,8 +5,8 @@ names (``remove_pool``).
 Why: a pool's files are on tmpfs, RAM until someone removes them, and that is the warm-restart
 promise: a daemon that stops leaves its pool for the next daemon of its address. But a daemon whose
 address will never be served again (a test's, a bench's or a script's socket in a temporary directory
-removed since) left RAM that nobody got back: one test run and a few scripted checks held 12 GiB of
-/dev/shm on a 24 GiB host (issue 33, point 3).
+that is gone) leaves RAM that nobody gets back: a test run and a few scripted checks would hold
+gigabytes of /dev/shm (docs/operations.md says how to give a pool back).
 
 What decides, from evidence only, never from age:
 

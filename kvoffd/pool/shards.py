@@ -8,7 +8,7 @@ Sizing rule (``plan_shards``): the memory nodes that have GPUs get chunks in pro
 (the engines storing there are the GPUs'); when no GPU's node is known (a CPU-only host, firmware
 saying -1 everywhere), every memory node gets an even share. Largest remainder, every shard at least
 one chunk, shards in node order. One shard of no node (one node, ``--numa-map off``, a pool of fewer
-chunks than nodes) is exactly the pool before shards: no policy is set, nothing is placed. Every GPU
+chunks than nodes) is a pool without placement: no policy is set, nothing is placed. Every GPU
 on one node of several: one shard, on that node.
 
 Placement (``bind_shards``): each shard's range gets MPOL_PREFERRED on its node before its first
@@ -48,7 +48,7 @@ class Shard:
 
 
 def single_shard(num_chunks: int) -> list[Shard]:
-    """The pool as it was before shards: one range, no node."""
+    """One range, no node: the pool without placement."""
     return [Shard(0, UNKNOWN, 0, num_chunks)]
 
 
@@ -107,7 +107,7 @@ def bind_thread_near(shards: list[Shard], chunk_bytes: int, offset: int) -> None
 
 
 def bind_shards(shards: list[Shard], base_address: int, chunk_bytes: int) -> list[Shard]:
-    """Set each shard's range to prefer its node (a shard of no node: nothing set, as before shards).
+    """Set each shard's range to prefer its node (a shard of no node: nothing set).
     Returns the shards with ``bound`` telling which took; a refusal is one INFO line per shard."""
     if all(s.node == UNKNOWN for s in shards):
         return shards

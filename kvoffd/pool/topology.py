@@ -10,7 +10,7 @@ sysfs lists are counted per node. ``numa_node`` -1 (firmware did not say) is "un
 has no preference.
 
 ``--numa-map`` overrides what sysfs says: ``auto`` (sysfs), ``off`` (one shard, no placement: the
-pool behaves as before issue 20), or ``gpu0=0,gpu1=0,gpu2=1`` (each listed CUDA ordinal on that
+pool's pages go wherever the kernel puts them), or ``gpu0=0,gpu1=0,gpu2=1`` (each listed CUDA ordinal on that
 node; ordinals not listed keep what sysfs says). The map is also how an operator corrects firmware
 that reports -1.
 

@@ -16,7 +16,7 @@ from kvoffd.cache.index import Entry, Index
 from kvoffd.cache.restart.filekeeper import FileKeeper
 from kvoffd.pool.allocator import Pool, Provisioned
 from kvoffd.pool.file import PoolFile, PoolFileError, open_pool_file
-from kvoffd.pool.format import Layout, pool_geometry
+from kvoffd.pool.format import PoolLayout, pool_geometry
 from kvoffd.pool.place import ensure_default_pool_path
 from kvoffd.pool.reap import remove_place_if_empty
 from kvoffd.pool.shards import bind_shards, plan_shards
@@ -91,7 +91,7 @@ def open_pool(size: int, path: str, address: str, cold: bool,
         return _placed(Pool(size, chunk, shards=shards)), None
     explicit = bool(path)
     path = path or ensure_default_pool_path(address)
-    layout = Layout.of(size, chunk)
+    layout = PoolLayout.of(size, chunk)
     try:
         pf, why = open_pool_file(path, layout, cold)
     except PoolFileError as e:

@@ -55,7 +55,7 @@ import numpy as np
 
 from kvoffd.cache.checksum import LEGACY_CRC32, NONE
 from kvoffd.cache.identity import EventIdentity, HashForm
-from kvoffd.pool.format import NS_AREA_BYTES, Layout
+from kvoffd.pool.format import NS_AREA_BYTES, PoolLayout
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class Found:
 class SlotRecords:
     """The slot records of one pool file, seen as an (n, 8) uint64 array."""
 
-    def __init__(self, words: np.ndarray, chunks: np.ndarray, layout: Layout):
+    def __init__(self, words: np.ndarray, chunks: np.ndarray, layout: PoolLayout):
         """``chunks``: the chunk map, each chunk's slot size as of its last sealed record, so that a
         scan reads only the records a chunk of that size can have (32 of a 64 MiB chunk of 2 MiB
         slots, not 4,096: a 64 GiB pool is scanned in milliseconds). Written before the record; a

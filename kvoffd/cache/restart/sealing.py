@@ -1,4 +1,4 @@
-"""The checksums of committed blocks, computed on threads behind the stores (issue 29).
+"""The checksums of committed blocks, computed on threads behind the stores.
 
 A block's record is committed when its copy completes (kvoffd/cache/restart/mirror.py); its checksum is filled
 in later, by ``Sealer``: the blocks of each commit are cut into tasks of ``TASK_BYTES`` and summed on the

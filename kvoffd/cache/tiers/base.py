@@ -1,4 +1,4 @@
-"""The interface of a tier below the DRAM pool (disk now; Valkey/Redis cluster or Mooncake Store later).
+"""The interface of a tier below the DRAM pool (the disk, kvoffd/cache/tiers/disk.py; any other medium implements the same calls).
 
 A tier keeps immutable, content-addressed blocks: the same (table, key) always means the same bytes, so
 there is no update and no invalidation, only write (spill), read (promote), presence and removal. What

@@ -3,8 +3,8 @@
 
 Why not a shared mapping of the file: a store into a page of a sparse file mapping allocates that page
 when it faults, and on a full file system the kernel has nothing to answer with but SIGBUS, which
-kills the daemon (issue 28: the first spill on a full disk did, then every restart before it served);
-a truncation of the file under the daemon did the same at its next access, in Python or in the
+kills the daemon (at the first spill on a full disk, then at every restart before it serves);
+a truncation of the file under the daemon does the same at its next access, in Python or in the
 compiled probe. Here the index lives in anonymous memory (``IndexFile.image``: the file's bytes, header
 included), the file's space is reserved when the file is made (``posix_fallocate``: no room, and that
 block size is refused with one log line), and changes reach the file as ``pwrite``s of whole pages: a
