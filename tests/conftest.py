@@ -78,6 +78,39 @@ def make_daemon(tmp_path) -> Iterator:
 
 
 @pytest.fixture
+def pool_dir() -> Iterator[str]:
+    """A private directory in /dev/shm for a test's pool files, removed after it."""
+    from pools import shm_dir
+
+    with shm_dir("pool") as d:
+        yield d
+
+
+@pytest.fixture
+def pool_path(pool_dir: str) -> str:
+    """A pool file's path (the file is the daemon's to make) in a private directory in /dev/shm."""
+    return f"{pool_dir}/kvoffd.pool"
+
+
+@pytest.fixture
+def warm_rig(make_daemon, pool_path) -> Iterator:
+    """``make(name=..., **kw)``: a ``WarmRig`` (tests/support/pools.py) on this test's pool file, closed
+    after the test."""
+    from pools import WarmRig
+
+    made: list[WarmRig] = []
+
+    def make(**kw) -> WarmRig:
+        r = WarmRig(make_daemon, pool_path, **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.fixture
 def engines() -> Iterator:
     made: list[Engine] = []
 

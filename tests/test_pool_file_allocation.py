@@ -9,11 +9,10 @@ threads); what the pool may hand out is what ``on_progress`` reports (``Pool.set
 from __future__ import annotations
 
 import os
-import shutil
 import threading
-import uuid
 
 import pytest
+from pools import close_pool, need_shm_room
 
 from kvoffd.cache.restart.keeper import open_pool
 
@@ -22,25 +21,9 @@ CHUNK = 64 * MiB
 TWO_SEGMENTS = GiB + 128 * MiB
 
 
-@pytest.fixture
-def pool_dir():
-    d = f"/dev/shm/kvtest-alloc-{uuid.uuid4().hex[:10]}"
-    os.makedirs(d, mode=0o700)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def _close(pool, pf) -> None:
-    pf.map.close()
-    pf.close()
-    pool.close()
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_fresh_pool_file_is_handed_out_a_chunk_at_a_time_while_it_is_allocated(pool_dir, threads):
-    st = os.statvfs("/dev/shm")
-    if st.f_bavail * st.f_frsize < 2 * TWO_SEGMENTS:
-        pytest.skip("/dev/shm has too little room")
+    need_shm_room(TWO_SEGMENTS)
     path = f"{pool_dir}/kvoffd.pool"
     pool, pf = open_pool(TWO_SEGMENTS, path, "ipc:///nonexistent/x.sock", cold=False)
     assert pf is not None and pf.allocated == 0
@@ -50,7 +33,7 @@ def test_a_fresh_pool_file_is_handed_out_a_chunk_at_a_time_while_it_is_allocated
     assert told == sorted(set(told)) and all(n % CHUNK == 0 for n in told) and told[-1] == TWO_SEGMENTS, told
     assert len(told) >= GiB // CHUNK  # the first segment, chunk after chunk
     pf.write_header()  # as the daemon does at start: the next opener adopts this pool
-    _close(pool, pf)
+    close_pool(pool, pf)
     os.truncate(pf.segment_path(1), 0)  # a segment the previous daemon had not allocated yet
     os.truncate(pf.segment_path(1), 128 * MiB)
     pool, pf = open_pool(TWO_SEGMENTS, path, "ipc:///nonexistent/x.sock", cold=False)
@@ -58,4 +41,4 @@ def test_a_fresh_pool_file_is_handed_out_a_chunk_at_a_time_while_it_is_allocated
     told = []
     pf.allocate(told.append, threading.Event(), threads=threads)  # posix_fallocate around adopted blocks
     assert told == [GiB + CHUNK, TWO_SEGMENTS], told
-    _close(pool, pf)
+    close_pool(pool, pf)

@@ -8,60 +8,36 @@ tests/test_warm_restart.py's, and a missing segment is tested here against a rea
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
-import uuid
 
-import pytest
 from kvtest import chain_keys
-from test_warm_restart import NS, Rig
+from pools import WarmRig, close_pool, need_shm_room
 
 from kvoffd.cache.restart.keeper import open_pool
-from kvoffd.pool.format import MAX_SEGMENTS, SEGMENT_BYTES, PoolLayout, legacy_segment_path, segment_path
+from kvoffd.pool.format import MAX_SEGMENTS, SEGMENT_BYTES, Layout, legacy_segment_path, segment_path
 
 GiB, MiB = 1 << 30, 1 << 20
 TWO_SEGMENTS = GiB + 128 * MiB
 
 
-@pytest.fixture
-def pool_dir():
-    d = f"/dev/shm/kvtest-seg-{uuid.uuid4().hex[:10]}"
-    os.makedirs(d, mode=0o700)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def _close(pool, pf) -> None:
-    """As the daemon's exit does: the mappings (the metadata's holds the lock too) and the descriptor."""
-    pf.map.close()
-    pf.close()
-    pool.close()
-
-
-def _need_room(nbytes: int) -> None:
-    st = os.statvfs("/dev/shm")
-    if st.f_bavail * st.f_frsize < 2 * nbytes:
-        pytest.skip(f"/dev/shm has less than {2 * nbytes >> 20} MiB free")
-
-
 def test_segments_tile_the_pool_in_whole_chunks():
     chunk = 64 * MiB
     for size in (64 * MiB, TWO_SEGMENTS, 64 * GiB, 1536 * GiB, 2048 * GiB + chunk):
-        lay = PoolLayout.of(size, chunk)
+        lay = Layout.of(size, chunk)
         segs = [lay.segment(i) for i in range(lay.num_segments)]
         assert segs[0][0] == 0 and sum(n for _, n in segs) == size
         assert all(a + n == b for (a, n), (b, _) in zip(segs, segs[1:], strict=False))
         assert all(n % chunk == 0 and n <= lay.segment_bytes for _, n in segs)
         assert lay.num_segments <= MAX_SEGMENTS
-    assert PoolLayout.of(64 * GiB, chunk).num_segments == 64 and PoolLayout.of(64 * GiB, chunk).segment_bytes == SEGMENT_BYTES
-    assert PoolLayout.of(TWO_SEGMENTS, chunk).num_segments == 2
-    assert PoolLayout.of(2048 * GiB, chunk).segment_bytes == 2 * GiB  # at most MAX_SEGMENTS files
-    assert PoolLayout.of(4 * MiB, 4 * MiB).num_segments == 1  # a pool below one chunk: one segment
+    assert Layout.of(64 * GiB, chunk).num_segments == 64 and Layout.of(64 * GiB, chunk).segment_bytes == SEGMENT_BYTES
+    assert Layout.of(TWO_SEGMENTS, chunk).num_segments == 2
+    assert Layout.of(2048 * GiB, chunk).segment_bytes == 2 * GiB  # at most MAX_SEGMENTS files
+    assert Layout.of(4 * MiB, 4 * MiB).num_segments == 1  # a pool below one chunk: one segment
 
 
 def test_segments_are_mapped_side_by_side_and_allocated_in_parallel(pool_dir):
-    _need_room(TWO_SEGMENTS)
+    need_shm_room(TWO_SEGMENTS)
     path = f"{pool_dir}/kvoffd.pool"
     pool, pf = open_pool(TWO_SEGMENTS, path, "ipc:///nonexistent/x.sock", cold=False)
     assert pf is not None and pf.layout.num_segments == 2
@@ -77,18 +53,18 @@ def test_segments_are_mapped_side_by_side_and_allocated_in_parallel(pool_dir):
     with open(pf.segment_path(0), "rb") as f0, open(pf.segment_path(1), "rb") as f1:
         assert os.pread(f0.fileno(), 4, 5 * MiB) == b"seg0"
         assert os.pread(f1.fileno(), 4, 7 * MiB) == b"seg1"
-    _close(pool, pf)
+    close_pool(pool, pf)
 
 
 def test_a_smaller_pool_removes_the_segments_it_does_not_use(pool_dir):
     path = f"{pool_dir}/kvoffd.pool"
     pool, pf = open_pool(TWO_SEGMENTS, path, "ipc:///nonexistent/x.sock", cold=False)
-    _close(pool, pf)
+    close_pool(pool, pf)
     assert os.path.exists(pf.segment_path(1))
     pool, pf = open_pool(64 * MiB, path, "ipc:///nonexistent/x.sock", cold=False)
     assert pf is not None and pf.previous is None  # another size: cold
     assert os.path.getsize(pf.segment_path(0)) == 64 * MiB and not os.path.exists(pf.segment_path(1))
-    _close(pool, pf)
+    close_pool(pool, pf)
     assert sorted(os.listdir(pool_dir)) == ["kvoffd.pool", os.path.basename(pf.segment_path(0))]
 
 
@@ -108,7 +84,7 @@ def test_segments_of_another_metadata_file_are_never_opened_and_are_removed(pool
         assert pf is not None and pf.previous is None
         assert sorted(os.listdir(pool_dir)) == ["kvoffd.pool", os.path.basename(pf.segment_path(0))]
         assert all(os.pread(fd, 6, 0) == b"theirs" for fd in held)  # unlinked, not emptied
-        _close(pool, pf)
+        close_pool(pool, pf)
     finally:
         for fd in held:
             os.close(fd)
@@ -122,19 +98,19 @@ def test_an_adopted_pool_keeps_its_segments_under_their_legacy_names_renamed(poo
     pf.allocate(lambda n: None, threading.Event())
     pool.buffer[3 * MiB:3 * MiB + 5] = memoryview(b"kept!")
     pf.write_header()
-    _close(pool, pf)
+    close_pool(pool, pf)
     os.rename(pf.segment_path(0), legacy_segment_path(path, 0))
     pool, pf = open_pool(64 * MiB, path, "ipc:///nonexistent/x.sock", cold=False)
     assert pf is not None and pf.previous is not None, "not adopted"
     assert sorted(os.listdir(pool_dir)) == ["kvoffd.pool", os.path.basename(pf.segment_path(0))]
     assert bytes(pool.buffer[3 * MiB:3 * MiB + 5]) == b"kept!"
-    _close(pool, pf)
+    close_pool(pool, pf)
 
 
 def test_allocation_stops_at_a_segment_replaced_meanwhile(pool_dir):
     """A segment file swapped under the daemon is never allocated (nor written): the pool stays at the
     prefix before it, and whoever waits for the rest (the pinning threads) is told it is not coming."""
-    _need_room(GiB)
+    need_shm_room(GiB)
     path = f"{pool_dir}/kvoffd.pool"
     pool, pf = open_pool(TWO_SEGMENTS, path, "ipc:///nonexistent/x.sock", cold=False)
     os.unlink(pf.segment_path(1))
@@ -147,11 +123,11 @@ def test_allocation_stops_at_a_segment_replaced_meanwhile(pool_dir):
     assert pool.provisioned.wait_for(GiB, threading.Event())
     assert not pool.provisioned.wait_for(TWO_SEGMENTS, threading.Event())
     assert os.stat(pf.segment_path(1)).st_blocks == 0
-    _close(pool, pf)
+    close_pool(pool, pf)
 
 
 def test_a_missing_segment_means_a_cold_start_in_one_line(make_daemon, pool_dir):
-    r = Rig(make_daemon, f"{pool_dir}/kvoffd.pool")
+    r = WarmRig(make_daemon, f"{pool_dir}/kvoffd.pool", name="warm", stop_s=15)
     try:
         keys = chain_keys(16, b"seg")
         r.store(keys, range(16))
@@ -162,7 +138,7 @@ def test_a_missing_segment_means_a_cold_start_in_one_line(make_daemon, pool_dir)
         r.d = r.start()
         watcher = r.d.client()
         assert watcher.stats()["persistence"]["adopted_blocks"] == 0
-        assert watcher.lookup(NS, keys).hits == 0
+        assert watcher.lookup(r.ns, keys).hits == 0
         lines = [ln for ln in r.d.log().splitlines() if "not adopted" in ln]
         assert len(lines) == 1 and "data segment kvoffd.pool.ino" in lines[0] and "cannot be examined" in lines[0], lines
     finally:

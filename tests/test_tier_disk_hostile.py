@@ -20,8 +20,8 @@ import subprocess
 import numpy as np
 import pytest
 from kvtest import chain_keys, start_daemon, wait_until
+from pools import flip_block
 from test_tier_disk import LRU, POOL, SLOT, Rig, _disk, _fill_and_spill
-from test_warm_restart import _flip
 
 ROOT_ONLY = pytest.mark.skipif(os.getuid() != 0, reason="mounts a file system / plays another user (needs root)")
 
@@ -361,14 +361,6 @@ def test_symlinks_in_the_directory_are_never_followed_and_files_are_private(tmp_
 
 
 # --- item 8: adopted blocks that fail their checksum never reach the disk -------------------------------
-@pytest.fixture
-def pool_path():
-    d = f"/dev/shm/kvtest-hostile-{os.getpid()}-{os.urandom(4).hex()}"
-    os.makedirs(d, mode=0o700)
-    yield f"{d}/kvoffd.pool"
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def test_corrupt_adopted_blocks_are_not_laundered_through_the_disk(tmp_path, pool_path, monkeypatch):
     """A warm restart adopts 60 blocks whose bytes were flipped in the pool file; the background check is
     held back (KVOFFD_TEST_NO_VERIFY_PASS, as on a big host where it takes seconds), and new stores evict
@@ -387,7 +379,7 @@ def test_corrupt_adopted_blocks_are_not_laundered_through_the_disk(tmp_path, poo
     finally:
         assert d.stop() == 0
     for s in slots[:60]:
-        _flip(pool_path, POOL, s)
+        flip_block(pool_path, POOL, s)
     monkeypatch.setenv("KVOFFD_TEST_NO_VERIFY_PASS", "1")
     d = start_daemon(f"ipc://{tmp_path}/b.sock", POOL, *args)
     try:

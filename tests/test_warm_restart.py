@@ -10,106 +10,28 @@ log line; bytes flipped in the file while no daemon ran cost that block only.
 
 from __future__ import annotations
 
-import mmap
+import functools
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import uuid
 
 import numpy as np
 import pytest
 from kvtest import chain_keys, wait_until
-from reliability_util import ShmEngine
+from pools import flip_block
 
-from kvoffd.pool.format import PoolLayout, default_pool_path, fs_type, pool_geometry, segment_path
-from kvoffd_client.client import KvoffdClient
+from kvoffd.pool.format import default_pool_path, fs_type
 
 NB, SLOT = 128, 256 << 10  # 32 MiB of blocks in a 64 MiB pool
 NS = "warm"
 
 
 @pytest.fixture
-def pool_path():
-    d = f"/dev/shm/kvtest-warm-{uuid.uuid4().hex[:10]}"
-    os.makedirs(d, mode=0o700)
-    yield f"{d}/kvoffd.pool"
-    shutil.rmtree(d, ignore_errors=True)
-
-
-class Rig:
-    """One engine (this process) and the daemon it uses, restarted at will."""
-
-    def __init__(self, make_daemon, pool_path: str, nb: int = NB, slot: int = SLOT, pool: str = "64MiB"):
-        self.make_daemon, self.pool_path, self.pool = make_daemon, pool_path, pool
-        self.d = self.start()
-        self.eng = ShmEngine(nb, slot, layers=2, tag="warm")
-        self.c = KvoffdClient(self.d.address, timeout_s=5.0, job_deadline_s=30.0, link_grace_s=0.5)
-        assert self.c.connect(10)
-        self.c.register("warm-0", NS, 0, 1, self.eng.memory, self.eng.layout)
-        self.job = 0
-
-    def start(self, *extra: str, pool: str | None = None):
-        return self.make_daemon(pool or self.pool, "--pool-path", self.pool_path, "--copy-threads", "1", *extra,
-                                name="warm")
-
-    def store(self, keys: list[bytes], ids: range, wait: bool = True) -> int:
-        self.job += 1
-        self.eng.fill(ids, keys)
-        self.c.submit_store("warm-0", self.job, keys, ids)
-        if wait:
-            (n,) = self.c.wait_notices({self.job}, 30)
-            assert n.ok, n
-        return self.job
-
-    def load(self, keys: list[bytes], ids: range):
-        """Load ``keys`` into poisoned blocks ``ids``: (indices served, notice)."""
-        self.eng.poison(ids)
-        self.job += 1
-        self.c.submit_load("warm-0", self.job, keys, ids)
-        (n,) = self.c.wait_notices({self.job}, 30)
-        served = [i for i in range(len(keys)) if i not in set(n.failed)]
-        return served, n
-
-    def persistence(self) -> dict:
-        return self.d.client().stats()["persistence"]
-
-    def sealed(self, n: int) -> None:
-        """Every block stored so far has its record (a crash now loses none of them)."""
-        assert wait_until(lambda: self.persistence()["sealed_blocks"] >= n, 10), self.persistence()
-
-    def restart(self, sig: int, *extra: str, pool: str | None = None):
-        self.d.proc.send_signal(sig)
-        assert self.d.proc.wait(15) is not None
-        self.d = self.start(*extra, pool=pool)
-        watcher = self.d.client()
-        assert wait_until(lambda: any(e["engine_id"] == "warm-0" for e in watcher.stats()["engines"]), 15), \
-            self.d.log()
-        return watcher
-
-    def close(self) -> None:
-        self.c.close()
-        self.eng.close()
-
-
-@pytest.fixture
-def rig(make_daemon, pool_path):
-    made: list[Rig] = []
-
-    def make(**kw) -> Rig:
-        r = Rig(make_daemon, pool_path, **kw)
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.close()
-
-
-def _exact(r: Rig, keys: list[bytes], ids: range, served: list[int]) -> None:
-    ok = r.eng.matches([ids[i] for i in served], [keys[i] for i in served])
-    assert ok.all(), f"{int((~ok).sum())} of {len(served)} blocks served after the restart are not byte-exact"
+def rig(warm_rig):
+    """``rig(**kw)``: one engine (this process) and the daemon it uses, restarted at will
+    (tests/support/pools.py's WarmRig)."""
+    return functools.partial(warm_rig, name=NS, stop_s=15)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
@@ -126,7 +48,7 @@ def test_restart_keeps_the_blocks_and_the_engine_notices_only_a_gap(rig, sig):
     assert watcher.lookup(NS, keys).hits >= 0.99 * NB  # answered from the adopted index at once
     served, _ = r.load(keys, range(NB))
     assert len(served) >= 0.99 * NB, f"only {len(served)} of {NB} blocks hit after the restart"
-    _exact(r, keys, range(NB), served)
+    r.exact(keys, range(NB), served)
     assert watcher.stats()["counters"]["loaded_blocks"] == len(served)
     r_ctl = subprocess.run([sys.executable, "-m", "kvoffd.ops.ctl", "--address", r.d.address, "status"],
                            capture_output=True, text=True, timeout=30)
@@ -136,7 +58,7 @@ def test_restart_keeps_the_blocks_and_the_engine_notices_only_a_gap(rig, sig):
     r.store(more, range(16))
     served, _ = r.load(more, range(16, 32))
     assert len(served) == 16
-    _exact(r, more, range(16, 32), served)
+    r.exact(more, range(16, 32), served)
 
 
 def test_sigkill_during_a_large_store_never_serves_a_wrong_byte(rig):
@@ -156,7 +78,7 @@ def test_sigkill_during_a_large_store_never_serves_a_wrong_byte(rig):
     adopted = watcher.stats()["persistence"]["adopted_blocks"]
     for keys in (a, b):
         served, _ = r.load(keys, range(NB))
-        _exact(r, keys, range(NB), served)
+        r.exact(keys, range(NB), served)
     assert adopted >= NB // 2, f"only {adopted} blocks adopted (the first store's survivors at least)"
 
 
@@ -184,17 +106,6 @@ def test_cold_starts_empty_on_purpose(rig):
     assert "starting cold (--cold)" in r.d.log()
 
 
-def _flip(pool_path: str, pool: str, slot: int) -> None:
-    """Flip bytes of the block at pool offset ``slot`` in the file, as a stray write would."""
-    from kvoffd.config import parse_size
-
-    size = parse_size(pool)
-    lay = PoolLayout.of(size, pool_geometry(size)[0])
-    seg, at = divmod(slot + 1000, lay.segment_bytes)
-    with open(segment_path(pool_path, os.stat(pool_path).st_ino, seg), "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
-        m[at:at + 4] = bytes(255 - x for x in m[at:at + 4])
-
-
 @pytest.mark.parametrize("how", ["first_load", "background_pass"])
 def test_flipped_bytes_cost_that_block_only(rig, how, monkeypatch):
     """``first_load``: no background pass (KVOFFD_TEST_NO_VERIFY_PASS), so the LOAD checks the block and
@@ -208,7 +119,7 @@ def test_flipped_bytes_cost_that_block_only(rig, how, monkeypatch):
     slot = int(r.d.client().explain(NS, [keys[victim]])[0]["slots"]["0"])
     r.d.proc.send_signal(signal.SIGTERM)
     r.d.proc.wait(15)
-    _flip(r.pool_path, r.pool, slot)
+    flip_block(r.pool_path, r.pool, slot)
     r.d = r.start()
     watcher = r.d.client()
     assert wait_until(lambda: any(e["engine_id"] == "warm-0" for e in watcher.stats()["engines"]), 15)
@@ -220,7 +131,7 @@ def test_flipped_bytes_cost_that_block_only(rig, how, monkeypatch):
     assert n.failed == [victim], n
     if how == "first_load":
         assert n.code == "checksum_mismatch", n
-    _exact(r, keys, range(NB), served)
+    r.exact(keys, range(NB), served)
     assert watcher.lookup(NS, keys).hits == victim  # the leading blocks up to the dropped one
 
 
@@ -318,7 +229,7 @@ def test_small_slots_beyond_a_chunks_records_are_a_miss_never_wrong(rig):
     assert watcher.stats()["persistence"]["adopted_blocks"] == 4096
     served, _ = r.load(keys, range(n))
     assert len(served) == 4096
-    _exact(r, keys, range(n), served)
+    r.exact(keys, range(n), served)
 
 
 def test_a_lookup_finds_an_adopted_block_before_its_slice_is_indexed(rig, monkeypatch):
@@ -341,7 +252,7 @@ def test_a_lookup_finds_an_adopted_block_before_its_slice_is_indexed(rig, monkey
     assert p["adopted_on_demand"] == 48 and p["indexing_blocks"] == NB - 48, p
     served, _ = r.load(keys[:48], range(48))
     assert len(served) == 48
-    _exact(r, keys[:48], range(48), served)
+    r.exact(keys[:48], range(48), served)
     used = watcher.stats()["pool"]["used_bytes"]
     assert watcher.clear(NS).removed_blocks == 48
     assert watcher.lookup(NS, keys[48:]).hits == 0  # given up with their namespace, never resurrected

@@ -12,120 +12,32 @@ the restart after it catches a flipped byte in them.
 
 from __future__ import annotations
 
-import mmap
-import os
-import shutil
+import functools
 import signal
 import subprocess
 import sys
-import uuid
 
 import pytest
 from kvtest import chain_keys, wait_until
-from reliability_util import ShmEngine, metric_value
-
-from kvoffd.config import parse_size
-from kvoffd.pool.format import PoolLayout, pool_geometry
-from kvoffd_client.client import KvoffdClient
+from pools import flip_block
+from reliability_util import metric_value
 
 HOLD = "KVOFFD_TEST_HOLD_SEALING"
 NS = "busy"
 
 
 @pytest.fixture
-def pool_path():
-    d = f"/dev/shm/kvtest-busy-{uuid.uuid4().hex[:10]}"
-    os.makedirs(d, mode=0o700)
-    yield f"{d}/kvoffd.pool"
-    shutil.rmtree(d, ignore_errors=True)
-
-
-class Rig:
-    """One engine (this process) and the daemon it uses, killed and started again at one address."""
-
-    def __init__(self, make_daemon, pool_path: str, nb: int, slot: int, pool: str):
-        self.make_daemon, self.pool_path, self.pool = make_daemon, pool_path, pool
-        self.d = self.start()
-        self.eng = ShmEngine(nb, slot, layers=2, tag="busy")
-        self.c = KvoffdClient(self.d.address, timeout_s=5.0, job_deadline_s=30.0, link_grace_s=0.5)
-        assert self.c.connect(10)
-        self.c.register("busy-0", NS, 0, 1, self.eng.memory, self.eng.layout)
-        self.job = 0
-
-    def start(self):
-        return self.make_daemon(self.pool, "--pool-path", self.pool_path, "--copy-threads", "1",
-                                "--eviction-policy", "lru", name="busy")
-
-    def submit(self, keys: list[bytes], ids: range) -> int:
-        self.job += 1
-        self.eng.fill(ids, keys)
-        self.c.submit_store("busy-0", self.job, keys, ids)
-        return self.job
-
-    def store(self, keys: list[bytes], ids: range) -> None:
-        job = self.submit(keys, ids)
-        (n,) = self.c.wait_notices({job}, 30)
-        assert n.ok, n
-
-    def load(self, keys: list[bytes], ids: range) -> list[int]:
-        """Load ``keys`` into poisoned blocks ``ids``; the indices served. Every block served must be
-        exactly what was stored under its key."""
-        self.eng.poison(ids)
-        self.job += 1
-        self.c.submit_load("busy-0", self.job, keys, ids)
-        (n,) = self.c.wait_notices({self.job}, 30)
-        served = [i for i in range(len(keys)) if i not in set(n.failed)]
-        ok = self.eng.matches([ids[i] for i in served], [keys[i] for i in served])
-        assert ok.all(), f"{int((~ok).sum())} of {len(served)} blocks served after the restart are not byte-exact"
-        return served
-
-    def persistence(self) -> dict:
-        return self.d.client().stats()["persistence"]
-
-    def restart(self, sig: int | None):
-        """``sig`` to the daemon (None: it is dead already), then a new one; waits for the engine."""
-        if sig is not None:
-            self.d.proc.send_signal(sig)
-        assert self.d.proc.wait(30) is not None
-        self.d = self.start()
-        watcher = self.d.client()
-        assert wait_until(lambda: any(e["engine_id"] == "busy-0" for e in watcher.stats()["engines"]), 15), \
-            self.d.log()
-        return watcher
-
-    def close(self) -> None:
-        self.c.close()
-        self.eng.close()
-
-
-@pytest.fixture
-def rig(make_daemon, pool_path):
-    made: list[Rig] = []
-
-    def make(nb: int = 128, slot: int = 256 << 10, pool: str = "64MiB") -> Rig:
-        r = Rig(make_daemon, pool_path, nb, slot, pool)
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.close()
+def rig(warm_rig):
+    """``rig(nb=128, slot=256 KiB, pool="64MiB")``: one engine (this process) and the daemon it uses,
+    killed and started again at one address (tests/support/pools.py's WarmRig); every block it loads is
+    checked byte-exact (``load_exact``)."""
+    return functools.partial(warm_rig, name=NS, flags=("--eviction-policy", "lru"), stop_s=30)
 
 
 def _status(address: str) -> str:
     out = subprocess.run([sys.executable, "-m", "kvoffd.ops.ctl", "--address", address, "status"],
                          capture_output=True, text=True, timeout=30)
     return next(ln for ln in out.stdout.splitlines() if "warm restart" in ln)
-
-
-def _flip(pool_path: str, pool: str, slot: int) -> None:
-    """Flip bytes of the block at pool offset ``slot`` in its segment file, as a stray write would."""
-    size = parse_size(pool)
-    lay = PoolLayout.of(size, pool_geometry(size)[0])
-    seg, at = divmod(slot + 1000, lay.segment_bytes)
-    segs = sorted(p for p in os.listdir(os.path.dirname(pool_path)) if p[-5:-4] == "." and p[-4:].isdigit())
-    with open(os.path.join(os.path.dirname(pool_path), segs[seg]), "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
-        m[at:at + 4] = bytes(255 - x for x in m[at:at + 4])
 
 
 def test_sigkill_with_every_checksum_held_back_keeps_every_acknowledged_block(rig, monkeypatch):
@@ -144,18 +56,18 @@ def test_sigkill_with_every_checksum_held_back_keeps_every_acknowledged_block(ri
     p = watcher.stats()["persistence"]
     assert p["adopted_blocks"] == nb and p["adopted_unchecked"] == nb, p
     assert "(128 without a checksum)" in _status(r.d.address)
-    assert len(r.load(keys, range(nb))) == nb
+    assert len(r.load_exact(keys, range(nb))) == nb
     # the new daemon sums what it adopted without a checksum: the next restart checks those blocks
     assert wait_until(lambda: watcher.stats()["persistence"]["sealed_blocks"] >= nb, 30), watcher.stats()
     victim = 40
     slot = int(watcher.explain(NS, [keys[victim]])[0]["slots"]["0"])
     r.d.proc.send_signal(signal.SIGTERM)
     assert r.d.proc.wait(30) is not None
-    _flip(r.pool_path, r.pool, slot)
+    flip_block(r.pool_path, r.pool, slot)
     watcher = r.restart(None)
     p = watcher.stats()["persistence"]
     assert p["adopted_blocks"] == nb and p["adopted_unchecked"] == 0, p
-    served = r.load(keys, range(nb))
+    served = r.load_exact(keys, range(nb))
     assert victim not in served and len(served) == nb - 1
 
 
@@ -184,8 +96,8 @@ def test_a_store_in_flight_at_sigkill_never_yields_a_torn_block(rig, monkeypatch
     watcher = r.restart(None)
     adopted = watcher.stats()["persistence"]["adopted_blocks"]
     assert adopted >= 128 - 64, f"only {adopted} blocks adopted (the acknowledged store's survivors at least)"
-    served_a = r.load(a, range(128))  # asserts every served block exact
-    served_b = r.load(b, range(192))
+    served_a = r.load_exact(a, range(128))  # asserts every served block exact
+    served_b = r.load_exact(b, range(192))
     assert len(served_a) >= 64 and len(served_a) + len(served_b) == adopted
 
 
@@ -212,7 +124,7 @@ def test_sigterm_keeps_a_held_back_backlog(rig, monkeypatch, hold):
         assert p["adopted_unchecked"] == 0, p
         assert wait_until(lambda: watcher.stats()["persistence"]["verified_s"] > 0, 30)
         assert watcher.stats()["persistence"]["verify_failures"] == 0
-    assert len(r.load(keys, range(nb))) == nb
+    assert len(r.load_exact(keys, range(nb))) == nb
 
 
 def test_the_backlog_never_holds_more_than_the_resident_blocks(rig, monkeypatch):

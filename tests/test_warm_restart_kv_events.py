@@ -13,12 +13,9 @@ the pool's content from the events alone, and that set must equal what LOOKUP fi
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import subprocess
 import sys
-import uuid
 from collections import Counter
 
 import pytest
@@ -31,14 +28,6 @@ from kvoffd_client.client import KvoffdClient
 NB, SLOT = 128, 256 << 10  # 32 MiB of blocks in a 64 MiB pool (256 slots)
 NS = "warm-ev"
 IDENTITY = {"hash": "bytes", "block_size": 16}
-
-
-@pytest.fixture
-def pool_path():
-    d = f"/dev/shm/kvtest-warmev-{uuid.uuid4().hex[:10]}"
-    os.makedirs(d, mode=0o700)
-    yield f"{d}/kvoffd.pool"
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _start(make_daemon, pool_path: str):
