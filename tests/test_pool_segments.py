@@ -15,7 +15,7 @@ from kvtest import chain_keys
 from pools import WarmRig, close_pool, need_shm_room
 
 from kvoffd.cache.restart.keeper import open_pool
-from kvoffd.pool.format import MAX_SEGMENTS, SEGMENT_BYTES, Layout, legacy_segment_path, segment_path
+from kvoffd.pool.format import MAX_SEGMENTS, SEGMENT_BYTES, PoolLayout, legacy_segment_path, segment_path
 
 GiB, MiB = 1 << 30, 1 << 20
 TWO_SEGMENTS = GiB + 128 * MiB
@@ -24,16 +24,16 @@ TWO_SEGMENTS = GiB + 128 * MiB
 def test_segments_tile_the_pool_in_whole_chunks():
     chunk = 64 * MiB
     for size in (64 * MiB, TWO_SEGMENTS, 64 * GiB, 1536 * GiB, 2048 * GiB + chunk):
-        lay = Layout.of(size, chunk)
+        lay = PoolLayout.of(size, chunk)
         segs = [lay.segment(i) for i in range(lay.num_segments)]
         assert segs[0][0] == 0 and sum(n for _, n in segs) == size
         assert all(a + n == b for (a, n), (b, _) in zip(segs, segs[1:], strict=False))
         assert all(n % chunk == 0 and n <= lay.segment_bytes for _, n in segs)
         assert lay.num_segments <= MAX_SEGMENTS
-    assert Layout.of(64 * GiB, chunk).num_segments == 64 and Layout.of(64 * GiB, chunk).segment_bytes == SEGMENT_BYTES
-    assert Layout.of(TWO_SEGMENTS, chunk).num_segments == 2
-    assert Layout.of(2048 * GiB, chunk).segment_bytes == 2 * GiB  # at most MAX_SEGMENTS files
-    assert Layout.of(4 * MiB, 4 * MiB).num_segments == 1  # a pool below one chunk: one segment
+    assert PoolLayout.of(64 * GiB, chunk).num_segments == 64 and PoolLayout.of(64 * GiB, chunk).segment_bytes == SEGMENT_BYTES
+    assert PoolLayout.of(TWO_SEGMENTS, chunk).num_segments == 2
+    assert PoolLayout.of(2048 * GiB, chunk).segment_bytes == 2 * GiB  # at most MAX_SEGMENTS files
+    assert PoolLayout.of(4 * MiB, 4 * MiB).num_segments == 1  # a pool below one chunk: one segment
 
 
 def test_segments_are_mapped_side_by_side_and_allocated_in_parallel(pool_dir):

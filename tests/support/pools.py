@@ -134,10 +134,10 @@ def flip_block(pool_path: str, pool: str, slot: int) -> None:
     import mmap
 
     from kvoffd.config import parse_size
-    from kvoffd.pool.format import Layout, pool_geometry, segment_path
+    from kvoffd.pool.format import PoolLayout, pool_geometry, segment_path
 
     size = parse_size(pool)
-    lay = Layout.of(size, pool_geometry(size)[0])
+    lay = PoolLayout.of(size, pool_geometry(size)[0])
     seg, at = divmod(slot + 1000, lay.segment_bytes)
     with open(segment_path(pool_path, os.stat(pool_path).st_ino, seg), "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
         m[at:at + 4] = bytes(255 - x for x in m[at:at + 4])
