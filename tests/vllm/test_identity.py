@@ -345,3 +345,25 @@ def _with_weights_version(vc: Any, version: str) -> Any:
         kv_connector="KvoffdConnector", kv_role="kv_both",
         kv_connector_extra_config={"kvoffd_address": "ipc:///tmp/x.sock", "kvoffd_weights_version": version}))
     return vc2
+
+
+def test_the_vllm_private_names_the_namespace_reads_answer_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_platform`` and ``_cpu_attention_isa`` read vLLM privates (``current_platform._enum``,
+    ``cpu_attn._get_attn_isa``) and fall back to "unknown" when those are gone: each is answered both
+    ways here (the platform, the CPU's AMX, on an x86 CPU whatever this one is), so a vLLM that renames
+    one fails this test instead of keying every engine on "unknown"."""
+    import torch
+    from vllm.platforms import PlatformEnum, current_platform
+    from vllm.platforms.interface import CpuArchEnum
+
+    from kvoffd_client.vllm.identity import _cpu_attention_isa, _platform
+
+    for member in (PlatformEnum.CUDA, PlatformEnum.CPU):
+        monkeypatch.setattr(current_platform, "_enum", member)
+        assert _platform() == member.name.lower()
+    monkeypatch.setattr(current_platform, "get_cpu_architecture", lambda: CpuArchEnum.X86)
+    isa = {}
+    for amx in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        isa[amx] = _cpu_attention_isa(torch.bfloat16, 32, 64, "auto")
+    assert isa == {True: "amx", False: "vec"}
