@@ -19,7 +19,7 @@ Rules it keeps (docs/architecture.md):
   * CLEAR unlinks entries at once; a slot still being copied is freed when its job ends;
   * a slot size below its fair share of the pool takes a chunk from the one furthest above it,
     evicting that chunk's unheld entries a bounded number per store (``_reclaim``, reclaim.py);
-  * observers (``IndexObserver``: a persistent slot table, a lower tier, an event stream) are told of
+  * observers (``IndexObserver``: the pool file's slot records, a lower tier, an event stream) are told of
     every entry that becomes visible and of every slot before it goes back to the pool, in the same
     loop callback, so what they keep can never disagree with the index for longer than that callback.
 

@@ -6,7 +6,7 @@ volume that outlives the container) and by hand, an operator can see them (``ls 
 and remove them, and nothing has to hand a descriptor over between two processes. Their pages belong
 to the filesystem, so they survive the process that wrote them; a host reboot empties them.
 
-The pool is a metadata file (``--pool-path``: header, namespaces, chunk table, slot records) and data
+The pool is a metadata file (``--pool-path``: header, namespace area, chunk map, slot records) and data
 segment files beside it, each mapped MAP_FIXED into one reserved address range so that the pool is
 one array to the rest of the daemon (kvoffd/pool/format.py says why segments: tmpfs allocates one
 file on one thread at a time).

@@ -53,7 +53,7 @@ MIN_SLOT_BYTES = 256
 FORMAT_VERSION = 2  # 2: the data in segment files (1: after the metadata, in one file)
 MAGIC = b"KVOFFDPL"
 HEADER_BYTES = 4096
-NS_AREA_BYTES = 256 << 10  # one copy of the namespace table (there are two: one is always whole)
+NS_AREA_BYTES = 256 << 10  # one copy of the namespace area (there are two: one is always whole)
 RECORD_BYTES = 64
 RECORDS_PER_CHUNK = 4096  # slots of >= chunk/4096 (16 KiB in 64 MiB chunks) are all persisted
 SEGMENT_BYTES = 1 << 30  # a data segment file (larger for pools of more than MAX_SEGMENTS GiB)
@@ -226,7 +226,7 @@ class PoolLayout:
 
     @property
     def chunks_offset(self) -> int:
-        """The chunk table: one 64-bit word per chunk, the slot size of its sealed records."""
+        """The chunk map: one 64-bit word per chunk, the slot size of its sealed records."""
         return HEADER_BYTES + 2 * NS_AREA_BYTES
 
     @property
@@ -239,7 +239,7 @@ class PoolLayout:
 
     @property
     def meta_bytes(self) -> int:
-        """The metadata file's length (header, namespaces, chunk table, records), whole pages."""
+        """The metadata file's length (header, namespace area, chunk map, records), whole pages."""
         end = self.records_offset + self.num_records * RECORD_BYTES
         return -(-end // 4096) * 4096
 

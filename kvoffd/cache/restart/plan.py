@@ -1,7 +1,7 @@
 """Adoption: the sealed records of a previous daemon's pool become the new daemon's pool and index.
 
 Nothing a record says is trusted beyond what can be checked here: its namespace must be in the
-namespace table with a rank (a storing rank, for replicas), world size and slot size that agree
+namespace area with a rank (a storing rank, for replicas), world size and slot size that agree
 with it; its slot must lie inside one chunk of the pool, on that slot size's grid; every record of a
 chunk must name one slot size; a key present twice in one table keeps its newest record. Whatever fails is not adopted (its
 record is invalidated) and counted. The bytes themselves are checked later, against each record's

@@ -43,7 +43,7 @@ class GhostFilter:
 
     def _bits(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(byte index, bit mask) of each key's ``HASHES`` bits: double hashing on key words 2 and 3
-        (the block table picks its buckets with words 0 and 1)."""
+        (the disk index picks its buckets with words 0 and 1)."""
         h1 = k[:, 2:3]
         h2 = k[:, 3:4] | np.uint64(1)
         pos = ((h1 + self._hashes * h2) % np.uint64(self.nbits)).astype(np.int64)

@@ -207,7 +207,7 @@ class Tiers(IndexObserver):
         tier name, filled in when the block ends (the CLEAR's reply says them beside the pool's).
 
         Of all: the index's per-namespace ``cleared`` moments become one clear of the tiers at the end
-        (a tier's clear walks its whole block table), which also takes the namespaces only the tiers
+        (a tier's clear walks its whole index), which also takes the namespaces only the tiers
         know. Of one: the index tells ``cleared`` if it knows the namespace; if it does not (blocks left
         on disk from before a restart, no engine registered since), the tiers are cleared here."""
         c = self._clearing = _Clearing(namespace, {t.name: 0 for t in self.tiers})
