@@ -57,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _start_cuda_driver() -> None:
     """Load and initialise the CUDA driver (cuInit, device 0's primary context) in a thread while the
-    daemon imports its modules: on the H200 host that takes 0.35-0.65 s, which the pinning of a warm
-    restart's pool used to wait for after the imports (ctypes calls release the GIL, so the imports
-    go on). No GPU or no driver: the error is kept, and the backends report it as before."""
+    daemon imports its modules, so that the pinning of a warm restart's pool does not wait for it after
+    them (a large part of a second on a GPU host: docs/benchmarks.md, run N; ctypes calls release the
+    GIL, so the imports go on). No GPU or no driver: the error is kept, and the CUDA backend reports
+    it at start."""
     import threading
 
     from kvoffd.transfer import cuda_driver

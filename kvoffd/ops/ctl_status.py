@@ -64,8 +64,9 @@ def hit_rate(counters: dict[str, Any]) -> str:
 
 
 def persistence_line(p: dict) -> str:
-    """Where the pool lives, what this daemon adopted from the previous one (issue 14), and the blocks
-    whose checksum is not in their record yet (issue 29: kept across a crash all the same)."""
+    """Where the pool lives, what this daemon adopted from the previous one (docs/operations.md, warm
+    restart), and the blocks whose checksum is not in their record yet (kept across a crash all the
+    same)."""
     if not p.get("path"):
         return "pool in private memory: lost when the daemon stops"
     line = f"pool file {p['path']}; " + _adopted(p)

@@ -1,4 +1,4 @@
-"""`kvoffd doctor`'s check of the pool file (issue 14): where the pool will live, whether that is
+"""`kvoffd doctor`'s check of the pool file (the warm restart): where the pool will live, whether that is
 memory, whether this user may keep it there, whether there is room for it, and what it holds now.
 
 Kept apart from kvoffd/ops/doctor_host.py (the host checks) so that the warm-restart rules

@@ -1,9 +1,9 @@
 """Which settings ``kvoffd doctor`` checks against, and where each one came from.
 
 A doctor that checks what its own shell says instead of what the daemon uses gives a PASS about the
-wrong pool: run without the systemd unit's ``KVOFFD_*`` environment it took the default pool size,
-found the running daemon's file "will not adopt" and described a file that was not on disk (issue 33,
-point 6). So each setting is taken, in this order, from: the doctor's own flag; the unit's
+wrong pool: run without the systemd unit's ``KVOFFD_*`` environment it would take the default pool
+size, find the running daemon's file "will not adopt" and describe a file that is not on disk. So
+each setting is taken, in this order, from: the doctor's own flag; the unit's
 ``EnvironmentFile`` given with ``--env-file`` (what the *next* start of the unit will use, edited for
 an upgrade or not); the running daemon, asked over its socket (STATS: its pool's size and file);
 this shell's ``KVOFFD_*``; the daemon's default. The address comes before the daemon (it is how the
