@@ -104,6 +104,26 @@ def test_blocks_stored_on_a_load_byte_exact_on_b(make_daemon, cluster):
         b.close()
 
 
+def test_blocks_still_in_a_pool_are_published_behind_and_found_on_b(make_daemon, cluster):
+    """Write-behind: admitted blocks reach the cluster while A still holds them (no eviction needed)."""
+    a = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="a"), "shared", "a")
+    b = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="b"), "shared", "b")
+    try:
+        keys = chain_keys(12, b"behind")  # within the share of the pool publishing may hold (1/8: 16 slots)
+        a.store(keys)
+        assert wait_until(lambda: a.tier()["spills"] >= len(keys), 10), a.tier()
+        assert a.hits(keys) == len(keys)  # still in A's pool
+        assert a.c.stats()["counters"]["evicted_blocks"] == 0
+        assert wait_until(lambda: b.hits(keys) == len(keys), 10), b.tier()
+        notice, exact = b.load(keys, 200)
+        assert notice.ok and exact == len(keys), notice
+        a.store(keys)  # stored again on A: already published, nothing sent twice
+        assert a.tier()["spills"] == len(keys)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_flipped_values_load_no_wrong_byte(make_daemon, cluster):
     a = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="a"), "shared", "a")
     b = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="b"), "shared", "b")

@@ -35,6 +35,7 @@ from kvoffd.cache.index import Index
 from kvoffd.cache.restart.keeper import Keeper, abandon_pool, keeper, open_pool, purge_command
 from kvoffd.cache.tiers.base import TableRef, TierEvents
 from kvoffd.cache.tiers.manager import PROMOTE_WAIT_S, Below, Tiers, make_tiers
+from kvoffd.cache.tiers.remote.publisher import Publisher
 from kvoffd.cache.tiers.remote.tier import RemoteTier
 from kvoffd.pool.allocator import Pool
 from kvoffd.pool.file import PoolFile
@@ -144,6 +145,7 @@ class Keyspace:
         self.events: EventMirror | None = None  # --kv-events-address (None: off)
         self.phases: dict[str, float] = {}  # where opening it took its time (the serving line says it)
         self.remote: RemoteTier | None = None  # --remote: a tier other nodes write too (asked on a miss)
+        self.publisher: Publisher | None = None  # --remote: what the pool admits, written behind
 
     @classmethod
     def open(cls, settings: KeyspaceSettings, topology: Topology | None = None, t0: float | None = None) -> Keyspace:
@@ -171,7 +173,10 @@ class Keyspace:
             abandon_pool(pool_file)
             raise
         ks = cls(pool, index, kept, tiers, verify=settings.verify, topology=topology, pool_file=pool_file)
-        ks.remote = remote
+        if remote is not None:
+            ks.remote = remote
+            ks.publisher = Publisher(index, remote)  # admitted blocks written behind to the cluster
+            index.observers.append(ks.publisher)
         ks.phases = {"pool": t_pool - t0, "adoption": t_adopt - t_pool, "tiers": time.monotonic() - t_adopt}
         return ks
 
@@ -189,6 +194,8 @@ class Keyspace:
         self.keeper.start(loop)
         t_keeper = time.monotonic() - t0
         self.tiers.start(loop)
+        if self.publisher is not None:
+            self.publisher.start(loop)
         adopted, identities = self.keeper.take_adopted()  # a warm restart's blocks, for the KV-event stream
         events = self.events
         if events is not None:
