@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 from kvtest import chain_keys, wait_until
@@ -176,3 +177,28 @@ def test_a_refused_password_costs_misses_not_a_hang(make_daemon, tmp_path):
             assert 1 <= b.d.log().count("auth error") <= 4, b.d.log()[-3000:]  # once per shard (and the seed), not per call
         finally:
             b.close()
+
+
+def test_a_dead_shard_costs_its_blocks_only(make_daemon, cluster):
+    a = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="a"), "shared", "a")
+    b = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="b"), "shared", "b")
+    try:
+        old = chain_keys(60, b"dead")
+        _published(a, old)
+        on = [{bytes.fromhex(k.decode().rsplit(":", 1)[1]) for k in cluster.cmd(p, "KEYS", "kvoffd:*")}
+              for p in cluster.ports]
+        firsts = [min((old.index(k) for k in held & set(old)), default=len(old)) for held in on]
+        dead = max(range(3), key=lambda i: firsts[i] if firsts[i] < len(old) else -1)  # not the first block's
+        first = firsts[dead]
+        assert 0 < first < len(old)
+        cluster.kill(dead)
+        t = time.monotonic()
+        assert b.hits(old) == 0  # B asks the cluster in the background
+        assert wait_until(lambda: b.hits(old) == first, 10), (b.hits(old), first, b.tier())
+        assert time.monotonic() - t < 10
+        notice, exact = b.load(old[:first], 200)  # the live shards' blocks up to the first dead one
+        assert notice.ok and exact == first, notice
+        assert b.hits(old) == first  # the dead shard's keys stay misses, every LOOKUP answered
+    finally:
+        a.close()
+        b.close()

@@ -158,3 +158,36 @@ def test_dead_shard_reads_resolve_within_the_deadline():
         finally:
             t.close()
             loop.close()
+
+
+def test_a_shard_that_failed_is_not_trusted_to_hold_what_it_held():
+    """A restarted cache shard is empty: once a shard's breaker opened, what this node knew the cluster
+    held is asked again, so its blocks are written again (not skipped as present)."""
+    with Servers(BIN, shards=3) as c:
+        c.start()
+        loop = asyncio.new_event_loop()
+        t = RemoteTier(RemoteStore(RemoteConfig(parse_url(c.url))), probe_timeout=0.5)
+        t.start(loop)
+        try:
+            n = 24
+            src, sv = blocks(n, 5)
+            ks = keys(n, 40)
+            assert loop.run_until_complete(t.write(TABLE, ks, sv)) == [SpillResult.WRITTEN] * n
+            assert t.probe(TABLE, ks) == n
+            c.kill(2)
+            loop.run_until_complete(t.lookup(TABLE, keys(30, 41)))  # finds the shard dead: its breaker opens
+            assert t.probe(TABLE, ks) == 0 and t.known_resets == 1
+            c.restart(2)
+            res = []
+            end = time.monotonic() + 5
+            while time.monotonic() < end:  # until the breaker lets the shard be tried again (0.5 s at most)
+                res = loop.run_until_complete(t.write(TABLE, ks, sv))
+                if SpillResult.ERROR not in res:
+                    break
+                time.sleep(0.05)
+            assert SpillResult.WRITTEN in res and SpillResult.ERROR not in res, res  # the lost ones again
+            dst, dv = blocks(n, None)
+            assert loop.run_until_complete(t.read(TABLE, ks, dv)).all() and np.array_equal(src, dst)
+        finally:
+            t.close()
+            loop.close()

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvoffd.cache.identity import MEDIUM_REMOTE
 from kvoffd.cache.tiers.base import Held, SpillResult, TableRef, TierStats
 from kvoffd.cache.tiers.iopool import READ, WRITE, IoPool
 from kvoffd.cache.tiers.remote.store import OK, PRESENT, RemoteStore
@@ -35,7 +36,6 @@ from kvoffd.cache.tiers.remote.valueformat import namespace_id
 
 log = logging.getLogger(__name__)
 
-MEDIUM_REMOTE = "REMOTE"
 _KEY = 32
 
 
@@ -106,6 +106,10 @@ class Known:
                 del self._d[k]
             return len(gone)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+
     def __len__(self) -> int:
         return len(self._d)
 
@@ -145,6 +149,9 @@ class RemoteTier:
         self.probe_keys = 1024  # keys asked per probe (a prompt's blocks past the local hits)
         self._probing = 0
         self.probes_dropped = 0  # LOOKUP misses not asked about: too many probes in flight
+        self.probes_done = 0  # background probes answered (bench/trace_cluster.py waits on it)
+        self._opened_seen = 0  # the shards' breaker openings ``known`` was last trusted at
+        self.known_resets = 0
         self.dropped_oldest = 0  # blocks dropped from the write-behind queue (counted)
         self.skipped_known = 0  # blocks not published: this node knew the cluster holds them
 
@@ -171,11 +178,21 @@ class RemoteTier:
             ns = self._ns[t] = namespace_id(t.namespace, t.rank, t.world_size, t.layout)
         return ns
 
+    def _fresh(self) -> Known:
+        """``known``, emptied when a shard's breaker opened since the last look: a shard that failed may
+        come back empty (a cache shard restarts without its data), so nothing it held is trusted."""
+        n = sum(s.breaker.opened for s in self.store.cluster.shards())
+        if n != self._opened_seen:
+            self._opened_seen = n
+            self.known.clear()
+            self.known_resets += 1
+        return self.known
+
     def contains(self, table: TableRef, keys: bytes, touch: bool = False) -> np.ndarray:
-        return self.known.has(self._ns_id(table), split_keys(keys))
+        return self._fresh().has(self._ns_id(table), split_keys(keys))
 
     def probe(self, table: TableRef, keys: bytes) -> int:
-        return self.known.leading(self._ns_id(table), split_keys(keys))
+        return self._fresh().leading(self._ns_id(table), split_keys(keys))
 
     def _future(self) -> asyncio.Future:
         assert self._loop is not None, "RemoteTier.start first"
@@ -223,6 +240,7 @@ class RemoteTier:
 
         def done(_res):
             self._probing -= 1
+            self.probes_done += 1
         self._io.submit(READ, run, done)
         return True
 
@@ -239,6 +257,8 @@ class RemoteTier:
             if isinstance(res, Exception):
                 res = np.zeros(len(ks), dtype=bool)
             got = int(res.sum())
+            if got < len(ks):  # not there (evicted), unreadable or refused: forgotten, so announced gone
+                self._announce(table, [], [k for k, o in zip(ks, res.tolist(), strict=True) if not o])
             self.st.promotions += got
             self.st.promotion_failures += len(ks) - got
             self.st.read_bytes += got * table.slot_bytes
@@ -251,7 +271,7 @@ class RemoteTier:
         """On a worker thread: skip what is known there, wait for the budget, publish the rest."""
         ns, ks = self._ns_id(table), split_keys(keys)
         out = [SpillResult.PRESENT] * len(ks)
-        have = self.known.has(ns, ks)
+        have = self._fresh().has(ns, ks)
         todo = np.flatnonzero(~have).tolist()
         self.skipped_known += len(ks) - len(todo)
         if not todo:
@@ -275,13 +295,23 @@ class RemoteTier:
         def done(res):
             if isinstance(res, Exception):
                 res = [SpillResult.ERROR] * (len(keys) // _KEY)
-            self._count(table, res)
+            self._count(table, res, keys)
             if not fut.done():
                 fut.set_result(res)
         self._io.submit(WRITE, lambda: self._publish_now(table, keys, src), done)
         return fut
 
-    def _count(self, table: TableRef, res: list[SpillResult]) -> None:
+    def _announce(self, table: TableRef, stored: list[bytes], removed: list[bytes]) -> None:
+        """KV events (--kv-events-address; ``changed`` is set by Tiers.publish): what the cluster now holds
+        from this node (published, or found already there) and what this node found gone. On the loop."""
+        if self.changed is not None and (stored or removed):
+            self.changed(table, b"".join(stored), b"".join(removed))
+
+    def _count(self, table: TableRef, res: list[SpillResult], keys: bytes = b"") -> None:
+        if keys:
+            ks = split_keys(keys)
+            self._announce(table, [k for k, r in zip(ks, res, strict=True)
+                                   if r is SpillResult.WRITTEN or r is SpillResult.PRESENT], [])
         for r in res:
             if r is SpillResult.WRITTEN:
                 self.st.spills += 1
@@ -317,9 +347,9 @@ class RemoteTier:
     def queued_blocks(self) -> int:
         return self._queued_blocks
 
-    def _release(self, table: TableRef, release, res: list[SpillResult]) -> None:
-        """On the loop: count, then hand the sources back."""
-        self._count(table, res)
+    def _release(self, table: TableRef, release, res: list[SpillResult], keys: bytes = b"") -> None:
+        """On the loop: count (and announce ``keys``' published ones), then hand the sources back."""
+        self._count(table, res, keys)
         if release is not None:
             try:
                 release(res)
@@ -350,7 +380,7 @@ class RemoteTier:
             loop = self._loop
             if loop is not None and not loop.is_closed():
                 try:
-                    loop.call_soon_threadsafe(self._release, job.table, job.release, res)
+                    loop.call_soon_threadsafe(self._release, job.table, job.release, res, job.keys)
                 except RuntimeError:
                     pass
 
@@ -376,7 +406,7 @@ class RemoteTier:
         st.spills_in_flight = self._queued_blocks
         st.notes = {"breakers": ",".join(f"{a}={b}" for a, b in self.store.breakers().items()),
                     "dropped_oldest": str(self.dropped_oldest), "skipped_known": str(self.skipped_known),
-                    "probes_dropped": str(self.probes_dropped)}
+                    "probes_dropped": str(self.probes_dropped), "probes_done": str(self.probes_done)}
         return st
 
     def close(self) -> None:
