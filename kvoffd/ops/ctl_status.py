@@ -110,6 +110,8 @@ def tier_line(t: dict[str, Any]) -> str:
     """One tier of STATS ``tiers`` (the pool is "dram"): what it holds, what it served, what went wrong."""
     if t.get("disabled"):
         return f"DISABLED: {t['disabled']}"
+    if t.get("name") == "remote":
+        return remote_line(t)
     parts = [f"{fmt_size(t.get('resident_bytes'))} in {t.get('resident_blocks', 0)} blocks of "
              f"{fmt_size(t.get('capacity_bytes'))}", f"{t.get('hits', 0)} hits"]
     if t.get("name") != "dram":
@@ -127,4 +129,23 @@ def tier_line(t: dict[str, Any]) -> str:
     parts.append(f"{t.get('evictions', 0)} evicted")
     if t.get("admissions_refused"):
         parts.append(f"{t['admissions_refused']} refused")
+    return "; ".join(parts)
+
+
+def remote_line(t: dict[str, Any]) -> str:
+    """The cluster tier (--remote): the store is shared and evicts on its own, so what this node holds
+    is not a size but what it knows the cluster holds; then its shards (a breaker open: that shard's
+    keys are misses until it answers again), what it fetched and published, what went wrong."""
+    notes = t.get("notes") or {}
+    shards = [s.rsplit("=", 1) for s in (notes.get("breakers") or "").split(",") if "=" in s]
+    down = [addr for addr, state in shards if state != "closed"]
+    dropped = sum((t.get("spills_dropped") or {}).values())
+    parts = [f"{len(shards) - len(down)}/{len(shards)} shards up" + (f" ({', '.join(down)} not answering)"
+                                                                     if down else ""),
+             f"{t.get('resident_blocks', 0)} blocks known there", f"{t.get('hits', 0)} hits",
+             f"{t.get('promotions', 0)} fetched ({t.get('promotion_failures', 0)} failed)",
+             f"{t.get('spills', 0)} published ({dropped} dropped, {notes.get('dropped_oldest', 0)} of them the "
+             f"oldest queued, {notes.get('skipped_known', 0)} already there, {t.get('spills_in_flight', 0)} queued)",
+             f"read {fmt_size(t.get('read_bytes'))}, written {fmt_size(t.get('write_bytes'))}",
+             f"{t.get('io_errors', 0)} I/O errors, {t.get('checksum_failures', 0)} values refused (checksum/MAC)"]
     return "; ".join(parts)
