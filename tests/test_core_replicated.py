@@ -131,7 +131,7 @@ def test_a_copy_leased_for_both_ranks_survives_eviction_until_the_last_rank_load
     assert r0.load(2, a, list(range(64, 96)), lease=lease["lease_id"])["ok"]
     assert r0("digest", ids=list(range(64, 96))) == want
     c = d.client()
-    assert all(e["pinned"] for e in c.explain("ev", a))  # rank 1's share still holds every block
+    assert all(e["held"] for e in c.explain("ev", a))  # rank 1's share still holds every block
     full = r0.store(3, b, list(range(64, 128)))  # 64 new blocks, 32 free slots: the leased copy is not a victim
     assert full["code"] == "pool_full" and full["failed"] == list(range(32, 64))
     assert c.stats()["counters"]["evicted_blocks"] == 0
@@ -140,7 +140,7 @@ def test_a_copy_leased_for_both_ranks_survives_eviction_until_the_last_rank_load
     r1("fill", ids=dst, seed=5)
     assert r1.load(4, a, dst, lease=lease["lease_id"])["ok"]
     assert r1("digest", ids=dst) == want
-    assert not any(e["pinned"] for e in c.explain("ev", a))  # both shares consumed: evictable again
+    assert not any(e["held"] for e in c.explain("ev", a))  # both shares consumed: evictable again
     assert r0.store(5, chain_keys(64, b"ev-c"), list(range(64, 128)))["ok"]  # 64 new blocks evict all
     assert c.stats()["counters"]["evicted_blocks"] == 64
     assert c.lookup("ev", a).hits == 0

@@ -41,7 +41,7 @@ def test_messages_before_hello_are_refused(raw):
 
 def test_version_mismatch_is_a_clear_error(raw):
     r = raw(P.encode(P.Hello(seq=2, version=99)))
-    assert r["code"] == "version_mismatch" and "v1" in r["message"] and "v99" in r["message"]
+    assert r["code"] == "version_mismatch" and f"v{P.PROTOCOL_VERSION}" in r["message"] and "v99" in r["message"]
 
 
 @pytest.mark.parametrize("frame, code", [

@@ -170,11 +170,11 @@ def test_version_mismatch_is_a_rate_limited_warning_in_the_daemon_log(make_daemo
     try:
         for seq in range(1, 6):
             r = p.ask(P.Hello(seq=seq, version=7, pid=os.getpid(), client="old-client"))
-            assert r["code"] == "version_mismatch" and "v1" in r["message"] and "v7" in r["message"]
+            assert r["code"] == "version_mismatch" and f"v{P.PROTOCOL_VERSION}" in r["message"] and "v7" in r["message"]
         assert wait_until(lambda: "speaks protocol v7" in daemon.log(), 10), daemon.log()
         lines = [ln for ln in daemon.log().splitlines() if "speaks protocol v7" in ln]
         assert len(lines) == 1 and "WARNING" in lines[0] and "old-client" in lines[0], lines
-        assert "this daemon v1" in lines[0]
+        assert f"this daemon v{P.PROTOCOL_VERSION}" in lines[0]
     finally:
         p.close()
 
@@ -188,9 +188,10 @@ def _daemon_speaking(version: int, address: str, log_path: str) -> DaemonProc:
 
 
 def test_client_and_kvoffctl_report_a_version_mismatch(tmp_path, caplog):
-    sock = tmp_path / "v2.sock"
+    ours, theirs = P.PROTOCOL_VERSION, P.PROTOCOL_VERSION + 1  # the client's, the daemon's
+    sock = tmp_path / "v-other.sock"
     address = f"ipc://{sock}"
-    proc = _daemon_speaking(2, address, str(tmp_path / "d.log"))
+    proc = _daemon_speaking(theirs, address, str(tmp_path / "d.log"))
     c = None
     try:
         assert wait_until(lambda: sock.exists(), 20), (tmp_path / "d.log").read_text()
@@ -199,19 +200,19 @@ def test_client_and_kvoffctl_report_a_version_mismatch(tmp_path, caplog):
             t0 = time.monotonic()
             assert not c.connect(10)
             assert time.monotonic() - t0 < 5, "connect() waited out its timeout after a refusal"
-            assert "v2" in c.refusal and "v1" in c.refusal and "version" in c.refusal, c.refusal
+            assert f"v{theirs}" in c.refusal and f"v{ours}" in c.refusal and "version" in c.refusal, c.refusal
             with pytest.raises(DaemonUnavailable) as exc:
                 c.ping(timeout_s=3)
             assert "version" in str(exc.value), exc.value
-        errors = [r.getMessage() for r in caplog.records if "speaks protocol v2" in r.getMessage()]
+        errors = [r.getMessage() for r in caplog.records if f"speaks protocol v{theirs}" in r.getMessage()]
         assert len(errors) == 1, errors  # logged once, though HELLO was refused more than once
         r = subprocess.run([sys.executable, "-m", "kvoffd.ops.ctl", "--address", address, "--timeout", "10", "status"],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 3, r
-        assert "speaks protocol v2" in r.stderr and "the client v1" in r.stderr, r.stderr
+        assert f"speaks protocol v{theirs}" in r.stderr and f"the client v{ours}" in r.stderr, r.stderr
         assert "stale socket" not in r.stderr, r.stderr
         log = (tmp_path / "d.log").read_text()
-        assert "WARNING" in log and "speaks protocol v1, this daemon v2" in log, log
+        assert "WARNING" in log and f"speaks protocol v{ours}, this daemon v{theirs}" in log, log
     finally:
         if c is not None:
             c.close()

@@ -84,7 +84,7 @@ def test_engine_sigkilled_mid_job(make_daemon, engines, phase):
     # no pin survives; what the dead engine stored is exact for its successor
     s = watcher.stats()
     stored = keys[: s["resident_blocks"] - 32] if phase == "store" else keys[:NB]
-    assert not any(e.get("pinned") for e in watcher.explain("death", keys))
+    assert not any(e.get("held") for e in watcher.explain("death", keys))
     heir = engines(d.address, "heir", namespace="death", **BIG)
     hits = heir.lookup(keys[: 7 * NB])["hits"]
     assert hits >= NB

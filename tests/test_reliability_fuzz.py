@@ -74,7 +74,7 @@ def job_frame(draw) -> dict[str, Any]:
                          "job_id": draw(st.integers(0, 8) | ints),  # small ids: replays of earlier frames
                          "keys": draw(key_blobs()), "block_ids": draw(id_blobs())}
     if draw(st.booleans()):
-        d["event"] = draw(st.sampled_from([-1, -1, 0, 1, 2**20, 2**20 + 1, -2]) | ints)
+        d["ready_event"] = draw(st.sampled_from([-1, -1, 0, 1, 2**20, 2**20 + 1, -2]) | ints)
     if op == "load" and draw(st.booleans()):
         d["lease_id"] = draw(ints)
     return d
@@ -82,7 +82,7 @@ def job_frame(draw) -> dict[str, Any]:
 
 @st.composite
 def typed_job(draw) -> dict[str, Any]:
-    """A STORE or LOAD with every type right: only ownership, lengths, ids, event or a replayed job id
+    """A STORE or LOAD with every type right: only ownership, lengths, ids, ready_event or a replayed job id
     can make it bad (the daemon's own checks, after decoding)."""
     n = draw(st.integers(0, 12))
     ids = draw(st.lists(st.integers(0, OWN_BLOCKS - 1) | st.sampled_from([OWN_BLOCKS, -1, 2**31 - 1, -(2**31)]),
@@ -90,7 +90,7 @@ def typed_job(draw) -> dict[str, Any]:
     d = {"op": draw(st.sampled_from(["store", "load"])), "seq": 0,
          "engine_id": draw(st.sampled_from([OWN, OWN, OWN, FOREIGN, "nobody"])),
          "job_id": draw(st.integers(0, 4)), "keys": bytes(range(32)) * n, "block_ids": P.pack_ids(ids),
-         "event": draw(st.sampled_from([-1, -1, -1, 0, 1, 2**20]))}
+         "ready_event": draw(st.sampled_from([-1, -1, -1, 0, 1, 2**20]))}
     if d["op"] == "load":
         d["lease_id"] = draw(st.integers(0, 3))
     return d
@@ -182,7 +182,7 @@ def _judge_job(m: P.Store | P.Load, hello_done: bool) -> Expect | None:
         return Expect("error", "bad_field")
     if ids and (min(ids) < 0 or max(ids) >= OWN_BLOCKS):
         return Expect("error", "bad_block_id")
-    if m.event >= 0:  # a CPU engine has no event ring
+    if m.ready_event >= 0:  # a CPU engine has no CUDA event ring
         return Expect("error", "bad_field")
     return None
 

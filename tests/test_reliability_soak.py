@@ -92,7 +92,7 @@ def run_soak(make_daemon, total_ops: int, workers: int = 4, pool: str = "32MiB",
     assert cnt["lookup_hit_blocks"] + cnt["lookup_miss_blocks"] == tot["lookup_keys"]
     assert cnt["errors"] == 0
     sample_keys = keyspace(keys, name.encode())[:: max(1, keys // 512)]
-    assert not any(e.get("pinned") for e in c.explain(name, sample_keys)), "a pin outlived its job/lease"
+    assert not any(e.get("held") for e in c.explain(name, sample_keys)), "a ref outlived its job/lease"
     cleared = c.clear(name)
     s2 = c.stats()
     assert cleared.removed_blocks == s["resident_blocks"]

@@ -293,9 +293,9 @@ def _explain_line(e: dict[str, Any]) -> tuple[str, str, str]:
     if "at" in e:
         detail.append(f"{'evicted' if state == 'evicted' else state} {_ago(e['at'])}")
         shown.add("at")
-    if e.get("pinned"):
-        detail.append("pinned by a lease or a load")
-    shown.add("pinned")
+    if e.get("held"):
+        detail.append("held by a lease or a load")
+    shown.add("held")
     if isinstance(e.get("ranks"), dict):
         detail.append("ranks: " + ", ".join(f"{r}={s}" for r, s in sorted(e["ranks"].items())))
         shown.add("ranks")

@@ -119,9 +119,9 @@ class Jobs:
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= eng.mapped.num_blocks):
             raise ProtocolError(ErrorCode.BAD_BLOCK_ID, f"block ids must lie in [0, {eng.mapped.num_blocks}); got "
                                 f"[{int(ids.min())}, {int(ids.max())}]", seq=msg.seq, job_id=msg.job_id)
-        if msg.event >= 0 and msg.event >= eng.mapped.num_events:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"event {msg.event} is not in this engine's event ring",
-                                seq=msg.seq, job_id=msg.job_id)
+        if msg.ready_event >= 0 and msg.ready_event >= eng.mapped.num_events:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"ready_event {msg.ready_event} is not in this engine's "
+                                "CUDA event ring", seq=msg.seq, job_id=msg.job_id)
         if msg.job_id in conn.jobs:
             raise ProtocolError(ErrorCode.DUPLICATE_JOB, f"job {msg.job_id} is already in flight", seq=msg.seq,
                                 job_id=msg.job_id)
@@ -138,7 +138,7 @@ class Jobs:
     def _submit(eng: Engine, d: Direction, ids: np.ndarray, slots: np.ndarray, msg: P.Store | P.Load
                 ) -> Awaitable[None]:
         try:
-            return eng.backend.submit(d, eng.mapped, ids, slots, msg.event, msg.expires_ns)
+            return eng.backend.submit(d, eng.mapped, ids, slots, msg.ready_event, msg.expires_ns)
         except Exception as e:
             return _failed_future(e)
 

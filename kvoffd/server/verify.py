@@ -50,5 +50,5 @@ class Verifier:
         if past(msg.expires_ns):  # checksums took too long
             raise JobExpired("deadline passed before the copy could start")
         if len(ids):
-            await eng.backend.submit(Direction.LOAD, eng.mapped, ids, slots, msg.event, msg.expires_ns)
+            await eng.backend.submit(Direction.LOAD, eng.mapped, ids, slots, msg.ready_event, msg.expires_ns)
         return failed, code, text, len(ids)

@@ -89,7 +89,7 @@ def test_mla_tp2_one_copy_in_the_daemon_both_ranks_load_it(make_daemon):
         assert r1("digest", ids=dst) == want, "rank 1 did not get rank 0's copy byte-exact"
         assert r0("digest", ids=src) == want
         explained = r0("client", method="explain", args=["gpu-mla", keys[:8]])
-        assert all(e["state"] == "resident" and not e["pinned"] for e in explained)  # both shares consumed
+        assert all(e["state"] == "resident" and not e["held"] for e in explained)  # both shares consumed
         ok, code, _, failed = _jobs(r1, 1, ("store", 4, keys[:4], dst[:4], -1))[4]
         assert not ok and code == "bad_field" and failed == [0, 1, 2, 3]  # rank 1 never writes the copy
         with pytest.raises(RuntimeError, match="another layout"):  # 512-wide rows: not rank 0's bytes
@@ -117,7 +117,7 @@ def test_a_copy_rank_1_is_loading_is_not_evicted_by_rank_0s_stores(make_daemon):
         r1.send("jobs", engine_id="mla-r1-288", jobs=[("load", 2, a, dst, gate)], timeout=60.0)
 
         def pinned() -> bool:
-            return all(e.get("pinned") for e in r0("client", method="explain", args=["gpu-mla", a]))
+            return all(e.get("held") for e in r0("client", method="explain", args=["gpu-mla", a]))
 
         for _ in range(3000):  # the LOAD reached the daemon: its pins are taken before its gate opens
             if pinned():

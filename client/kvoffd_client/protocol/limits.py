@@ -7,7 +7,8 @@ from typing import Annotated
 
 from msgspec import Meta
 
-PROTOCOL_VERSION = 1
+#: v2: STORE's and LOAD's ``ready_event`` (was ``event``), EXPLAIN's ``held`` (was ``pinned``); docs/protocol.md.
+PROTOCOL_VERSION = 2
 #: Every block key is exactly this many bytes (vLLM's sha256 block hashes are; others are folded).
 KEY_SIZE = 32
 #: Largest frame the daemon reads. A step of a big batch (8k blocks) stays far below it.

@@ -106,7 +106,7 @@ class Unregister(Message, tag="unregister"):
 class Lookup(Message, tag="lookup"):
     """How many leading ``keys`` are resident for every rank of ``namespace``.
 
-    With ``lease_ms`` > 0 the hits are pinned against eviction for that long, or until a LOAD
+    With ``lease_ms`` > 0 the hits are held (a ref each) against eviction for that long, or until a LOAD
     naming the lease consumes them, or a RELEASE drops them. The daemon checks ``keys`` mostly
     without splitting them (kvoffd/cache/index.py, ``Run``).
     """
@@ -132,8 +132,9 @@ class Release(Message, tag="release"):
 class _Job(Message):
     """What STORE and LOAD share: one step's batch, ``keys[i]`` with engine block ``block_ids[i]``.
 
-    ``event`` (CUDA) is the index of the interprocess event in the ring shared at REGISTER that the
-    copy must wait for; -1 means the engine's writes are already complete (CPU: after the step).
+    ``ready_event`` (CUDA) is the index of the interprocess CUDA event in the ring shared at REGISTER
+    that the copy must wait for; -1 means the engine's writes are already complete (CPU: after the
+    step). (KV events, what routers read of the pool, are another thing: docs/vllm.md.)
 
     ``expires_ns`` (CLOCK_MONOTONIC; 0: never): the daemon refuses to start the copy after it. This
     protects against a daemon that hangs and then wakes up: a client that has given up on a job (and
@@ -144,7 +145,7 @@ class _Job(Message):
     job_id: U63 = 0
     keys: bytes = b""
     block_ids: bytes = b""  # little-endian int32
-    event: EventIndex = -1
+    ready_event: EventIndex = -1
     expires_ns: U63 = 0
 
     def __post_init__(self) -> None:
@@ -166,7 +167,7 @@ class Store(_Job, tag="store"):
 
 class Load(_Job, tag="load"):
     """Copy the pool's blocks for ``keys[i]`` into engine block ``block_ids[i]``. ``lease_id`` names the
-    LOOKUP's lease: the load consumes this rank's share of it (the copy pins what it reads itself)."""
+    LOOKUP's lease: the load consumes this rank's share of it (the copy holds what it reads itself)."""
 
     lease_id: U63 = 0
 
