@@ -40,11 +40,11 @@ import numpy as np
 import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "client"), str(ROOT / "tests" / "support"), str(ROOT / "bench")]
+sys.path[:0] = [str(ROOT), str(ROOT / "client"), str(ROOT / "bench")]
 
 from control_plane import echo_server  # noqa: E402  (the same echo floor as the control-plane bench)
-from kvtest import start_daemon  # noqa: E402
-from reliability_util import ShmEngine, rss_kb  # noqa: E402
+from support.daemon import start_daemon  # noqa: E402
+from support.engine import ShmEngine, rss_kb  # noqa: E402
 
 from kvoffd.cache.tiers.diskindex import DiskIndex  # noqa: E402
 from kvoffd.cache.tiers.diskio import block_crc  # noqa: E402
@@ -153,7 +153,7 @@ def measure(n: int, base: str, iters: int, baseline_kb: int) -> dict:
     os.sync()  # the build's writes (the index, the hit blocks) are not left to write back while it measures
     t0 = time.monotonic()
     d = start_daemon(f"ipc://{base}/d{n}.sock", "512MiB", "--log-level", "warning", "--backend", "cpu",
-                     "--disk-path", directory, "--disk-size", str(n * SLOT), connect_s=60 + n / 1e6 * 6)
+                     "--disk-path", directory, "--disk-size", str(n * SLOT), ready_s=60 + n / 1e6 * 6)
     start_s = time.monotonic() - t0  # the daemon reads and adopts the whole index before it answers
     settle_s = _wait_idle(d.proc.pid)  # what it still does after answering is not what a LOOKUP costs
     eng = ShmEngine(1024, SLOT, layers=2, tag="index-scale")

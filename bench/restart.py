@@ -44,10 +44,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "support"))
 
-from kvtest import chain_keys  # noqa: E402
-from reliability_util import ShmEngine  # noqa: E402
+from support.engine import ShmEngine, chain_keys  # noqa: E402
 
 from kvoffd.config import parse_size  # noqa: E402
 from kvoffd_client.client import KvoffdClient  # noqa: E402

@@ -88,12 +88,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "tests" / "support", ROOT / "bench"):
+for p in (ROOT, ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from kvtest import DaemonProc, start_daemon  # noqa: E402
-from reliability_util import ShmEngine  # noqa: E402
+from support.daemon import BenchDaemon, start_daemon  # noqa: E402
+from support.engine import ShmEngine  # noqa: E402
 
 from kvoffd.cache.policy import DEFAULT_POLICY, POLICIES, make_policy  # noqa: E402
 from kvoffd_client.client import KvoffdClient  # noqa: E402
@@ -327,7 +327,7 @@ def pool_geometry(capacity: int, block_bytes: int) -> PoolGeometry:
 
 def register_engine(client: KvoffdClient, num_blocks: int, slot_bytes: int) -> ShmEngine:
     """The stand-in engine's memory, registered. The one place that knows how CPU engine memory is
-    shared with the daemon (tests/reliability_util.ShmEngine), so a change of mechanism is made here."""
+    shared with the daemon (bench/support/engine.py's ShmEngine), so a change of mechanism is made here."""
     eng = ShmEngine(num_blocks, slot_bytes, layers=2, tag="trace-replay")
     try:
         client.register(ENGINE_ID, NAMESPACE, 0, 1, eng.memory, eng.layout)
@@ -419,7 +419,7 @@ def replay_daemon(trace: Trace, geo: PoolGeometry, keys: dict[int, bytes], verif
     """The trace through a fresh daemon whose pool is ``geo`` (and a disk tier of ``disk_blocks``);
     its STATS counters at the end."""
     tmp = tempfile.mkdtemp(prefix="kvoffd-trace-")
-    d: DaemonProc = start_daemon(f"ipc://{tmp}/kvoffd.sock", str(geo.pool_bytes), "--log-level", "warning",
+    d: BenchDaemon = start_daemon(f"ipc://{tmp}/kvoffd.sock", str(geo.pool_bytes), "--log-level", "warning",
                                   "--backend", "cpu", "--eviction-policy", policy,
                                   *disk_args(tmp, geo, disk_blocks))
     eng = None

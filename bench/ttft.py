@@ -63,7 +63,6 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 
 GiB = 1 << 30
 NAMESPACE = "ttft-bench"
@@ -939,8 +938,8 @@ class Procs:
 
 
 def start_daemon(args: argparse.Namespace, address: str) -> Any:
-    """``python -m kvoffd`` through tests/support/kvtest.py's helper: it returns once the pool is usable (pinned)."""
-    from kvtest import start_daemon as _start
+    """``python -m kvoffd`` through bench/support/daemon.py: it returns once the pool is usable (pinned)."""
+    from support.daemon import start_daemon as _start
 
     return _start(address, args.pool_size, "--backend", args.backend, "--log-level", "info")
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+# bench/support (a package): the engine stand-in and the keys the benches share with the tests
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
 # Every daemon a test starts keeps its pool in private memory unless the test passes --pool-path
 # (tests/test_warm_restart.py): the default, a persistent pool file, would be left in /dev/shm.
 os.environ.setdefault("KVOFFD_POOL_PATH", "none")

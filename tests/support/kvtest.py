@@ -7,7 +7,6 @@ engines, waiting.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -18,19 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from daemon import DaemonProc
+from support.engine import chain_keys  # noqa: F401 - one definition, shared with bench/
 
 from kvoffd_client.client import KvoffdClient
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def chain_keys(n: int, salt: bytes = b"", parent: bytes = b"root") -> list[bytes]:
-    """Keys chained like vLLM's block hashes: each hashes its parent and its block's tokens."""
-    keys, h = [], hashlib.sha256(parent).digest()
-    for i in range(n):
-        h = hashlib.sha256(h + salt + i.to_bytes(4, "little")).digest()
-        keys.append(h)
-    return keys
 
 
 def _pool_usable(c: KvoffdClient) -> bool:
