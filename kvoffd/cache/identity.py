@@ -16,6 +16,10 @@ from kvoffd_client.protocol import KvEventsLayout
 #: (``vllm.distributed.kv_events``), so a router keyed on them takes both.
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
+#: ``medium`` of the blocks this node published to the cluster tier (--remote): any node on that cluster
+#: can fetch them. vLLM has no name for a store shared over the network (its field is free text); the
+#: events of this medium also say ``locality`` "REMOTE" (not on the publishing node), vLLM's own word.
+MEDIUM_REMOTE = "REMOTE"
 
 
 class HashForm(str, enum.Enum):
