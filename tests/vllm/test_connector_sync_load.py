@@ -143,7 +143,7 @@ def test_small_hit_same_step_large_hit_async(tiny_model: str, reference: list[li
         assert worker.stats.lifetime.get("load_failed_jobs", 0) == 0
         # what the same-step load's blocks computed was stored once the load settled: nothing pending
         conn = connector_of(llm)._scheduler
-        assert not conn._reqs and not conn._sync_owner and not worker._late
+        assert not conn.state.reqs and not conn.state.sync_owner and not worker._late
     finally:
         close_llm(llm)
 
