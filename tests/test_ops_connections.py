@@ -29,7 +29,7 @@ MAX_CONNS = 64
 @pytest.fixture(autouse=True)
 def _client_records_reach_caplog():
     """An in-process vLLM engine earlier in the session routes kvoffd_client's records to vLLM's
-    logger and stops their propagation (kvoffd_client.vllm.common.route_client_logs); these tests
+    logger and stops their propagation (kvoffd_client.vllm.logs.route_client_logs); these tests
     read them from caplog, which listens on the root logger."""
     lg = logging.getLogger("kvoffd_client")
     saved = lg.propagate, lg.level, list(lg.handlers)

@@ -26,7 +26,7 @@ from engine_helpers import (  # noqa: E402
     vllm_metric,
 )
 
-from kvoffd_client.vllm.common import STAT_KEYS  # noqa: E402
+from kvoffd_client.vllm.stats import STAT_KEYS  # noqa: E402
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ CHILD = """
 import sys
 from vllm.config.logging import LoggingConfig
 from vllm.logger import configure_logging
-from kvoffd_client.vllm.common import route_client_logs
+from kvoffd_client.vllm.logs import route_client_logs
 from kvoffd_client.client import KvoffdClient
 
 configure_logging(LoggingConfig())  # what each vLLM process does at start

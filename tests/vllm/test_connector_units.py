@@ -39,7 +39,7 @@ def test_fold_key() -> None:
 
 
 def test_settings() -> None:
-    from kvoffd_client.vllm.common import Settings
+    from kvoffd_client.vllm.settings import Settings
 
     with pytest.raises(ValueError, match="kvoffd_address"):
         Settings.from_extra({})
@@ -49,7 +49,8 @@ def test_settings() -> None:
 
 
 def test_worker_meta_and_stats_aggregate() -> None:
-    from kvoffd_client.vllm.common import KvoffdStats, KvoffdWorkerMeta
+    from kvoffd_client.vllm.metadata import KvoffdWorkerMeta
+    from kvoffd_client.vllm.stats import KvoffdStats
 
     a = KvoffdWorkerMeta(stores_done={1: 1}, load_failed_at={"r": 2})
     b = KvoffdWorkerMeta(stores_done={1: 1, 2: 1}, stores_failed={2: 1}, load_failed_at={"r": 0})
@@ -76,9 +77,9 @@ def test_lookup_sends_a_slice_of_the_packed_keys_up_to_the_first_negative(daemon
     import time
 
     from kvoffd_client.client import KvoffdClient
-    from kvoffd_client.vllm.common import Settings
     from kvoffd_client.vllm.sched_state import RequestState
     from kvoffd_client.vllm.scheduler import KvoffdScheduler
+    from kvoffd_client.vllm.settings import Settings
 
     sent: list[bytes] = []
 
@@ -122,8 +123,8 @@ def test_a_miss_logs_its_keys_at_debug_for_kvoffctl_explain(daemon) -> None:
     import time
 
     from kvoffd_client.client import KvoffdClient
-    from kvoffd_client.vllm.common import Settings
     from kvoffd_client.vllm.scheduler import KvoffdScheduler
+    from kvoffd_client.vllm.settings import Settings
 
     lines: list[str] = []
 
@@ -182,8 +183,8 @@ def test_known_keys_are_forgotten_while_the_daemon_is_out_of_reach(tmp_path) -> 
     from kvtest import wait_until
 
     from kvoffd_client.client import KvoffdClient
-    from kvoffd_client.vllm.common import Settings
     from kvoffd_client.vllm.scheduler import KvoffdScheduler
+    from kvoffd_client.vllm.settings import Settings
 
     d = Daemon(tmp_path).start()
     sched = KvoffdScheduler(Settings(address=d.address), None, 1, "units")
@@ -233,7 +234,7 @@ def test_kv_groups_classify_and_refuse() -> None:
 
 
 def _budget(extra: dict, block_bytes: int = 1000, device: str = "cpu", single_group: bool = True):
-    from kvoffd_client.vllm.common import Settings
+    from kvoffd_client.vllm.settings import Settings
     from kvoffd_client.vllm.syncload import SyncLoadBudget
 
     return SyncLoadBudget.from_settings(Settings.from_extra({"kvoffd_address": "ipc:///x", **extra}),
@@ -275,7 +276,7 @@ def test_sync_budget_follows_measurements_and_cools_down_after_a_timeout() -> No
 
 
 def test_worker_meta_aggregates_same_step_results() -> None:
-    from kvoffd_client.vllm.common import KvoffdWorkerMeta
+    from kvoffd_client.vllm.metadata import KvoffdWorkerMeta
 
     a = KvoffdWorkerMeta(sync_settled={7: 1}, sync_bytes=100, sync_us=10)
     b = KvoffdWorkerMeta(sync_settled={7: 1, 8: 1}, sync_timeouts=1)

@@ -187,10 +187,11 @@ def test_rank_0_stores_and_both_ranks_load_the_one_copy(mla_tp2: Any, daemon: An
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
     from kvoffd_client.client import KvoffdClient
-    from kvoffd_client.vllm.common import KvoffdMetadata, LoadSpec, Settings
     from kvoffd_client.vllm.identity import cache_identity
+    from kvoffd_client.vllm.metadata import KvoffdMetadata, LoadSpec
     from kvoffd_client.vllm.sched_state import PlannedStore
     from kvoffd_client.vllm.scheduler import KvoffdScheduler
+    from kvoffd_client.vllm.settings import Settings
     from kvoffd_client.vllm.worker import KvoffdWorker
 
     ident = cache_identity(_gpu_like(mla_tp2), _kv_config(mla_tp2, _mla_spec()))

@@ -27,9 +27,9 @@ BS = 32
 
 
 def _scheduler() -> Any:
-    from kvoffd_client.vllm.common import Settings
     from kvoffd_client.vllm.identity import CacheIdentity
     from kvoffd_client.vllm.scheduler import KvoffdScheduler
+    from kvoffd_client.vllm.settings import Settings
 
     ident = CacheIdentity(namespace="stream", block_size=BS, hashes_per_block=1, world_size=1, fields={})
     # Nothing listens there: store planning does not need the daemon, and lookups are misses.

@@ -24,7 +24,7 @@ DOCS = [ROOT / "docs" / "vllm.md", ROOT / "README.md"]
 
 
 def _settings_fields() -> dict[str, Any]:
-    from kvoffd_client.vllm.common import Settings
+    from kvoffd_client.vllm.settings import Settings
 
     return {f"kvoffd_{f.name}": f.default for f in dataclasses.fields(Settings)}
 
@@ -36,7 +36,7 @@ def _ktc_fields() -> set[str]:
 
 
 def _check_config(cfg: dict[str, Any], where: str) -> None:
-    from kvoffd_client.vllm.common import Settings
+    from kvoffd_client.vllm.settings import Settings
 
     assert set(cfg) <= _ktc_fields(), f"{where}: not KVTransferConfig fields: {set(cfg) - _ktc_fields()}"
     assert cfg["kv_connector"] == "KvoffdConnector" and cfg["kv_connector_module_path"] == "kvoffd_client.vllm"

@@ -19,15 +19,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffd_client.vllm.common import (
-    KvoffdMetadata,
-    KvoffdPromMetrics,
-    KvoffdStats,
-    Settings,
-    log,
-    route_client_logs,
-)
 from kvoffd_client.vllm.identity import UnsupportedConfig, cache_identity, worker_rank
+from kvoffd_client.vllm.logs import log, route_client_logs
+from kvoffd_client.vllm.metadata import KvoffdMetadata
+from kvoffd_client.vllm.settings import Settings
+from kvoffd_client.vllm.stats import KvoffdPromMetrics, KvoffdStats
 
 if TYPE_CHECKING:
     import torch

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any
 from kvoffd_client import protocol as P
 from kvoffd_client.client import DaemonUnavailable, KvoffdClient, KvoffdError
 from kvoffd_client.memory.local import LocalMemory
-from kvoffd_client.vllm.common import Settings, log
 from kvoffd_client.vllm.events import kv_events_layout
 from kvoffd_client.vllm.identity import CacheIdentity
+from kvoffd_client.vllm.logs import log
+from kvoffd_client.vllm.settings import Settings
 
 if TYPE_CHECKING:
     import torch

@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from kvoffd_client.vllm.common import KvoffdWorkerMeta, LoadSpec, log
 from kvoffd_client.vllm.groups import NULL_BLOCK_ID
+from kvoffd_client.vllm.logs import log
+from kvoffd_client.vllm.metadata import KvoffdWorkerMeta, LoadSpec
 from kvoffd_client.vllm.sched_state import RequestState, SchedulerState
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvoffd_client import protocol as P
-from kvoffd_client.vllm.common import log
+from kvoffd_client.vllm.logs import log
 from kvoffd_client.vllm.sched_state import PendingLookup, RequestState, SchedulerState
 
 if TYPE_CHECKING:

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvoffd_client import protocol as P
-from kvoffd_client.vllm.common import KvoffdStats, LoadSpec, Settings
 from kvoffd_client.vllm.events import kv_events_layout
 from kvoffd_client.vllm.groups import GroupKind, group_key
 from kvoffd_client.vllm.identity import CacheIdentity, fold_key
+from kvoffd_client.vllm.metadata import LoadSpec
+from kvoffd_client.vllm.settings import Settings
+from kvoffd_client.vllm.stats import KvoffdStats
 from kvoffd_client.vllm.syncload import SyncLoadBudget
 
 if TYPE_CHECKING:

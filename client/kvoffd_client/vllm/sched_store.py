@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvoffd_client.vllm.common import KvoffdMetadata, KvoffdWorkerMeta
 from kvoffd_client.vllm.events import NO_PARENT, block_tokens
 from kvoffd_client.vllm.groups import NULL_BLOCK_ID
+from kvoffd_client.vllm.metadata import KvoffdMetadata, KvoffdWorkerMeta
 from kvoffd_client.vllm.sched_state import PlannedStore, RequestState, SchedulerState
 
 if TYPE_CHECKING:

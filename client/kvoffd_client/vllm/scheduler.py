@@ -11,12 +11,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvoffd_client.client import DaemonUnavailable, KvoffdClient, KvoffdError
-from kvoffd_client.vllm.common import KvoffdMetadata, KvoffdStats, KvoffdWorkerMeta, Settings, log
 from kvoffd_client.vllm.identity import CacheIdentity
+from kvoffd_client.vllm.logs import log
+from kvoffd_client.vllm.metadata import KvoffdMetadata, KvoffdWorkerMeta
 from kvoffd_client.vllm.sched_load import LoadPlanner
 from kvoffd_client.vllm.sched_lookup import LookupPlanner
 from kvoffd_client.vllm.sched_state import SchedulerState
 from kvoffd_client.vllm.sched_store import StorePlanner
+from kvoffd_client.vllm.settings import Settings
+from kvoffd_client.vllm.stats import KvoffdStats
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

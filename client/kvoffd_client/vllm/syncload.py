@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvoffd_client.vllm.common import Settings
+from kvoffd_client.vllm.settings import Settings
 
 #: Prior link speeds (bytes/s) before anything is measured: far below what the daemon's copies
 #: reach (docs/benchmarks.md), so a first guess errs towards the asynchronous path.

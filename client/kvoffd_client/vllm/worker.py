@@ -23,9 +23,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from kvoffd_client.client import DaemonUnavailable, KvoffdClient, KvoffdError
 from kvoffd_client.protocol import Notice
-from kvoffd_client.vllm.common import KvoffdMetadata, KvoffdStats, KvoffdWorkerMeta, Settings, log
 from kvoffd_client.vllm.identity import CacheIdentity
+from kvoffd_client.vllm.logs import log
+from kvoffd_client.vllm.metadata import KvoffdMetadata, KvoffdWorkerMeta
 from kvoffd_client.vllm.registration import KvRegistration
+from kvoffd_client.vllm.settings import Settings
+from kvoffd_client.vllm.stats import KvoffdStats
 
 if TYPE_CHECKING:
     import torch
