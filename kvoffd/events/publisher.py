@@ -54,11 +54,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from kvoffd.cache.identity import MEDIUM_CPU, EventIdentity
+from kvoffd.cache.identity import MEDIUM_CPU, MEDIUM_REMOTE, EventIdentity
 from kvoffd.cache.index import IndexObserver
 from kvoffd.events.announce import BACKOFF_S, Adopted, Reopened
 from kvoffd.events.wire import (
     LOCALITY,
+    LOCALITY_REMOTE,
     OWNERSHIP,
     AllBlocksCleared,
     BlockRemoved,
@@ -390,16 +391,17 @@ def _wire(p: _Pending) -> BlockStored | BlockRemoved | AllBlocksCleared:
     if p.kind is EventKind.CLEARED:
         return AllBlocksCleared()
     hashes = external_hashes(p.keys, p.identity.hash_form)
+    locality = LOCALITY_REMOTE if p.medium == MEDIUM_REMOTE else LOCALITY
     if p.kind is EventKind.STORED and p.tokens:
         parent = external_hashes([p.parent], p.identity.hash_form)[0] if p.parent != _NO_PARENT else None
         return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=_token_list(p.tokens),
                            block_size=p.identity.block_size, lora_id=None, medium=p.medium, lora_name=None,
-                           group_idx=p.identity.group_idx, locality=LOCALITY, ownership=OWNERSHIP)
+                           group_idx=p.identity.group_idx, locality=locality, ownership=OWNERSHIP)
     if p.kind is EventKind.STORED:
         return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
                            block_size=p.identity.block_size, lora_id=None, medium=p.medium, lora_name=None,
-                           group_idx=p.identity.group_idx, locality=LOCALITY, ownership=OWNERSHIP)
-    return BlockRemoved(block_hashes=hashes, medium=p.medium, group_idx=p.identity.group_idx, locality=LOCALITY,
+                           group_idx=p.identity.group_idx, locality=locality, ownership=OWNERSHIP)
+    return BlockRemoved(block_hashes=hashes, medium=p.medium, group_idx=p.identity.group_idx, locality=locality,
                         ownership=OWNERSHIP)
 
 

@@ -21,8 +21,10 @@ import msgspec
 from kvoffd.cache.identity import HashForm
 from kvoffd_client.protocol import KEY_SIZE
 
-#: ``locality``: the daemon publishes what its own node holds.
+#: ``locality``: the daemon publishes what its own node holds; the cluster tier's blocks
+#: (``MEDIUM_REMOTE``) are held off the node, vLLM's "REMOTE relative to the publisher".
 LOCALITY = "LOCAL"
+LOCALITY_REMOTE = "REMOTE"
 #: ``ownership`` ("secondary offloading tier identifier" in vLLM): tells kvoffd's events from vLLM's.
 OWNERSHIP = "kvoffd"
 
