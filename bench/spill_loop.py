@@ -5,9 +5,9 @@ file under ``--dir``) through ``Tiers``, the daemon's own objects, and times on 
 index's eviction of a batch of blocks (``evicted`` and ``freeing`` included), two ways in the same run:
 
 * **deferred** (the spill path now): the slot stays out of the pool and the tier's threads write
-  straight from it (``Index.evict`` with ``defer_ok`` on, as ``_keep_ahead`` does);
+  straight from it (``Index.evict`` with ``index.deferral.ok`` on, as ``Eviction.keep_ahead`` does);
 * **copied** (the path before issue 15, and today's fallback for a STORE's own victims): each block
-  copied out of its slot into a staging buffer on the loop (``defer_ok`` off).
+  copied out of its slot into a staging buffer on the loop (``index.deferral.ok`` off).
 
 The ceiling is a plain ``memcpy`` of one block (numpy slice assignment) measured in the same run: the
 copied path costs about that much per block, the deferred path must not grow with the block size.
@@ -56,7 +56,7 @@ async def _one(directory: str, slot: int, batch: int, rounds: int) -> dict:
         tier = DiskTier(d, 64 * nslots * slot, threads=2)
         tier.start(asyncio.get_running_loop())
         tiers = Tiers(index, [tier], spill_buffer_bytes=nslots * slot)
-        index.defer_budget = 0  # no reserve kept by stores: this bench evicts by hand
+        index.deferral.budget = 0  # no reserve kept by stores: this bench evicts by hand
         t = index.table("bench", 0, 1, slot, (slot,))
         out = {"deferred": [], "copied": []}
         seq = 0
@@ -67,12 +67,12 @@ async def _one(directory: str, slot: int, batch: int, rounds: int) -> dict:
                     n = min(batch, pool.spare_slots(slot, batch))
                     _store(index, t, [hashlib.sha256(b"%d" % (seq + i)).digest() for i in range(n)])
                     seq += n
-                index.defer_budget = nslots * slot
-                index.defer_ok = mode == "deferred"
+                index.deferral.budget = nslots * slot
+                index.deferral.ok = mode == "deferred"
                 t0 = time.perf_counter()
                 got = index.evict(slot, batch)
                 dt = time.perf_counter() - t0
-                index.defer_ok, index.defer_budget = True, 0
+                index.deferral.ok, index.deferral.budget = True, 0
                 assert got == batch
                 out[mode].append(dt / batch)
                 while tiers._spilling:  # let the writes land (and the deferred slots come back)

@@ -6,7 +6,7 @@ bench/policy_sim.py, the disk's here. The pool is bench/policy_sim.py's ``TierMo
 call order, any ``EvictionPolicy``); the disk is a second ``TierModel`` whose STOREs are the pool's
 evictions, in eviction order, as ``kvoffd/cache/tiers/manager.py`` spills them. Per request:
 
-* LOOKUP: the pool's leading hits, then (``Tiers.extend_lookup``) the following keys found in the
+* LOOKUP: the pool's leading hits, then (``Tiers.find_below`` and ``promote``) the following keys found in the
   pool or on disk. The disk's blocks are read (a use: ``on_access`` on the disk's policy) and promoted
   into the pool bypassing admission (``prepare_store(admit=False)``), the request's pool hits pinned;
   the pool's victims are spilled after the reads. *exclusive*: a promoted block leaves the disk;

@@ -154,14 +154,14 @@ def test_a_deferred_slot_is_never_handed_out_until_released_and_is_invisible():
     first = store(0, 8)
     assert len(first) == 8
     got = store(8, 4)  # evicts 4, whose slots are deferred: the store finds no room
-    assert got == [] and len(obs.kept) == 4 and index.deferred_bytes == 4 * SLOT
+    assert got == [] and len(obs.kept) == 4 and index.deferral.deferred_bytes == 4 * SLOT
     deferred = {e.slot for e in obs.kept}
     assert index.lookup("ns", b"".join(e.key for e in obs.kept)).n == 0  # dead: invisible
     again = store(20, 4)  # evicts the other 4: still no slot handed out
     assert again == [] and not ({e.slot for e in obs.kept} - set(first))
-    index.release_deferred(SLOT, sorted(deferred))
-    assert index.deferred_bytes == 4 * SLOT
+    index.deferral.release(SLOT, sorted(deferred))
+    assert index.deferral.deferred_bytes == 4 * SLOT
     reused = store(30, 4)
     assert set(reused) == deferred  # only the released ones came back
-    index.release_deferred(SLOT, sorted(deferred))  # a second release is refused, not a double free
-    assert index.deferred_bytes == 4 * SLOT and pool.used_bytes == 8 * SLOT
+    index.deferral.release(SLOT, sorted(deferred))  # a second release is refused, not a double free
+    assert index.deferral.deferred_bytes == 4 * SLOT and pool.used_bytes == 8 * SLOT

@@ -17,6 +17,7 @@ from kvevents_sub import EventSubscriber
 
 from kvoffd.cache.identity import MEDIUM_STORAGE, EventIdentity, HashForm
 from kvoffd.cache.index import Index
+from kvoffd.cache.restart.adoption import adopt
 from kvoffd.events.publisher import Endpoints, KvEventPublisher
 from kvoffd.metrics import Metrics
 from kvoffd.pool.allocator import Pool
@@ -134,7 +135,7 @@ def _adopt(index: Index, by_ns: dict[str, list[bytes]]) -> list:
     keys = [k for ks in by_ns.values() for k in ks]
     slots = np.arange(len(keys), dtype=np.int64) * SLOT
     index.pool.adopt_slots(SLOT, slots)
-    return index.adopt(tables, keys, slots.tolist(), [1.0] * len(keys), [0] * len(keys))
+    return adopt(index, tables, keys, slots.tolist(), [1.0] * len(keys), [0] * len(keys))
 
 
 def test_adopted_blocks_are_announced_in_slices_that_never_hold_the_loop():

@@ -149,7 +149,8 @@ def test_adopted_slices_come_newest_first_and_keep_the_lru_order():
     assert index.lookup("m", keys[0]).n == 0  # not in yet: a miss, never a wrong byte
     while plan.left:
         plan.take(index, pool, 3)
-    assert list(index._lru[SLOT]) == [index.namespaces["m"].tables[0].entries[k] for k in keys]
+    t0 = index.namespaces["m"].tables[0]
+    assert list(index.policy_for(SLOT)) == [(t0, k) for k in keys]  # least recently used first
     index.check_table("m", 0, 1, (SLOT,))
     t = index.table("m", 0, 1, SLOT, (SLOT,))
     assert index.prepare_store(t, chain_keys(60, b"new")).evicted == 6  # 54 slots free, 6 blocks must go

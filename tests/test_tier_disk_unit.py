@@ -98,13 +98,15 @@ async def _staged(path: str) -> None:
             index.pool.view(e.slot, SLOT)[:] = np.frombuffer(hashlib.sha256(e.key).digest() * (SLOT // 32), np.uint8)
         index.complete_store(p, True)
     assert tier.stats().spills == 0 and len(tiers._staged) == 16  # all in flight
-    assert tiers.spill_copies == 16 and not index.deferred  # a store's own victims are copied out
+    assert tiers.spill_copies == 16 and not index.deferral.deferred  # a store's own victims are copied out
     wanted = b"".join(keys[:8])
-    hits = tiers.extend_lookup("unit", wanted, index.lookup("unit", wanted))
+    below = tiers.find_below("unit", wanted, index.lookup("unit", wanted))  # as a LOOKUP does
+    assert below is not None and below.n == 8
+    hits = tiers.promote(below)
     assert hits.n == 8 and tiers.staged_hits == 8
     st = tiers.stats()[0]  # the spill path's figures are STATS fields (and /metrics series), not notes
     assert (st.staged_hits, st.spill_copies) == (8, tiers.spill_copies) and st.spill_copies >= 16
-    assert st.promotions >= 8 and st.spill_deferred_bytes == index.deferred_bytes
+    assert st.promotions >= 8 and st.spill_deferred_bytes == index.deferral.deferred_bytes
     for k in keys[:8]:
         e = t.visible[k]  # visible at once: no read to wait for
         assert bytes(index.pool.view(e.slot, SLOT)) == hashlib.sha256(k).digest() * (SLOT // 32)
@@ -146,8 +148,8 @@ async def _gated(path: str, budget_blocks: int) -> None:
         for lo in range(0, 128, 4):
             assert len(_fill(index, t, keys[lo:lo + 4])) == 4
         # the last store filled the pool: the 4 oldest were evicted ahead, their writes held by the gate
-        deferred = dict(index.deferred)
-        assert len(deferred) == 4 and index.deferred_bytes == 4 * SLOT and not t.visible.keys() & set(keys[:4])
+        deferred = dict(index.deferral.deferred)
+        assert len(deferred) == 4 and index.deferral.deferred_bytes == 4 * SLOT and not t.visible.keys() & set(keys[:4])
         got = _fill(index, t, keys[128:132])  # needs 4 slots now: evicts, and cannot have the deferred ones
         assert len(got) == 4 and not set(got) & set(deferred)
         for s in deferred:  # nothing wrote into a deferred slot: its block's bytes are still there
@@ -155,15 +157,15 @@ async def _gated(path: str, budget_blocks: int) -> None:
         if budget_blocks == 4:  # the budget is taken by the deferred 4: the store's victims' spills are dropped
             assert tiers.spill_busy == 4 and tiers.spill_copies == 0
         else:  # the store's own victims are copied out (it needs their slots now), the next 4 kept ahead
-            assert tiers.spill_busy == 0 and tiers.spill_copies == 4 and len(index.deferred) == 8
-        assert index.deferred_bytes <= budget_blocks * SLOT
+            assert tiers.spill_busy == 0 and tiers.spill_copies == 4 and len(index.deferral.deferred) == 8
+        assert index.deferral.deferred_bytes <= budget_blocks * SLOT
         held = len(deferred) + (0 if budget_blocks == 4 else 8)  # the writes the gate holds, by their blocks
         assert tiers.stats()[0].spills_in_flight == held
         gate.set()
         while tiers._spilling:
             await asyncio.wait(list(tiers._spilling))
             await asyncio.sleep(0)  # the done callbacks (a yield, not a wait for time)
-        assert not index.deferred and index.deferred_bytes == 0 and tiers.stats()[0].spills_in_flight == 0
+        assert not index.deferral.deferred and index.deferral.deferred_bytes == 0 and tiers.stats()[0].spills_in_flight == 0
         wanted = b"".join(keys[:4])
         assert tier.contains(tiers._ref(t), wanted).all()
         dv = _dest(4)

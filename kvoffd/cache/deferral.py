@@ -3,25 +3,26 @@
 Why: a spill to the disk tier is written straight from the pool slot by the tier's I/O threads
 (``pwritev`` from the pool's memory), so the loop never copies a block. The slot must then stay out
 of the pool until that write has read it; ``IndexObserver.evicted`` returns the entries whose slots
-it defers and the observer gives them back with ``release_deferred``. A deferred slot is never
+it defers and the observer gives them back with ``DeferredSlots.release`` (``Index.deferral``). A deferred slot is never
 handed out (the pool still counts it as live, so a draining chunk waits for it as for a held entry);
 its entry is already dead (invisible, its slot record invalidated by ``freeing`` as for any free).
 
 Since a deferred slot is not free, a store must not wait for one; so:
 
-* **a store's own evictions are never deferred** (``defer_ok`` off while it evicts: the disk tier
+* **a store's own evictions are never deferred** (``DeferredSlots.ok`` off while it evicts: the disk tier
   copies those victims out instead, within its budget, or drops their spills): it needs the slots
   now, and a store never waits for the disk;
 * **keep ahead**: after a store, when the pool has fewer spare slots of its size than the store took,
   the index evicts the difference now, deferred (their spills start at once, no copy), so the next
   store finds the slots their writes gave back and evicts nothing itself. The reserve is one
-  store's worth, at most 1/32 of the size's slots and within ``defer_budget``: while the disk lags,
+  store's worth, at most 1/32 of the size's slots and within ``DeferredSlots.budget``: while the disk lags,
   a store that needs more than the other 31/32 can give loses the rest (``pool_full``), never waits.
 
 Chunk reclaim's evictions (a drain) are deferred too: the chunk changes hands once its last
 deferred slot comes back, as a drain waits for held entries.
 
-``DeferredFree`` is a part of ``Index`` (its base class) and works on its pool and counters.
+``DeferredSlots`` owns the deferred slots and the budget; the index's ``Eviction`` decides when to
+evict ahead (``keep_ahead``) and when a store's own victims must not be deferred (``ok`` off).
 """
 
 from __future__ import annotations
@@ -32,17 +33,24 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvoffd.cache.entries import Entry
+    from kvoffd.pool.allocator import Pool
 
 log = logging.getLogger(__name__)
 
 AHEAD_SHARE = 32  # the reserve kept ahead is at most 1/32 of a slot size's slots (a small pool keeps its blocks)
 
 
-class DeferredFree:
-    """It expects the index's ``pool``, ``deferred``, ``deferred_bytes``, ``defer_budget``,
-    ``defer_ok`` and ``evict``."""
+class DeferredSlots:
+    """Evicted pool slots kept out of the pool while a thread still reads them, within ``budget`` bytes."""
 
-    def _defer(self, slot_bytes: int, slots: list[int], kept: list[Entry]) -> list[int]:
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.deferred: dict[int, int] = {}  # slot -> slot_bytes: evicted, kept out of the pool by an observer
+        self.deferred_bytes = 0
+        self.budget = 0  # bytes an observer may defer (set by it; 0: none defers, no evicting ahead)
+        self.ok = True  # False while evicting for slots needed now (a store's own victims)
+
+    def keep(self, slot_bytes: int, slots: list[int], kept: Sequence[Entry]) -> list[int]:
         """Keep the slots of ``kept`` out of the pool (an observer still reads them); the rest of ``slots``."""
         held = {e.slot for e in kept}
         for s in held:
@@ -50,7 +58,7 @@ class DeferredFree:
         self.deferred_bytes += len(held) * slot_bytes
         return [s for s in slots if s not in held]
 
-    def release_deferred(self, slot_bytes: int, slots: Sequence[int]) -> None:
+    def release(self, slot_bytes: int, slots: Sequence[int]) -> None:
         """An observer is done with slots it deferred: back to the pool now. A slot not deferred (a
         bug in the caller) is refused with an error log: freeing it twice would hand one slot to two
         blocks."""
@@ -64,22 +72,6 @@ class DeferredFree:
         self.deferred_bytes -= len(back) * slot_bytes
         self.pool.free(slot_bytes, back)
 
-    def _evict_undeferred(self, slot_bytes: int, n: int, shard: int = -1) -> list[int]:
-        """Evict ``n`` more for slots needed now: no observer may defer these."""
-        self.defer_ok = False
-        try:
-            self.evict_for(slot_bytes, n, shard)
-        finally:
-            self.defer_ok = True
-        return self.pool.alloc(slot_bytes, n, shard)
-
-    def _keep_ahead(self, slot_bytes: int, n: int) -> None:
-        """Evict now, within the budget, what the next store of ``n`` slots would need (see above),
-        at most 1/``AHEAD_SHARE`` of the slots this size holds (a small pool keeps most of its blocks)."""
-        room = (self.defer_budget - self.deferred_bytes) // slot_bytes
-        want = min(n, self.pool.slots_share(slot_bytes) // AHEAD_SHARE, room)
-        if want <= 0:
-            return
-        missing = want - self.pool.spare_slots(slot_bytes, want)
-        if missing > 0:
-            self.evict(slot_bytes, missing)
+    def room(self, slot_bytes: int) -> int:
+        """Slots of this size that may still be deferred within the budget."""
+        return (self.budget - self.deferred_bytes) // slot_bytes

@@ -56,6 +56,19 @@ class Namespace:
         """The rank whose table ``rank`` reads (itself unless it shares a replicated copy)."""
         return rank - rank % self.replicas
 
+    def check(self, rank: int, world_size: int, layout: tuple[int, ...], replicas: int) -> None:
+        """Raise ValueError if an engine of this shape contradicts the namespace (``Index.check_table``)."""
+        name = self.name
+        if self.world_size != world_size:
+            raise ValueError(f"namespace {name!r} has world size {self.world_size}, not {world_size}")
+        if self.replicas != replicas:
+            raise ValueError(f"namespace {name!r} keeps one copy per {self.replicas} ranks, not per {replicas}")
+        have = self.layouts.get(self.storing_rank(rank))
+        if have is not None and have != layout:
+            raise ValueError(f"namespace {name!r} rank {rank} holds blocks of another layout "
+                             f"({sum(have)} bytes in {len(have)} runs; this engine: {sum(layout)} bytes in "
+                             f"{len(layout)} runs)")
+
 
 @dataclass(eq=False)
 class StorePlan:
@@ -84,11 +97,6 @@ class Hits:
     by_rank: dict[int, list[Entry]]  # their entries, rank by rank (only when asked for)
     miss_reason: MissReason | None  # why key ``n`` missed (None when every key hit)
     world_size: int  # ranks of the namespace (0: unknown namespace)
-
-    @property
-    def held_entries(self) -> int:
-        """Entries a lease on these hits holds (keys x ranks)."""
-        return sum(len(v) for v in self.by_rank.values())
 
 
 @dataclass

@@ -3,22 +3,22 @@
 A namespace whose runs of ``replicas`` consecutive ranks hold identical KV (MLA latents on every TP
 rank) has one table per run, keyed by the run's first rank: that rank stores, every rank of the run
 reads the same entries, and a lookup's entries are listed once per rank so each rank's LOAD consumes
-its own pin.
+its own ref.
 
 Rules it keeps (docs/architecture.md):
   * an entry is visible to LOOKUP/LOAD only once its copy completed (``ready``);
   * a held entry (``refs`` > 0: read by a LOAD, held by a lease, being stored) is never evicted nor
     overwritten; refs are taken and dropped only here (``hold``, ``prepare_load``, ``release``);
-  * ready entries sit in their slot size's LRU list; eviction is O(1) per block and skips held ones;
-  * with a policy other than ``lru`` (``--eviction-policy``, kvoffd/cache/policy.py), one policy per
-    slot size replaces that list: it is asked ``admit`` for each new key of a STORE (a refused key
-    gets no slot and no copy) and ``victim()`` for each slot needed, and told every other event in
-    the order its module docstring gives. ``Entry.in_lru`` then means "tracked by the policy";
-    policy keys are ``(table, key)``. ``lru`` keeps the list below, step for step as before
-    policies existed (bench/trace_replay.py checks it against an exact model);
+  * ready entries are tracked by their slot size's policy (``--eviction-policy``,
+    kvoffd/cache/policy.py; ``lru`` is one of them): it is asked ``admit`` for each new key of a STORE
+    (a refused key gets no slot and no copy; a policy that ``admits_all`` is not asked) and
+    ``victim()`` for each slot needed, and told every other event in the order its module docstring
+    gives. ``Entry.in_lru`` means "tracked by the policy"; policy keys are ``(table, key)``. Eviction
+    is O(1) per block and skips held entries (``Eviction``, eviction.py);
   * CLEAR unlinks entries at once; a slot still being copied is freed when its job ends;
   * a slot size below its fair share of the pool takes a chunk from the one furthest above it,
-    evicting that chunk's unheld entries a bounded number per store (``_reclaim``, reclaim.py);
+    evicting that chunk's unheld entries a bounded number per store (``Reclaimer``, reclaim.py);
+  * evicted slots a spill still reads stay out of the pool (``DeferredSlots``, deferral.py);
   * observers (``IndexObserver``: the pool file's slot records, a lower tier, an event stream) are told of
     every entry that becomes visible and of every slot before it goes back to the pool, in the same
     loop callback, so what they keep can never disagree with the index for longer than that callback.
@@ -31,16 +31,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
-from kvoffd.cache.deferral import DeferredFree
+from kvoffd.cache import index_views
+from kvoffd.cache.deferral import DeferredSlots
 from kvoffd.cache.entries import Entry, Hits, LoadPlan, Namespace, StorePlan, Table
 from kvoffd.cache.eviction import Eviction
-from kvoffd.cache.index_views import IndexViews
 from kvoffd.cache.observer import IndexObserver
-from kvoffd.cache.policy import LRU, EvictionPolicy, make_policy
-from kvoffd.cache.reclaim import ChunkReclaim, _Drain
-from kvoffd.cache.restart.adoption import Adoption
+from kvoffd.cache.policy import LRU, EvictionPolicy
+from kvoffd.cache.reclaim import Reclaimer
+from kvoffd.cache.registry import Registry
 from kvoffd.cache.runs import Run, leading
 from kvoffd.pool.allocator import Pool
 from kvoffd_client.protocol import KEY_SIZE, MissReason
@@ -52,90 +52,37 @@ _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoff
 log = logging.getLogger(__name__)
 
 
-class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
-    """Refs are lazy with respect to the LRU: taking one is ``entry.refs += 1`` and nothing else
+class Index:
+    """Refs are lazy with respect to the policy: taking one is ``entry.refs += 1`` and nothing else
     (``hold`` takes thousands per step for leases, in one loop here); eviction skips held entries it
-    meets and ``release`` puts them back as most recently used. Callers never touch ``refs``."""
+    meets and ``release`` hands them back as most recently used. Callers never touch ``refs``."""
 
     def __init__(self, pool: Pool, policy: str = LRU.name):
         self.pool = pool
         self.policy = policy
-        make_policy(policy, 0)  # ValueError for an unknown name, before any engine comes
-        self._policies: dict[int, EvictionPolicy] = {}  # slot_bytes -> policy (none for lru: the list below)
-        self.namespaces: dict[str, Namespace] = {}
-        self._lru: dict[int, OrderedDict[Entry, None]] = {}  # slot_bytes -> ready entries, oldest first
-        self.evicted: OrderedDict[tuple[str, bytes], float] = OrderedDict()
-        self.failed: OrderedDict[tuple[str, bytes], float] = OrderedDict()
-        self._slot_entry: dict[int, Entry] = {}  # slot -> the entry holding it (until the slot is freed)
-        self._drain: _Drain | None = None
+        self.registry = Registry(pool, policy)  # the namespaces, their tables, a policy per slot size
+        self.namespaces = self.registry.namespaces
+        self._policies = self.registry.policies
+        self.check_table = self.registry.check_table
+        self.table = self.registry.table
+        self.forget_if_idle = self.registry.forget_if_idle
+        self.policy_for = self._policies.get
+        self.misses = MissHistory()
+        self.slot_entry: dict[int, Entry] = {}  # slot -> the entry holding it (until the slot is freed); read-only outside
         self.resident = 0  # ready entries
         self.refs_taken = 0  # refs held on entries now (leases, loads, stores and promotions in flight)
         self.evictions = 0  # all evicted entries, including reclaim_evictions
         self.reclaim_evictions = 0  # evicted to hand their chunk to another slot size
         self.refused = 0  # new blocks the admission policy refused (never copied)
         self.observers: list[IndexObserver] = []
-        self.deferred: dict[int, int] = {}  # slot -> slot_bytes: evicted, kept out of the pool by an observer
-        self.deferred_bytes = 0
-        self.defer_budget = 0  # bytes an observer may defer (set by it; 0: none defers, no evicting ahead)
-        self.defer_ok = True  # False while evicting for slots needed now (kvoffd/cache/deferral.py)
+        self.deferral = DeferredSlots(pool)
+        self.eviction = Eviction(self, self.deferral)
+        self.reclaimer = Reclaimer(self)
 
-    # --- namespaces -------------------------------------------------------------------------------------
-    def check_table(self, namespace: str, rank: int, world_size: int, layout: tuple[int, ...],
-                    replicas: int = 1) -> None:
-        """Raise ValueError if an engine of this shape contradicts the namespace (changes nothing).
-
-        With replicas every rank of a run reads the bytes its first rank stored, so each must
-        describe exactly that rank's layout: one that differs is refused, never handed those bytes."""
-        if world_size % replicas:
-            raise ValueError(f"replicas {replicas} does not divide world size {world_size}")
-        ns = self.namespaces.get(namespace)
-        if ns is None:
-            return
-        if ns.world_size != world_size:
-            raise ValueError(f"namespace {namespace!r} has world size {ns.world_size}, not {world_size}")
-        if ns.replicas != replicas:
-            raise ValueError(f"namespace {namespace!r} keeps one copy per {ns.replicas} ranks, not per {replicas}")
-        have = ns.layouts.get(ns.storing_rank(rank))
-        if have is not None and have != layout:
-            raise ValueError(f"namespace {namespace!r} rank {rank} holds blocks of another layout "
-                             f"({sum(have)} bytes in {len(have)} runs; this engine: {sum(layout)} bytes in "
-                             f"{len(layout)} runs)")
-
-    def table(self, namespace: str, rank: int, world_size: int, slot_bytes: int,
-              layout: tuple[int, ...], replicas: int = 1) -> Table:
-        """The table an engine reads (and, as its run's first rank, writes); created on first use;
-        ValueError as ``check_table``."""
-        self.check_table(namespace, rank, world_size, layout, replicas)
-        ns = self.namespaces.get(namespace)
-        if ns is None:
-            ns = self.namespaces[namespace] = Namespace(namespace, world_size, replicas)
-        rank = ns.storing_rank(rank)
-        t = ns.tables.get(rank)
-        if t is None:
-            t = ns.tables[rank] = Table(namespace, rank, slot_bytes)
-            ns.layouts[rank] = layout
-            self._lru.setdefault(slot_bytes, OrderedDict())
-            if self.policy != LRU.name:
-                pol = self._policies.get(slot_bytes)
-                if pol is None:
-                    pol = self._policies[slot_bytes] = make_policy(self.policy, self.pool.slots_share(slot_bytes))
-                if pol not in ns.policies:
-                    ns.policies.append(pol)
-        return t
-
-    def forget_if_idle(self, namespace: str) -> bool:
-        """Forget a namespace that holds no entry (the caller knows no engine uses it): its world size
-        and layouts no longer bind the next engine, and register/unregister cycles leave nothing."""
-        ns = self.namespaces.get(namespace)
-        if ns is None or any(t.entries for t in ns.tables.values()):
-            return False
-        del self.namespaces[namespace]
-        return True
+    namespace_stats = index_views.namespace_stats  # STATS' per-namespace figures (read-only)
+    explain = index_views.explain  # EXPLAIN: each key's state (read-only)
 
     # --- lookups ----------------------------------------------------------------------------------------
-    def knows(self, namespace: str) -> bool:
-        return namespace in self.namespaces
-
     def lookup(self, namespace: str, keys: bytes, *, with_entries: bool = False) -> Hits:
         """Leading keys ready on every rank; their entries by rank (if asked); the first miss's reason.
 
@@ -157,11 +104,7 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
                 break
         if ns.replicas > 1 and n:
             hits = {r: hits[ns.storing_rank(r)] for r in range(ns.world_size)}
-        reason = None
-        if n < total:
-            miss = (namespace, keys[n * KEY_SIZE:(n + 1) * KEY_SIZE])
-            reason = (MissReason.EVICTED if miss in self.evicted else MissReason.FAILED if miss in self.failed
-                      else MissReason.ABSENT)
+        reason = self.misses.reason(namespace, keys[n * KEY_SIZE:(n + 1) * KEY_SIZE]) if n < total else None
         if not (with_entries and n):
             return Hits(n, {}, reason, ns.world_size)
         return Hits(n, {r: got if len(got) == n else got[:n] for r, got in hits.items()}, reason, ns.world_size)
@@ -179,7 +122,7 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
 
     def release(self, entries: Iterable[Entry]) -> None:
         """Drop one ref of each entry (a LOAD ended, a lease was dropped): the one place a ref drops.
-        An entry left unheld goes back to its LRU as just used, or frees its slot if it was unlinked."""
+        An entry left unheld goes back to its policy as just used, or frees its slot if it was unlinked."""
         policies = self._policies
         dropped = 0
         for e in entries:
@@ -189,24 +132,16 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
                 continue
             if e.dead:
                 self._free(e.table.slot_bytes, [e.slot])
-            elif e.ready and policies:  # read by a load, or handed back as a held victim: just used
+            elif e.ready:  # read by a load, or handed back as a held victim: just used
                 policies[e.table.slot_bytes].on_access((e.table, e.key))
                 e.in_lru = True
-            elif e.ready:
-                lru = self._lru[e.table.slot_bytes]
-                if e.in_lru:
-                    lru.move_to_end(e)  # just read by a load: most recently used
-                else:
-                    lru[e] = None
-                    e.in_lru = True
         self.refs_taken -= dropped
 
     def evictable(self, slot_bytes: int) -> int:
         """At least how many slots of this size evicting could free now: the ready blocks the policy
         may evict, less every ref taken in the pool (a held block is skipped, so each ref may keep one
         from eviction; counted over all sizes and once per ref: never too many). For ``Tiers.fits``."""
-        pol = self._policies.get(slot_bytes)
-        tracked = len(pol) if pol is not None else len(self._lru.get(slot_bytes, ()))
+        tracked = len(self._policies.get(slot_bytes, ()))
         return max(0, min(tracked, self.resident) - self.refs_taken)
 
     def prepare_load(self, table: Table, keys: list[bytes]) -> LoadPlan:
@@ -228,8 +163,8 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
 
     # --- stores -------------------------------------------------------------------------------------------
     def prepare_store(self, table: Table, keys: list[bytes], admit: bool = True, shard: int = -1) -> StorePlan:
-        """Slots for the keys not yet present that the policy admits, evicting LRU blocks (or the
-        policy's victims) as needed; no entries yet.
+        """Slots for the keys not yet present that the policy admits, evicting the policy's victims as
+        needed; no entries yet.
 
         Split from ``add_pending`` so the server can start the copy first and do the per-key
         bookkeeping while the bytes move. Keys beyond what the pool can hold are dropped from the
@@ -248,78 +183,46 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
             self._touch(table, keys)
         refused: list[int] = []
         size = table.slot_bytes
-        pol = self._policies.get(size)
-        if pol is not None and want and admit:
-            want, refused = self._admit(pol, table, keys, want)
+        pol = self._policies[size]
+        if want and admit and not pol.admits_all:
+            cap = self.pool.slots_share(size)
+            if cap != pol.capacity:
+                pol.set_capacity(cap)  # this slot size's share of the pool moved
+            want, refused = _admitted(pol, table, keys, want)
+            self.refused += len(refused)
         if not want:
             return StorePlan(table, keys, [], [], present, [], refused)
         evictions = self.evictions
         slots = self.pool.alloc(size, len(want), shard)
         if len(slots) < len(want):
-            self._reclaim(size)  # below its fair share: a chunk of another slot size comes this way
+            self.reclaimer.reclaim(size)  # below its fair share: a chunk of another slot size comes this way
             slots += self.pool.alloc(size, len(want) - len(slots), shard)
         short = len(want) - len(slots)
-        if short and self.defer_budget:  # the slots are needed now: no observer may defer them
-            slots += self._evict_undeferred(size, short, shard)
-        elif short:
-            self.evict_for(size, short, shard)
-            slots += self.pool.alloc(size, short, shard)
-        if self.defer_budget:
-            self._keep_ahead(size, len(want))
+        if short:
+            slots += self.eviction.for_store(size, short, shard)
+        self.eviction.keep_ahead(size, len(want))
         dropped = want[len(slots):]
-        if pol is not None:
-            for i in dropped:  # admitted, no room: the policy lets go of what it reserved
-                pol.on_remove((table, keys[i]))
+        for i in dropped:  # admitted, no room: the policy lets go of what it reserved
+            pol.on_remove((table, keys[i]))
         return StorePlan(table, keys, want[: len(slots)], slots, present, dropped, refused,
                          self.evictions - evictions)
-
-    def _admit(self, pol: EvictionPolicy, table: Table, keys: list[bytes], want: list[int]
-               ) -> tuple[list[int], list[int]]:
-        """Ask the policy about each new key, in key order: (admitted, refused) indices. A key's parent
-        is present when the key before it is stored (or being stored) or admitted just now; the
-        first key of a STORE counts as having its parent (the engine stores what follows a hit)."""
-        cap = self.pool.slots_share(table.slot_bytes)
-        if cap != pol.capacity:
-            pol.set_capacity(cap)  # this slot size's share of the pool moved
-        entries = table.entries
-        ok: list[int] = []
-        refused: list[int] = []
-        taken: set[bytes] = set()
-        admit = pol.admit
-        for i in want:
-            k = keys[i]
-            parent = keys[i - 1] if i else None
-            if admit((table, k), parent is None or parent in entries or parent in taken):
-                ok.append(i)
-                taken.add(k)
-            else:
-                refused.append(i)
-        self.refused += len(refused)
-        return ok, refused
 
     def _touch(self, table: Table, keys: list[bytes]) -> None:
         """Keys an engine stores again are in use (it computed them itself): most recently used.
         (Called before the new keys get entries, so only the present ones are found.)"""
         get = table.entries.get
-        pol = self._policies.get(table.slot_bytes)
-        if pol is not None:
-            for k in keys:
-                e = get(k)
-                if e is not None and e.in_lru:
-                    pol.on_access((table, k))
-            return
-        lru = self._lru[table.slot_bytes]
+        on_access = self._policies[table.slot_bytes].on_access
         for k in keys:
             e = get(k)
             if e is not None and e.in_lru:
-                lru.move_to_end(e)
+                on_access((table, k))
 
     def add_pending(self, plan: StorePlan) -> list[Entry]:
         """Pending (invisible) entries for a planned store, each held (one ref) by the store job."""
         table, keys, slots = plan.table, plan.keys, plan.slots
         out = [Entry(keys[i], table, s, 1) for i, s in zip(plan.copy_idx, slots, strict=True)]
         table.entries.update(zip([e.key for e in out], out, strict=True))
-        self._slot_entry.update(zip(slots, out, strict=True))
+        self.slot_entry.update(zip(slots, out, strict=True))
         self.refs_taken += len(out)
         plan.entries = out
         return out
@@ -335,7 +238,7 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
     def _free(self, slot_bytes: int, slots: list[int], evicted: bool = False) -> None:
         """Give slots back to the pool (their entries are gone for good); ``evicted``: the index chose
         them to make room (observers hear ``evicted`` first)."""
-        owner = self._slot_entry
+        owner = self.slot_entry
         if self.observers:
             gone = [owner.pop(s) for s in slots]
             kept: list[Entry] = []
@@ -345,7 +248,7 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
             for o in self.observers:
                 o.freeing(slot_bytes, gone)
             if kept:
-                slots = self._defer(slot_bytes, slots, kept)
+                slots = self.deferral.keep(slot_bytes, slots, kept)
         else:
             for s in slots:
                 del owner[s]
@@ -353,37 +256,26 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
 
     def _commit(self, entries: list[Entry]) -> int:
         """The store copied these: make them visible (unless unlinked meanwhile). Returns how many."""
+        if not entries:
+            return 0
         now = time.time()
         shown: list[Entry] = []
-        pol = self._policies.get(entries[0].table.slot_bytes) if entries else None
-        inlined = len(entries) if pol is not None else 0  # refs dropped here, not by ``release``
-        for e in entries if pol is not None else ():
+        pol = self._policies[entries[0].table.slot_bytes]
+        on_insert = pol.on_insert
+        for e in entries:  # the store's refs are dropped here, not by ``release``
             if e.dead:  # cleared while copied: admitted, never placed
-                self._release_admission(pol, e)
+                _release_admission(pol, e)
             else:
                 e.ready = True
                 e.stored_at = now
                 e.table.visible[e.key] = e
                 shown.append(e)
-                pol.on_insert((e.table, e.key), None)
+                on_insert((e.table, e.key), None)
                 e.in_lru = True
             e.refs -= 1
             if e.refs == 0 and e.dead:
                 self._free(e.table.slot_bytes, [e.slot])
-        for e in entries if pol is None else ():
-            if not e.dead:
-                e.ready = True
-                e.stored_at = now
-                e.table.visible[e.key] = e
-                shown.append(e)
-            if e.refs == 1 and not e.dead:  # the usual case, inlined: only the store held it
-                e.refs = 0
-                inlined += 1
-                self._lru[e.table.slot_bytes][e] = None
-                e.in_lru = True
-            else:
-                self.release((e,))
-        self.refs_taken -= inlined
+        self.refs_taken -= len(entries)
         if shown:  # the runs, one per table (a STORE writes one table; this runs before any lookup)
             tables = {e.table for e in shown}
             for t in tables:
@@ -397,25 +289,16 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
             o.committed(shown)
         return done
 
-    @staticmethod
-    def _release_admission(pol: EvictionPolicy, e: Entry) -> None:
-        """``e`` was admitted but never placed: the policy forgets it, unless its key was stored again
-        since (a CLEAR came in between) and the policy tracks that newer entry."""
-        cur = e.table.entries.get(e.key)
-        if cur is None or cur is e or not cur.in_lru:
-            pol.on_remove((e.table, e.key))
-
     def _abort(self, entries: list[Entry]) -> None:
         """The store failed: forget the entries and remember the keys as failed."""
         now = time.time()
-        pol = self._policies.get(entries[0].table.slot_bytes) if entries else None
+        pol = self._policies[entries[0].table.slot_bytes] if entries else None
         for e in entries:
-            if pol is not None:
-                self._release_admission(pol, e)
+            _release_admission(pol, e)
             if not e.dead:
                 del e.table.entries[e.key]
                 e.dead = True
-                self._remember(self.failed, (e.table.namespace, e.key), now)
+                _remember(self.misses.failed, (e.table.namespace, e.key), now)
         self.release(entries)
 
     def discard(self, e: Entry) -> None:
@@ -431,16 +314,157 @@ class Index(Eviction, Adoption, ChunkReclaim, DeferredFree, IndexViews):
         e.dead = True
         if e.ready:
             self.resident -= 1
-        self._remember(self.failed, (t.namespace, e.key), time.time())
+        _remember(self.misses.failed, (t.namespace, e.key), time.time())
         if e.refs == 0:
             self._free(t.slot_bytes, [e.slot])
         elif e.ready:
             for o in self.observers:
                 o.unlinked([e])
 
-    @staticmethod
-    def _remember(history: OrderedDict, key: tuple[str, bytes], when: float) -> None:
-        history[key] = when
-        history.move_to_end(key)
-        if len(history) > _HISTORY:
-            history.popitem(last=False)
+    def place(self, entries: list[Entry], cold_end: bool = False) -> None:
+        """Make ``entries`` visible at once, their bytes already in their slots, which the pool holds for
+        them (a warm restart's blocks, kvoffd/cache/restart/adoption.py), tracked by their policy in
+        order; ``cold_end``: as older than every block it tracks. Observers are not told."""
+        by_size: dict[int, list[tuple[Table, bytes]]] = {}
+        for e in entries:
+            t = e.table
+            t.entries[e.key] = t.visible[e.key] = self.slot_entry[e.slot] = e
+            e.ready = e.in_lru = True
+            by_size.setdefault(t.slot_bytes, []).append((t, e.key))
+        for size, keys in by_size.items():
+            pol = self._policies[size]
+            if cold_end:
+                pol.on_insert_oldest(keys)
+            else:
+                for k in keys:
+                    pol.on_insert(k, None)
+        self.resident += len(entries)
+
+    # --- eviction and CLEAR -------------------------------------------------------------------------------
+    def evict(self, slot_bytes: int, n: int) -> int:
+        """Free up to ``n`` slots of this size, the policy's victims first, skipping held blocks."""
+        return self.eviction.evict(slot_bytes, n)
+
+    def drop_victims(self, slot_bytes: int, victims: list[Entry], reclaim: bool = False) -> int:
+        """Unlink the unheld ``victims`` chosen to make room (by ``Eviction``, or by the ``Reclaimer``
+        draining a chunk: ``reclaim``) and free their slots, observers hearing ``evicted`` first; their
+        keys are remembered as evicted. Returns how many."""
+        now = time.time()
+        history, shown = self.misses.evicted, 0
+        for e in victims:
+            t = e.table
+            del t.entries[e.key]
+            if t.visible.pop(e.key, None) is not None:
+                e.run.invalidate()
+                shown += 1
+            if e.in_lru:
+                self._untrack(e)
+            e.dead = True
+            _remember(history, (t.namespace, e.key), now)
+        self.resident -= shown
+        self.evictions += len(victims)
+        if reclaim:
+            self.reclaim_evictions += len(victims)
+        self._free(slot_bytes, [e.slot for e in victims], evicted=True)
+        return len(victims)
+
+    def _untrack(self, e: Entry) -> None:
+        """``e`` leaves for a reason of the index's own (CLEAR, corrupt, its chunk drained)."""
+        self._policies[e.table.slot_bytes].on_remove((e.table, e.key))
+        e.in_lru = False
+
+    def clear(self, namespace: str = "", in_use: Collection[str] | None = None) -> int:
+        """Unlink every entry of one namespace (or all) and forget the cleared namespaces no engine
+        uses (``in_use``: those some engine is registered in; None: forget none), so that their world
+        size and layouts bind nobody. Returns the blocks that were resident. One pass over the miss
+        history whatever the number of namespaces (once per namespace stalled the loop for seconds)."""
+        names = [namespace] if namespace else list(self.namespaces)
+        removed = 0
+        for name in names:
+            ns = self.namespaces.get(name)
+            if ns is None:
+                continue
+            for t in ns.tables.values():
+                free: list[int] = []
+                held: list[Entry] = []
+                for e in t.entries.values():
+                    if e.ready:
+                        removed += 1
+                        e.run.invalidate()
+                    if e.in_lru:
+                        self._untrack(e)
+                    e.dead = True
+                    if e.refs == 0:
+                        free.append(e.slot)
+                    elif e.ready:
+                        held.append(e)
+                t.entries.clear()
+                t.visible.clear()
+                self._free(t.slot_bytes, free)
+                for o in self.observers if held else ():
+                    o.unlinked(held)
+            for o in self.observers:
+                o.cleared(name)
+            if in_use is not None and name not in in_use:
+                self.forget_if_idle(name)
+        self.misses.forget(namespace)
+        self.resident -= removed
+        return removed
+
+
+class MissHistory:
+    """The keys evicted and failed lately (``_HISTORY`` of each), for a miss's reason and EXPLAIN."""
+
+    def __init__(self) -> None:
+        self.evicted: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        self.failed: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+
+    def reason(self, namespace: str, key: bytes) -> MissReason:
+        """Why ``key`` of ``namespace`` is not found (the first miss of a LOOKUP)."""
+        miss = (namespace, key)
+        return MissReason.EVICTED if miss in self.evicted else MissReason.FAILED if miss in self.failed \
+            else MissReason.ABSENT
+
+    def forget(self, namespace: str = "") -> None:
+        """A CLEAR of ``namespace`` ("" = all): one pass over each history whatever the namespaces."""
+        if namespace:
+            self.evicted = OrderedDict((k, v) for k, v in self.evicted.items() if k[0] != namespace)
+            self.failed = OrderedDict((k, v) for k, v in self.failed.items() if k[0] != namespace)
+        else:
+            self.evicted.clear()
+            self.failed.clear()
+
+
+def _admitted(pol: EvictionPolicy, table: Table, keys: list[bytes], want: list[int]) -> tuple[list[int], list[int]]:
+    """Ask the policy about each new key, in key order: (admitted, refused) indices. A key's parent
+    is present when the key before it is stored (or being stored) or admitted just now; the
+    first key of a STORE counts as having its parent (the engine stores what follows a hit)."""
+    entries = table.entries
+    ok: list[int] = []
+    refused: list[int] = []
+    taken: set[bytes] = set()
+    admit = pol.admit
+    for i in want:
+        k = keys[i]
+        parent = keys[i - 1] if i else None
+        if admit((table, k), parent is None or parent in entries or parent in taken):
+            ok.append(i)
+            taken.add(k)
+        else:
+            refused.append(i)
+    return ok, refused
+
+
+def _release_admission(pol: EvictionPolicy, e: Entry) -> None:
+    """``e`` was admitted but never placed: the policy forgets it, unless its key was stored again
+    since (a CLEAR came in between) and the policy tracks that newer entry."""
+    cur = e.table.entries.get(e.key)
+    if cur is None or cur is e or not cur.in_lru:
+        pol.on_remove((e.table, e.key))
+
+
+def _remember(history: OrderedDict, key: tuple[str, bytes], when: float) -> None:
+    history[key] = when
+    history.move_to_end(key)
+    if len(history) > _HISTORY:
+        history.popitem(last=False)

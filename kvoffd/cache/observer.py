@@ -28,7 +28,7 @@ class IndexObserver:
 
         Returns the entries (a subset, or None) whose slots the observer *defers*: a deferred slot
         stays out of the pool (never handed out, its chunk never changes hands) until the observer
-        gives it back with ``Index.release_deferred``, so a thread may still read its bytes after
+        gives it back with ``Index.deferral.release``, so a thread may still read its bytes after
         the call (a spill written straight from the pool, without a copy on the loop). The entries
         are dead all the same: invisible to lookups, their ``freeing`` told now (a slot record is
         invalidated before the slot can be reused, as for any free).

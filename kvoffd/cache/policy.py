@@ -1,12 +1,13 @@
-"""Admission and eviction policies for a tier of KV blocks (issue 15 point 2), behind one small interface.
+"""Admission and eviction policies for a tier of KV blocks, behind one small interface.
 
-The index owns the blocks (slots, pins, visibility); a policy only decides *which* key to store and
+The index owns the blocks (slots, refs, visibility); a policy only decides *which* key to store and
 *which* key to drop, from events the index reports. Every call is O(1) per block (dict and
 OrderedDict operations in C, no scans), and a policy's memory is bounded by its capacity (ghost lists
 are a fixed multiple of it), so the same policy can sit in front of a DRAM pool or a disk tier.
 
 How the index drives a policy (the order ``bench/policy_sim.py`` replays; kvoffd/cache/index.py with
-``--eviction-policy``; the index passes no keys to ``on_lookup_miss``, which no policy here reads):
+``--eviction-policy``, ``lru`` included: the index has no other LRU; the index passes no keys to
+``on_lookup_miss``, which no policy here reads):
 
 * LOOKUP: ``on_lookup_miss(keys)`` with the keys past the hit prefix, on every LOOKUP (empty when
   all hit): the default takes it as the start of a request for its shadows' prefix accounting.
@@ -22,13 +23,18 @@ A refused ``admit`` means the STORE skips that block: no slot, no copy (the inde
 dropped, as it does a block that finds no room).
 
 ``victim()`` hands a key over: the policy forgets it at once (it may remember it in a ghost list). An
-index that cannot evict that key (pinned by a LOAD or a lease) keeps it and gives it back with
-``on_access(key)`` when the pin drops: a key the policy does not track is then tracked again as just
-used, as kvoffd/cache/index.py puts skipped pinned entries back as most recently used today.
+index that cannot evict that key (held by a LOAD or a lease: a ref) keeps it and gives it back with
+``on_access(key)`` when its last ref drops: a key the policy does not track is then tracked again as
+just used.
+
+A warm restart's blocks are tracked with ``on_insert`` in their last-use order, oldest first, or with
+``on_insert_oldest(keys)`` when they are older than every block tracked already (a slice of older
+blocks adopted after newer ones). A policy that admits every block says so (``admits_all``): the index
+then does not ask it key by key.
 
 Policies:
 
-* :class:`LRU` — what kvoffd does today (kvoffd/cache/index.py), as a policy: admits everything.
+* :class:`LRU` — least recently used, admitting everything (the pool's policy under a disk tier).
 * :class:`AdaptiveDoorkeeper` — admits a block on its second request; a probation segment for
   first-time blocks is sized by ghost hits.
 * :class:`GuardedDoorkeeper` — the default: the adaptive doorkeeper, turned into plain LRU while a
@@ -40,7 +46,7 @@ Policies:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from enum import StrEnum
 from typing import Protocol
 
@@ -63,12 +69,15 @@ class EvictionPolicy(Protocol):
 
     name: str
     capacity: int
+    admits_all: bool
 
     def on_lookup_miss(self, keys: Iterable[Key]) -> None: ...
 
     def admit(self, key: Key, parent_present: bool) -> bool: ...
 
     def on_insert(self, key: Key, parent: Key | None) -> None: ...
+
+    def on_insert_oldest(self, keys: Iterable[Key]) -> None: ...
 
     def on_access(self, key: Key) -> None: ...
 
@@ -80,19 +89,28 @@ class EvictionPolicy(Protocol):
 
 
 class LRU:
-    """Least recently used, admitting every block: kvoffd's policy before issue 15, step for step."""
+    """Least recently used, admitting every block; a held victim handed back is most recently used
+    (bench/trace_replay.py checks the index with it against an exact model)."""
 
     name = "lru"
+    admits_all = True
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._order: OrderedDict[Key, None] = OrderedDict()  # oldest first
+
+    def set_capacity(self, capacity: int) -> None:
+        self.capacity = capacity
 
     def __len__(self) -> int:
         return len(self._order)
 
     def __contains__(self, key: Key) -> bool:
         return key in self._order
+
+    def __iter__(self) -> Iterator[Key]:
+        """The keys tracked, least recently used first."""
+        return iter(self._order)
 
     def on_lookup_miss(self, keys: Iterable[Key]) -> None:
         pass
@@ -102,6 +120,13 @@ class LRU:
 
     def on_insert(self, key: Key, parent: Key | None) -> None:
         self._order[key] = None
+
+    def on_insert_oldest(self, keys: Iterable[Key]) -> None:
+        order, keys = self._order, list(keys)
+        for k in keys:
+            order[k] = None
+        for k in reversed(keys):
+            order.move_to_end(k, last=False)
 
     def on_access(self, key: Key) -> None:
         self._order[key] = None  # re-tracks a handed-back victim
@@ -148,6 +173,7 @@ class AdaptiveDoorkeeper:
     """
 
     name = "adaptive-doorkeeper"
+    admits_all = False
 
     def __init__(self, capacity: int, ghost_factor: float = 4.0, window: float = 1 / 16,
                  step: float = 1 / 256, max_probation: float = 0.9):
@@ -261,6 +287,12 @@ class AdaptiveDoorkeeper:
             self._probation[key] = None
             if self._pending:
                 self._pending -= 1
+
+    def on_insert_oldest(self, keys: Iterable[Key]) -> None:
+        """Adopted blocks: tracked as inserted, in order (ages within probation and protected are not
+        reordered around them)."""
+        for k in keys:
+            self.on_insert(k, None)
 
     def on_access(self, key: Key) -> None:
         if key in self._probation:

@@ -1,14 +1,19 @@
 """Chunk reclaim: moving a chunk of the pool from one slot size to another that holds less than its
 fair share, by draining it a bounded number of entries per store (docs/architecture.md, "The pool").
 
-``ChunkReclaim`` is a part of ``Index`` (its base class): it works on the index's entries, slot map
-and counters, on the loop thread, and never blocks.
+``Reclaimer`` is held by the index (``Index.reclaimer``): it reads the index's slot map and hands the
+entries it drains to ``Index.drop_victims``, on the loop thread, and never blocks.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvoffd.cache.entries import Entry
+    from kvoffd.cache.index import Index
 
 RECLAIM_BUDGET = 4096  # entries one store may evict from a chunk taken for another slot size
 _PICK_CHUNKS = 4  # candidate chunks compared (the least recently allocated from)
@@ -28,12 +33,15 @@ class _Drain:
     progress_at: float = 0.0
 
 
+class Reclaimer:
+    """Drains one chunk at a time (``_drain``) towards the slot size that asked for memory."""
 
-class ChunkReclaim:
-    """The reclaim half of ``Index``: it expects the index's ``pool``, ``_slot_entry``, ``_drain``,
-    ``resident``, ``evictions``, ``reclaim_evictions``, ``evicted``, ``_untrack``, ``_free`` and ``_remember``."""
+    def __init__(self, index: Index):
+        self.index = index
+        self.pool = index.pool
+        self._drain: _Drain | None = None
 
-    def _reclaim(self, slot_bytes: int) -> None:
+    def reclaim(self, slot_bytes: int) -> None:
         """Move memory towards ``slot_bytes`` if it holds less than its fair share of the pool.
 
         One chunk at a time is drained: the pool hands nothing more out of it, and each call evicts
@@ -67,38 +75,26 @@ class ChunkReclaim:
         return order[0] if order else None
 
     def _chunk_held(self, chunk: int) -> bool:
-        get = self._slot_entry.get
+        get = self.index.slot_entry.get
         return any(e.refs for e in map(get, self.pool.carved_slots(chunk)) if e is not None)
 
     def _drain_step(self, d: _Drain) -> None:
         """Evict up to ``RECLAIM_BUDGET`` unheld entries of the draining chunk."""
         slots = self.pool.carved_slots(d.chunk)
-        get = self._slot_entry.get
-        now = time.time()
-        freed: list[int] = []
+        get = self.index.slot_entry.get
+        victims: list[Entry] = []
         i = d.cursor
         end = min(len(slots), i + _DRAIN_SCAN)
-        while i < end and len(freed) < RECLAIM_BUDGET:
+        while i < end and len(victims) < RECLAIM_BUDGET:
             e = get(slots[i])
             i += 1
             if e is None or e.refs:
                 continue
-            t = e.table
-            del t.entries[e.key]
-            if t.visible.pop(e.key, None) is not None:
-                e.run.invalidate()
-                self.resident -= 1
-            if e.in_lru:
-                self._untrack(e)
-            e.dead = True
-            freed.append(e.slot)
-            self._remember(self.evicted, (t.namespace, e.key), now)
+            victims.append(e)
         d.cursor = i
-        if freed:
+        if victims:
             d.progress_at = time.monotonic()
-            self.evictions += len(freed)
-            self.reclaim_evictions += len(freed)
-            self._free(d.slot_bytes, freed, evicted=True)  # the chunk changes hands here if that was its last slot
+            self.index.drop_victims(d.slot_bytes, victims, reclaim=True)  # the chunk changes hands here if that was its last slot
         if not self.pool.draining(d.chunk):
             self._drain = None
         elif i >= len(slots):  # what is left was held when passed

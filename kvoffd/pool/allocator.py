@@ -198,7 +198,7 @@ class Pool:
     def slots_share(self, slot_bytes: int) -> int:
         """How many slots of this size the pool holds for it now: its chunks plus the free usable ones,
         or its fair share of the usable chunks if that is more (a size below its share takes chunks
-        from the others as it stores: Index._reclaim). An eviction policy's capacity."""
+        from the others as it stores: Reclaimer.reclaim). An eviction policy's capacity."""
         slab = self._slabs.get(slot_bytes)
         mine = len(slab.chunks) if slab is not None else 0
         free = self._free_usable()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvoffd.cache.index import Entry, Index, Table
+from kvoffd.cache.restart.adoption import adopt, holds_table
 from kvoffd.cache.restart.records import Found, NamespaceFacts
 from kvoffd.pool.allocator import Pool
 
@@ -105,7 +106,7 @@ class AdoptionPlan:
         f = self.found
         ids, inverse = np.unique((f.ns_id[sel] << 16) | f.rank[sel], return_inverse=True)
         tabs_of = [self.tables.get((i >> 16, i & 0xFFFF)) for i in ids.tolist()]
-        tabs_of = [t if t is not None and index.holds_table(t) else None for t in tabs_of]
+        tabs_of = [t if t is not None and holds_table(index, t) else None for t in tabs_of]
         per = np.array(tabs_of + [None], dtype=object)[inverse.ravel()]
         ok = np.array([t is not None for t in tabs_of], dtype=bool)[inverse.ravel()]
         gone = sel[~ok]
@@ -115,8 +116,8 @@ class AdoptionPlan:
         raw = f.keys[sel].tobytes()
         keys = [raw[i:i + 32] for i in range(0, len(raw), 32)]
         tabs = per[ok].tolist()
-        entries = index.adopt(tabs, keys, f.offset[sel].tolist(), f.stamp[sel].tolist(), f.crc[sel].tolist(),
-                              cold_end=cold_end)
+        entries = adopt(index, tabs, keys, f.offset[sel].tolist(), f.stamp[sel].tolist(), f.crc[sel].tolist(),
+                        cold_end=cold_end)
         return entries, f.record[gone]
 
     def forget(self, pool: Pool, keep: set[Table]) -> np.ndarray:

@@ -8,9 +8,10 @@ the pool are spilled (``evicted``), a CLEAR clears the tiers (``cleared``, per n
 wraps every CLEAR in ``clearing``, which counts what each tier forgot for the reply, makes a CLEAR of
 all one pass over the tiers, and clears a namespace the index does not know: blocks left on disk from
 before a restart). And it is the one object the server calls
-for the rest, at two places: ``extend_lookup`` after the pool's leading hits (the blocks found below are
-hits too, and their promotion into pool slots starts at once) and ``promotions`` before a LOAD (which
-then waits for them, so the LOAD itself is an ordinary pool -> engine copy).
+for the rest, at two places: ``find_below`` after the pool's leading hits (the blocks found below are
+hits too; ``fits`` says whether the LOOKUP may be answered before ``promote`` takes their pool slots
+and starts their reads) and ``promotions`` before a LOAD (which then waits for them, so the LOAD itself
+is an ordinary pool -> engine copy).
 
 Spilled bytes are never copied on the loop: the tier's I/O threads write them straight from the pool
 slot, which the index keeps out of the pool meanwhile (a deferred free, kvoffd/cache/deferral.py)
@@ -51,7 +52,7 @@ from kvoffd.cache.deferral import AHEAD_SHARE
 from kvoffd.cache.index import Entry, Hits, Index, IndexObserver, StorePlan, Table
 from kvoffd.cache.tiers.base import Held, SpillResult, TableRef, Tier, TierEvents, TierStats
 from kvoffd.runtime import UnsafePath
-from kvoffd_client.protocol import KEY_SIZE, MissReason, split_keys
+from kvoffd_client.protocol import KEY_SIZE, split_keys
 
 if TYPE_CHECKING:
     from kvoffd.cache.restart.keeper import Keeper
@@ -143,7 +144,7 @@ class Tiers(IndexObserver):
         self.disabled = ""  # why a configured tier is not running (kvoffctl status shows it)
         if self.tiers:
             index.observers.append(self)
-            index.defer_budget = spill_buffer_bytes  # spills read their (deferred) pool slots
+            index.deferral.budget = spill_buffer_bytes  # spills read their (deferred) pool slots
 
     @property
     def enabled(self) -> bool:
@@ -160,7 +161,7 @@ class Tiers(IndexObserver):
         for tier in self.tiers:
             def changed(ref: TableRef, stored: bytes, removed: bytes, medium: str = tier.medium) -> None:
                 if ref.rank == 0:
-                    events.tier_changed(medium, ref.namespace, _split_keys(stored), _split_keys(removed))
+                    events.tier_changed(medium, ref.namespace, split_keys(stored), split_keys(removed))
 
             tier.changed = changed
             tier.mark_reopened()
@@ -229,7 +230,7 @@ class Tiers(IndexObserver):
     def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> list[Entry]:
         """Spill what the pool evicts (visible blocks, admitted once), unless a tier holds it already.
         Returns the entries spilled: their slots stay out of the pool (deferred) until the write has
-        read them. When the index needs the slots now (``defer_ok`` off: a STORE larger than the
+        read them. When the index needs the slots now (``index.deferral.ok`` off: a STORE larger than the
         reserve kept ahead) the blocks are copied out instead. Past the budget a spill is dropped
         (counted ``busy``), never waited for."""
         tier = self.tiers[0]
@@ -246,7 +247,7 @@ class Tiers(IndexObserver):
                 have_it = tier.contains(self._ref(t), keys, touch=True).tolist()  # used in the pool since
                 todo = [e for e, have in zip(es, have_it, strict=True)
                         if not have and (t, e.key) not in self._staged]
-                room = max(0, index.defer_budget - index.deferred_bytes - self._copied_bytes
+                room = max(0, index.deferral.budget - index.deferral.deferred_bytes - self._copied_bytes
                            - len(kept) * slot_bytes) // slot_bytes
                 if len(todo) > room:
                     self.spill_busy += len(todo) - room
@@ -255,7 +256,7 @@ class Tiers(IndexObserver):
                     continue
                 sp = _Spill(tier, t, slot_bytes, [e.key for e in todo], [e.slot for e in todo],
                             unchecked=self._unchecked(todo))
-                if not index.defer_ok:  # the STORE needs these slots now: the one case the loop still copies (bounded)
+                if not index.deferral.ok:  # the STORE needs these slots now: the one case the loop still copies (bounded)
                     self._copy_out(sp)
                 self._spill(sp)
             except Exception:  # the index must stay whole whatever a tier does: these blocks are just not spilled
@@ -264,7 +265,7 @@ class Tiers(IndexObserver):
                     sp.slots = []  # not deferred: the index frees them itself
                     self._spilled(sp)
                 continue
-            if index.defer_ok:
+            if index.deferral.ok:
                 kept += todo
         return kept
 
@@ -312,7 +313,7 @@ class Tiers(IndexObserver):
             return
         for k, v in zip(sp.keys, sp.src, strict=True):  # until the write lands, a lookup is served from here
             self._staged[(sp.table, k)] = v
-        if self._held is not None:  # a LOOKUP is promoting: its reads go first (see extend_lookup)
+        if self._held is not None:  # a LOOKUP is promoting: its reads go first (see ``promote``)
             self._held.append(sp)
         else:
             self._write(sp)
@@ -372,15 +373,9 @@ class Tiers(IndexObserver):
         sp.copied = 0
         if sp.slots:
             slots, sp.slots = sp.slots, []
-            self.index.release_deferred(sp.slot_bytes, slots)
+            self.index.deferral.release(sp.slot_bytes, slots)
 
     # --- lookups and loads ------------------------------------------------------------------------
-    def extend_lookup(self, namespace: str, keys: bytes, hits: Hits) -> Hits:
-        """The LOOKUP's hits past the pool's ``hits.n`` leading ones, promotions started: ``find_below``
-        and ``promote`` in one (the server answers in between)."""
-        below = self.find_below(namespace, keys, hits)
-        return hits if below is None else self.promote(below)
-
     def find_below(self, namespace: str, keys: bytes, hits: Hits) -> Below | None:
         """What follows the pool's ``hits.n`` leading keys: keys every rank holds in the pool, in a
         promotion under way, or in a tier. Nothing is taken or started yet: the LOOKUP can be answered
@@ -475,11 +470,7 @@ class Tiers(IndexObserver):
             return hits
         out = {r: list(by_rank.get(r, ()))[:n] + walks[r].lead[:limit] for r in range(ns.world_size)}
         m = n + limit
-        reason = None
-        if m < total:
-            miss = (namespace, keys[m * _K:(m + 1) * _K])
-            reason = (MissReason.EVICTED if miss in self.index.evicted else MissReason.FAILED
-                      if miss in self.index.failed else MissReason.ABSENT)
+        reason = self.index.misses.reason(namespace, keys[m * _K:(m + 1) * _K]) if m < total else None
         return Hits(m, out, reason, ns.world_size)
 
     @staticmethod
@@ -648,14 +639,10 @@ class Tiers(IndexObserver):
             st.staged_hits = self.staged_hits
             st.spill_copies = self.spill_copies  # the fallback that copies on the loop
             st.promotions_no_room = self.no_room
-            st.spill_deferred_bytes = self.index.deferred_bytes  # pool slots spills still read
+            st.spill_deferred_bytes = self.index.deferral.deferred_bytes  # pool slots spills still read
             st.spills_in_flight = len(self._staged)
             out.append(st)
         return out
-
-
-def _split_keys(keys: bytes) -> list[bytes]:
-    return [keys[i:i + _K] for i in range(0, len(keys), _K)]
 
 
 def _views(buf: np.ndarray, slots: Sequence[int], size: int) -> list[memoryview]:
