@@ -122,7 +122,23 @@ def test_budget_paces_bytes_per_second():
     assert bud.wait_for(500) == pytest.approx(0.5)
     now[0] += 0.5
     assert bud.wait_for(500) == pytest.approx(0.5)  # the debt is paid, then this one waits
+    assert bud.wait_for(500, max_wait=0.0) is None  # a spill over the budget: dropped, nothing taken
+    now[0] += 1.0
+    assert bud.wait_for(500, max_wait=0.0) == 0.0  # the refused one took nothing
     assert Budget(0).wait_for(1 << 40) == 0.0
+
+
+def test_a_spill_over_the_budget_is_dropped_not_waited_for(nodes):
+    """Spills run on the threads that serve promotions: over --remote-write-budget they are dropped
+    (BUSY) at once, while write-behind publishing waits on its own thread."""
+    loop, make = nodes
+    a = make(write_budget=B)  # one block per second
+    src, sv = blocks(4, 6)
+    assert loop.run_until_complete(a.write(TABLE, keys(1, 50), sv[:1])) == [SpillResult.WRITTEN]
+    t = time.monotonic()
+    assert loop.run_until_complete(a.write(TABLE, keys(3, 51), sv[1:])) == [SpillResult.BUSY] * 3
+    assert time.monotonic() - t < 2.5  # not paced (3 blocks at one a second): dropped
+    assert a.stats().spills_dropped.get("busy") == 3
 
 
 def test_publishing_skips_blocks_another_node_wrote(nodes):

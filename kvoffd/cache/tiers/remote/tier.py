@@ -53,16 +53,20 @@ class Budget:
         self._at = clock()
         self._lock = threading.Lock()
 
-    def wait_for(self, n: int) -> float:
-        """Take ``n`` bytes; returns how long the caller must wait first (0: go)."""
+    def wait_for(self, n: int, max_wait: float = float("inf")) -> float | None:
+        """Take ``n`` bytes; returns how long the caller must wait first (0: go), or None (nothing taken)
+        when that would be longer than ``max_wait``."""
         if self.rate <= 0:
             return 0.0
         with self._lock:
             now = self._clock()
             self._tokens = min(float(max(self.rate, n)), self._tokens + (now - self._at) * self.rate)
             self._at = now
+            wait = 0.0 if self._tokens >= n else (n - self._tokens) / self.rate
+            if wait > max_wait:
+                return None
             self._tokens -= n
-            return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+            return wait
 
 
 class Known:
@@ -267,8 +271,11 @@ class RemoteTier:
         self._io.submit(READ, run, done)
         return fut
 
-    def _publish_now(self, table: TableRef, keys: bytes, src: Sequence[memoryview]) -> list[SpillResult]:
-        """On a worker thread: skip what is known there, wait for the budget, publish the rest."""
+    def _publish_now(self, table: TableRef, keys: bytes, src: Sequence[memoryview],
+                     may_wait: bool = True) -> list[SpillResult]:
+        """On a worker thread: skip what is known there, wait for the budget (only the publisher's own
+        thread waits; on the IoPool, whose threads serve the promotions, a spill over the budget is
+        dropped, BUSY), publish the rest."""
         ns, ks = self._ns_id(table), split_keys(keys)
         out = [SpillResult.PRESENT] * len(ks)
         have = self._fresh().has(ns, ks)
@@ -276,8 +283,8 @@ class RemoteTier:
         self.skipped_known += len(ks) - len(todo)
         if not todo:
             return out
-        wait = self.budget.wait_for(len(todo) * table.slot_bytes)
-        if wait > self.write_timeout:
+        wait = self.budget.wait_for(len(todo) * table.slot_bytes, self.write_timeout if may_wait else 0.0)
+        if wait is None:
             for i in todo:
                 out[i] = SpillResult.BUSY
             return out
@@ -298,7 +305,7 @@ class RemoteTier:
             self._count(table, res, keys)
             if not fut.done():
                 fut.set_result(res)
-        self._io.submit(WRITE, lambda: self._publish_now(table, keys, src), done)
+        self._io.submit(WRITE, lambda: self._publish_now(table, keys, src, may_wait=False), done)
         return fut
 
     def _announce(self, table: TableRef, stored: list[bytes], removed: list[bytes]) -> None:
