@@ -20,7 +20,6 @@ import multiprocessing as mp
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,8 @@ import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from support.daemon import BenchDaemon  # noqa: E402
 
 from kvoffd_client import protocol as P  # noqa: E402
 from kvoffd_client.client import KvoffdClient  # noqa: E402
@@ -58,21 +59,14 @@ def percentiles(xs: list[float]) -> tuple[float, float]:
     return statistics.median(xs), xs[min(len(xs) - 1, int(len(xs) * 0.99))]
 
 
-def give_back_pool(address: str, tmp: str) -> None:
-    """The daemon's pool (at the default place, in /dev/shm) is RAM until removed: the bench leaves none."""
-    subprocess.run([sys.executable, "-m", "kvoffd", "purge", "--address", address, "--pool-path", "none"],
-                   cwd=ROOT, stdout=subprocess.DEVNULL, check=False)
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=2000)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="kvoffd-bench-")
     daemon_addr, echo_addr = f"ipc://{tmp}/kvoffd.sock", f"ipc://{tmp}/echo.sock"
-    daemon = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", daemon_addr, "--pool-size", "512MiB",
-                               "--metrics-address", "off", "--log-level", "warning"], cwd=ROOT)
+    daemon = BenchDaemon(daemon_addr, ["--pool-size", "512MiB", "--metrics-address", "off", "--log-level",
+                                       "warning"]).start()
     try:
         c = KvoffdClient(daemon_addr, heartbeat=False, timeout_s=10)
         assert c.connect(20), "daemon did not start"
@@ -156,9 +150,9 @@ def main() -> None:
             nps[kind] = total / (time.perf_counter() - t0)
         c.close()
     finally:
-        daemon.terminate()
-        daemon.wait(10)
-        give_back_pool(daemon_addr, tmp)
+        daemon.stop()
+        daemon.give_back()  # its pool (at the default place, in /dev/shm) is RAM until removed
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"\ncontrol plane ({os.cpu_count()} cores, {args.iters} round trips each, keys all hit)")
     print(f"{'keys':>6} | {'floor p50':>10} {'floor p99':>10} | {'kvoffd p50':>10} {'kvoffd p99':>10} | "
           f"{'p50 x':>6} {'p99 x':>6} | {'leased p50':>10} {'leased p99':>10} | {'p50 x':>6} {'p99 x':>6}")

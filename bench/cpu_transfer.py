@@ -15,7 +15,6 @@ import hashlib
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,18 +26,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from support.daemon import BenchDaemon  # noqa: E402
+
 from kvoffd_client.client import KvoffdClient  # noqa: E402
 from kvoffd_client.memory.cpu_fd import share_cpu_kv_caches  # noqa: E402
 from kvoffd_client.memory.layout import describe_layout  # noqa: E402
 
 LAYERS, HEADS, BLOCK, HEAD_DIM = 32, 8, 16, 128
-
-
-def give_back_pool(address: str, tmp: str) -> None:
-    """The daemon's pool (at the default place, in /dev/shm) is RAM until removed: the bench leaves none."""
-    subprocess.run([sys.executable, "-m", "kvoffd", "purge", "--address", address, "--pool-path", "none"],
-                   cwd=ROOT, stdout=subprocess.DEVNULL, check=False)
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
@@ -60,8 +54,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="kvoffd-bench-")
     addr = f"ipc://{tmp}/kvoffd.sock"
     pool = f"{(job_bytes * 2) >> 20}MiB"
-    daemon = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", addr, "--pool-size", pool,
-                               "--metrics-address", "off", "--log-level", "warning"], cwd=ROOT)
+    daemon = BenchDaemon(addr, ["--pool-size", pool, "--metrics-address", "off", "--log-level", "warning"]).start()
     rng = np.random.default_rng(0)
     try:
         c = KvoffdClient(addr, heartbeat=False, timeout_s=30, job_deadline_s=120)
@@ -93,9 +86,9 @@ def main() -> None:
                 loads.append(job_bytes / (t3 - t2) / 1e9)
         c.close()
     finally:
-        daemon.terminate()
-        daemon.wait(10)
-        give_back_pool(addr, tmp)
+        daemon.stop()
+        daemon.give_back()  # its pool (at the default place, in /dev/shm) is RAM until removed
+        shutil.rmtree(tmp, ignore_errors=True)
     a = np.frombuffer(np.random.bytes(job_bytes), dtype=np.uint8)
     b = np.empty_like(a)
     b[:] = a
