@@ -18,7 +18,7 @@ acknowledged blocks adopted (each round's chain looked up), spawn to first hit, 
 round loaded back and compared byte for byte, and the store GB/s of the same flood into a daemon with
 ``--pool-path none``, measured in the same run just before (the cost of the pool file). ``--signal``
 takes a list (TERM,KILL: one flood and restart each). ``--engine gpu`` stores from a CUDA stand-in
-engine (tests/gpu/standin.py, 2 MiB blocks of 32 layers) instead of a CPU one (a memfd).
+engine (bench/support/standin.py, 2 MiB blocks of 32 layers) instead of a CPU one (a memfd).
 
     .venv/bin/python bench/restart.py --pool-size 8GiB                       # 2-core VM
     .venv/bin/python bench/restart.py --pool-size 64GiB --backend auto       # H200 host, with pinning
@@ -172,11 +172,10 @@ class _CpuEngine:
 
 
 class _GpuEngine:
-    """The CUDA stand-in engine (tests/gpu/standin.py) in its own process: 2 MiB blocks of 32 layers."""
+    """The CUDA stand-in engine (bench/support/standin.py) in its own process: 2 MiB blocks of 32 layers."""
 
     def __init__(self, blocks: int, sample: int):
-        sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-        from standin import Engine, Spec
+        from support.standin import Engine, Spec
 
         self.blocks, self.sample = blocks, sample
         self.spec = Spec(layout="blocks", num_blocks=blocks + sample)

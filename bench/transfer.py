@@ -4,7 +4,7 @@
     python bench/transfer.py --daemon         # also through a real daemon (python -m kvoffd)
     python bench/transfer.py --gpus 8         # also all 8 GPUs at once through one daemon (transfer_gpus.py)
 
-The stand-in engine (tests/gpu/standin.py) allocates a Llama-8B-shaped cache (32 layers, 8 KV heads,
+The stand-in engine (bench/support/standin.py) allocates a Llama-8B-shaped cache (32 layers, 8 KV heads,
 head dim 128, bf16, 16-token blocks: 2 MiB per block) the way vLLM does, in a per-layer (LBHNC) or a
 block-contiguous (BLHNC) layout, and exports it through CUDA IPC. Every figure moves 1024 scattered
 blocks to or from scattered pool slots; correctness is checked byte-exactly before timing.
@@ -27,9 +27,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
-from standin import Engine, Spec  # noqa: E402
+from support.standin import Engine, Spec  # noqa: E402
 
 from kvoffd.pool.allocator import Pool  # noqa: E402
 from kvoffd.transfer.base import Direction, MappedMemory  # noqa: E402

@@ -1,6 +1,6 @@
 """``bench/transfer.py --gpus N`` (issue 20): every GPU of the node through one daemon at once.
 
-One stand-in engine process per GPU (tests/gpu/standin.py, the Llama-8B-shaped cache of the single-GPU
+One stand-in engine process per GPU (bench/support/standin.py, the Llama-8B-shaped cache of the single-GPU
 figures, block-contiguous layout), all registered with one daemon (python -m kvoffd, NUMA placement
 ``auto``). Measured in the same run, so the figures compare with each other and not with another day:
 
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from standin import Engine, Spec
+from support.standin import Engine, Spec
 
 from kvoffd.pool.mempolicy import Policy, mbind
 from kvoffd.pool.topology import bind_thread, read_topology

@@ -2,7 +2,7 @@
 
     python bench/vmm.py [--blocks 1024] [--iters 5] [--pieces 8] [--json out.json]
 
-Two stand-in engines (tests/gpu/vmm_standin.py) with the same Llama-8B-shaped cache (32 layers, 2 MiB
+Two stand-in engines (bench/support/vmm_standin.py) with the same Llama-8B-shaped cache (32 layers, 2 MiB
 blocks, block-contiguous): one in plain cudaMalloc memory (IPC handle), one in ``--pieces`` cuMemCreate
 allocations mapped back to back (POSIX descriptors over the fd socket). Both register with the daemon;
 stores and loads of ``--blocks`` scattered blocks alternate between them, byte-exactness is checked
@@ -26,10 +26,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 
-from standin import Engine  # noqa: E402
-from vmm_standin import VmmSpec, vmm_main  # noqa: E402
+from support.standin import Engine  # noqa: E402
+from support.vmm_standin import VmmSpec, vmm_main  # noqa: E402
 
 
 def _keys(n: int, seed: int) -> list[bytes]:

@@ -13,11 +13,11 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))  # bench/support
 
 
 def main() -> None:
-    from standin import Engine, Spec
+    from support.standin import Engine, Spec
 
     from kvoffd.transfer import cuda_driver as cudart
 

@@ -20,7 +20,7 @@ BLOCKS = 512  # small cache: 32 layers x 64 KiB pages = 2 MiB per block -> 1 GiB
 
 
 def small(layout: str, **kw) -> object:
-    from standin import Spec
+    from support.standin import Spec
 
     return Spec(layout=layout, num_blocks=BLOCKS, **kw)
 
@@ -55,7 +55,7 @@ def backend(pool):
 
 @pytest.fixture(scope="module")
 def engines():
-    from standin import Engine
+    from support.standin import Engine
 
     made = {}
 
@@ -184,7 +184,7 @@ def test_store_waits_for_the_engines_writes(pool, backend, engines):
 
 
 def test_killed_engine_leaves_daemon_serving(pool, backend, engines):
-    from standin import Engine
+    from support.standin import Engine
 
     good = engines("blocks")
     victim = Engine(small("layers"))
@@ -240,7 +240,7 @@ def test_bad_memory_is_refused(backend):
 
 
 def test_two_gpus_share_the_pool(pool, backend):
-    from standin import Engine
+    from support.standin import Engine
 
     from kvoffd.transfer import cuda_driver as cudart
 

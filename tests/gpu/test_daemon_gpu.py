@@ -36,7 +36,7 @@ def daemon(tmp_path):
 
 def _engine(address: str, eid: str, ns: str, device: int = 0, layout: str = "blocks", rank: int = 0,
             world: int = 1):
-    from standin import Engine, Spec
+    from support.standin import Engine, Spec
 
     e = Engine(Spec(layout=layout, num_blocks=BLOCKS, device=device))
     e("randomize", seed=hash((eid, device)) % 1000)

@@ -1,6 +1,6 @@
 """Issue 12 point 3 on a GPU: MLA latents of TP ranks 0 and 1 stored once, loaded into both ranks.
 
-Two stand-in engines (tests/gpu/standin.py) in their own processes on the one GPU act as TP ranks 0
+Two stand-in engines (bench/support/standin.py) in their own processes on the one GPU act as TP ranks 0
 and 1 of an MLA model (one 576-wide latent per token: 18,432-byte pages of 16 tokens, as vLLM's
 MLAAttentionSpec gives), each exporting its own KV memory by CUDA IPC to a real daemon running the
 CUDA backend. They register one namespace with ``replicas=2``: rank 0 stores, the daemon holds one
@@ -47,7 +47,7 @@ def make_daemon(tmp_path):
 
 def _mla_engine(address: str, rank: int, head_dim: int = 288):
     """A TP rank of a tiny MLA model: 8 layers of [B, 1, 16, 2*head_dim] bf16 (576 = 512 latent + 64 rope)."""
-    from standin import Engine, Spec
+    from support.standin import Engine, Spec
 
     e = Engine(Spec(layout="layers", num_blocks=BLOCKS, layers=8, heads=1, tokens=16, head_dim=head_dim))
     e("randomize", seed=100 + rank)

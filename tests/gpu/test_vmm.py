@@ -1,5 +1,5 @@
 """VMM KV memory (``cuda_vmm``) end to end: a real daemon (python -m kvoffd --backend cuda) and stand-in
-engines (tests/gpu/vmm_standin.py) in other processes. Skipped without a GPU (conftest.py).
+engines (bench/support/vmm_standin.py) in other processes. Skipped without a GPU (conftest.py).
 
 (a) several ``cuMemCreate`` allocations mapped back to back register, store and load byte-exact (4, and
 256: one token for two fd-socket messages of descriptors), and memory created without the
@@ -20,8 +20,8 @@ BLOCKS = 512
 
 
 def _engine(address: str, **spec_kw):
-    from standin import Engine
-    from vmm_standin import VmmSpec, vmm_main
+    from support.standin import Engine
+    from support.vmm_standin import VmmSpec, vmm_main
 
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if spec_kw.get("alloc") == "expandable" else None
     e = Engine(VmmSpec(num_blocks=BLOCKS, **spec_kw), env=env, target=vmm_main)

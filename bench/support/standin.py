@@ -1,4 +1,4 @@
-"""A stand-in vLLM worker for the GPU tests and bench/transfer.py, run in its own process.
+"""A stand-in vLLM worker for the GPU benches (bench/transfer.py) and tests (tests/gpu), run in its own process.
 
 It allocates the KV cache the way vLLM does (vllm-api.md §4.1: one int8 buffer, per-layer strided
 views [B, H, N, 2*D]) in either a layer-major (LBHNC, per-layer runs) or a block-outermost (BLHNC,

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from standin import Spec, ceiling, make_kv, run_jobs, serve
+from support.standin import Spec, ceiling, make_kv, run_jobs, serve
 
 
 @dataclass
