@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from support.daemon import BenchDaemon  # noqa: E402
 from support.engine import ShmEngine, chain_keys  # noqa: E402
 
 from kvoffd.config import parse_size  # noqa: E402
@@ -53,13 +53,12 @@ from kvoffd_client.client import KvoffdClient  # noqa: E402
 NS = "restart-bench"
 
 
-def _spawn(address: str, args: argparse.Namespace, pool_path: str, log: str, *extra: str) -> subprocess.Popen:
+def _spawn(address: str, args: argparse.Namespace, pool_path: str, log: str, *extra: str) -> BenchDaemon:
+    """A daemon started, not waited for: the bench times its start itself."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "client"),
                                                        os.environ.get("PYTHONPATH", "")]))
-    with open(log, "a") as f:
-        return subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", args.pool_size,
-                                 "--pool-path", pool_path, "--metrics-address", "off", "--backend", args.backend,
-                                 *extra], stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=ROOT)
+    return BenchDaemon(address, ["--pool-size", args.pool_size, "--pool-path", pool_path, "--metrics-address", "off",
+                                 "--backend", args.backend, *extra], log_path=log, env=env).spawn()
 
 
 def _first_answer(address: str, key: bytes, want_hit: bool, t0: float, timeout: float = 120) -> float:
@@ -243,12 +242,10 @@ def _flood(eng, address: str, args: argparse.Namespace, salt: bytes) -> tuple[li
     return rounds, acked, acked * eng.block_bytes / dt / 1e9
 
 
-def _tear_down(procs: list[subprocess.Popen], eng: object, shm: str, tmp: str) -> None:
+def _tear_down(procs: list[BenchDaemon], eng: object, shm: str, tmp: str) -> None:
     """Kill what is still running, close the engine, remove the pool files and the socket directory."""
     for pr in procs:
-        if pr.poll() is None:
-            pr.send_signal(signal.SIGKILL)
-            pr.wait(30)
+        pr.stop(signal.SIGKILL, 30)
     eng.close()  # type: ignore[attr-defined]
     shutil.rmtree(shm, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -261,7 +258,7 @@ def busy(args: argparse.Namespace) -> int:
     log = args.log or f"{tmp}/kvoffd.log"
     eng = _GpuEngine(args.engine_blocks, 64) if args.engine == "gpu" else \
         _CpuEngine(args.engine_blocks, 64, args.block_bytes)
-    procs: list[subprocess.Popen] = []
+    procs: list[BenchDaemon] = []
     runs = []
     ok = True
     try:
@@ -349,7 +346,7 @@ def main() -> int:
     shm = tempfile.mkdtemp(prefix="kvoffd-restart-", dir="/dev/shm")
     address, pool_path, log = f"ipc://{tmp}/d.sock", f"{shm}/kvoffd.pool", f"{tmp}/kvoffd.log"
     eng = ShmEngine(args.engine_blocks, args.block_bytes, layers=2, tag="restart")
-    procs: list[subprocess.Popen] = []
+    procs: list[BenchDaemon] = []
     try:
         ceiling = _crc_ceiling()
         t0 = time.monotonic()

@@ -315,28 +315,23 @@ class _Jobs:
 
 def bench_daemon(args: argparse.Namespace) -> None:
     import shutil
-    import subprocess
     import tempfile
+
+    from support.daemon import BenchDaemon
 
     sock = os.path.join(tempfile.mkdtemp(prefix="kvoffd-bench-"), "kvoffd.sock")  # a private (0700) directory
     address = f"ipc://{sock}"
     log_path = os.path.join(args.out or tempfile.gettempdir(), "daemon.log")
+    open(log_path, "w").close()  # this run's log alone
+    daemon = BenchDaemon(address, ["--pool-size", str(args.pool_size), "--metrics-address", "127.0.0.1:0",
+                                   "--log-level", "info"], log_path=log_path)
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size",
-                             str(args.pool_size), "--metrics-address", "127.0.0.1:0", "--log-level", "info"],
-                            stdout=subprocess.DEVNULL, stderr=open(log_path, "w"), cwd=ROOT)  # noqa: SIM115
+    daemon.spawn()  # the start is timed here, to the first answer
     try:
-        _measure_daemon(args, proc, address, log_path, t0)
+        _measure_daemon(args, daemon.proc, address, log_path, t0)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(20)
-        # its pool (the default place, in /dev/shm) is RAM until removed: the bench leaves none
-        subprocess.run([sys.executable, "-m", "kvoffd", "purge", "--address", address, "--pool-path", "none"],
-                       cwd=ROOT, stdout=subprocess.DEVNULL, check=False)
+        daemon.stop(timeout=20)
+        daemon.give_back()  # its pool (the default place, in /dev/shm) is RAM until removed: the bench leaves none
         shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
 
 

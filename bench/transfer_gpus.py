@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from support.daemon import BenchDaemon
 from support.standin import Engine, Spec
 
 from kvoffd.pool.mempolicy import Policy, mbind
@@ -160,11 +160,11 @@ class _Rig:
         sock = os.path.join(tempfile.mkdtemp(prefix="kvoffd-bench-gpus-"), "kvoffd.sock")
         self.address = f"ipc://{sock}"
         self.log_path = os.path.join(args.out or tempfile.gettempdir(), "daemon-gpus.log")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", self.address, "--pool-size",
-                                          str(pool_size), "--metrics-address", "127.0.0.1:0", "--log-level", "info",
-                                          "--pool-path", "none"], stdout=subprocess.DEVNULL, stderr=log, cwd=root)
+        open(self.log_path, "w").close()  # this run's log alone
+        self.daemon = BenchDaemon(self.address, ["--pool-size", str(pool_size), "--metrics-address", "127.0.0.1:0",
+                                                 "--log-level", "info", "--pool-path", "none"],
+                                  log_path=self.log_path).spawn()
+        self.proc = self.daemon.proc
         self.engines: list[Engine] = []
         self.job = 0
         self.ns = "bench-gpus"
@@ -203,11 +203,8 @@ class _Rig:
     def close(self) -> None:
         for e in self.engines:
             e.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        self.daemon.stop(timeout=20)
+        shutil.rmtree(os.path.dirname(self.address[len("ipc://"):]), ignore_errors=True)
 
 
 def bench_gpus(args: Any, row: Row, results: dict[str, Any]) -> None:

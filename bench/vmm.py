@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from support.daemon import BenchDaemon  # noqa: E402
 from support.standin import Engine  # noqa: E402
 from support.vmm_standin import VmmSpec, vmm_main  # noqa: E402
 
@@ -36,32 +36,18 @@ def _keys(n: int, seed: int) -> list[bytes]:
     return [bytes(k) for k in rng.integers(0, 256, (n, 32), dtype=np.uint8)]
 
 
-def _start_daemon(pool: str) -> tuple[subprocess.Popen, str]:
-    sock = os.path.join(tempfile.mkdtemp(prefix="kvoffd-vmm-"), "kvoffd.sock")
-    address = f"ipc://{sock}"
-    log = os.path.join(os.path.dirname(sock), "daemon.log")
-    proc = subprocess.Popen([sys.executable, "-m", "kvoffd", "--address", address, "--pool-size", pool,
-                             "--backend", "cuda", "--metrics-address", "127.0.0.1:0",
-                             # every block admitted: the bench's keys are unchained, which the default
-                             # policy refuses into a full pool; this measures the copies, not the policy
-                             "--eviction-policy", "lru", "--pool-path", "none"], stdout=subprocess.DEVNULL,
-                            stderr=open(log, "w"), cwd=ROOT)  # noqa: SIM115
-    from kvoffd_client.client import KvoffdClient
-
-    c = KvoffdClient(address, heartbeat=False)
-    ok = c.connect(30)
-    if ok:  # wait for the pool to be page-locked: the figures are steady-state
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 120:
-            st = c.stats(timeout_s=5)["pool"]
-            if st["pinned_bytes"] >= st["total_bytes"]:
-                break
-            time.sleep(0.05)
-    c.close()
-    if not ok:
-        proc.kill()
-        raise SystemExit("daemon did not come up:\n" + Path(log).read_text()[-3000:])
-    return proc, address
+def _start_daemon(pool: str) -> tuple[BenchDaemon, str]:
+    address = f"ipc://{tempfile.mkdtemp(prefix='kvoffd-vmm-')}/kvoffd.sock"
+    d = BenchDaemon(address, ["--pool-size", pool, "--backend", "cuda", "--metrics-address", "127.0.0.1:0",
+                              # every block admitted: the bench's keys are unchained, which the default
+                              # policy refuses into a full pool; this measures the copies, not the policy
+                              "--eviction-policy", "lru", "--pool-path", "none"])
+    try:
+        d.start(30)
+    except RuntimeError as e:
+        raise SystemExit(f"daemon did not come up:\n{e}") from None
+    d.wait_pool(120, pinned=True)  # the pool page-locked: the figures are steady-state
+    return d, address
 
 
 def main() -> None:
@@ -73,7 +59,7 @@ def main() -> None:
     ap.add_argument("--pool-size", default="8GiB")
     ap.add_argument("--json")
     args = ap.parse_args()
-    proc, address = _start_daemon(args.pool_size)
+    daemon, address = _start_daemon(args.pool_size)
     engines = {}
     try:
         for kind, alloc in (("ipc", "torch"), ("vmm", "vmm")):
@@ -121,11 +107,8 @@ def main() -> None:
     finally:
         for e in engines.values():
             e.close()
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        daemon.stop(timeout=20)
+        shutil.rmtree(os.path.dirname(address[len("ipc://"):]), ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,14 @@ class BenchDaemon:
             text = self._log_tail
         return text[-tail:] if tail else text
 
+    def send_signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit status (``subprocess.TimeoutExpired`` after ``timeout``); ``stop`` cleans up after it."""
+        return self.proc.wait(timeout)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         """Close its clients, send ``sig``, wait ``timeout`` (then SIGKILL); always reaped. Its exit status."""
         for c in self._clients:
