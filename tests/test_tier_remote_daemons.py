@@ -1,7 +1,7 @@
 """Two real daemons with separate pools sharing one real 3-shard Valkey/Redis cluster (``--remote``):
 blocks stored through daemon A by one engine and evicted from A's small pool are published to the
-cluster; daemon B, another engine, looks them up (the first LOOKUP's misses are asked of the cluster in
-the background, a later LOOKUP of the prefix finds them) and loads them byte-exact. Another namespace
+cluster; daemon B, another engine, looks them up (its first LOOKUP's local misses are asked of the
+cluster before it is answered) and loads them byte-exact. Another namespace
 finds nothing; every value with flipped bytes loads 0 wrong bytes.
 """
 
@@ -76,19 +76,27 @@ def cluster():
 
 def _published(a: Node, keys: list[bytes]) -> None:
     """``keys`` stored on A, then pushed out of A's pool (evicted: spilled to the cluster)."""
+    before = a.tier()["spills"]
     a.store(keys)
     for r in range(3):
-        a.store(chain_keys(100, b"filler%d" % r), base=100)
-    assert wait_until(lambda: a.tier()["spills"] >= len(keys), 30), a.tier()
+        a.store(chain_keys(100, b"filler%d" % r, parent=keys[0]), base=100)
+    assert wait_until(lambda: a.tier()["spills"] >= before + len(keys), 30), a.tier()
 
 
 def test_blocks_stored_on_a_load_byte_exact_on_b(make_daemon, cluster):
     a = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="a"), "shared", "a")
     b = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="b"), "shared", "b")
     try:
-        old = chain_keys(60, b"old")
-        _published(a, old)
-        assert wait_until(lambda: b.hits(old) == len(old), 10), b.tier()  # asked in the background
+        # B's first LOOKUP of a prefix asks the cluster before it is answered (within 0.25 s; a loaded
+        # machine may miss that once: then a fresh prefix, at most 3 tries; answered only from what B
+        # already knew, every first LOOKUP would miss)
+        for attempt in range(3):
+            old = chain_keys(60, b"old%d" % attempt)
+            _published(a, old)
+            if b.hits(old) == len(old):
+                break
+        else:
+            raise AssertionError(f"B's first LOOKUPs never counted the cluster's blocks: {b.tier()}")
         notice, exact = b.load(old, 200)
         assert notice.ok and exact == len(old), notice
         t = b.tier()
@@ -193,7 +201,6 @@ def test_a_dead_shard_costs_its_blocks_only(make_daemon, cluster):
         assert 0 < first < len(old)
         cluster.kill(dead)
         t = time.monotonic()
-        assert b.hits(old) == 0  # B asks the cluster in the background
         assert wait_until(lambda: b.hits(old) == first, 10), (b.hits(old), first, b.tier())
         assert time.monotonic() - t < 10
         notice, exact = b.load(old[:first], 200)  # the live shards' blocks up to the first dead one

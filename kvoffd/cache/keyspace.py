@@ -42,10 +42,12 @@ from kvoffd.pool.file import PoolFile
 from kvoffd.pool.topology import Topology
 from kvoffd_client.protocol import KEY_SIZE, KvEventsLayout, MissReason
 
-__all__ = ["PROMOTE_WAIT_S", "Answer", "Entry", "EventMirror", "Keyspace", "KeyspaceSettings", "StorePlan", "Table",
+__all__ = ["PROMOTE_WAIT_S", "REMOTE_ASK_WAIT_S", "Answer", "Entry", "EventMirror", "Keyspace", "KeyspaceSettings", "StorePlan", "Table",
            "purge_command"]
 
 log = logging.getLogger(__name__)
+
+REMOTE_ASK_WAIT_S = 0.25  # how long a LOOKUP with local misses waits for the cluster's answer (--remote)
 
 
 class KeyspaceSettings(Protocol):
@@ -261,18 +263,23 @@ class Keyspace:
             below = tiers.find_below(namespace, keys, hits)
             if below is not None and not tiers.fits(below):  # room not sure: promote, then answer
                 hits, below = tiers.promote(below), None
-            n = below.n if below is not None else hits.n
-            if n < total and self.remote is not None:  # other nodes' blocks: asked in the background,
-                self._ask_remote(namespace, keys[n * KEY_SIZE:])  # the next LOOKUP of the prefix finds them
         return Answer(self, hits, below, hold)
 
-    def _ask_remote(self, namespace: str, keys: bytes) -> None:
+    def ask_remote(self, namespace: str, keys: bytes, answer: Answer) -> asyncio.Future | None:
+        """``answer`` (this LOOKUP's) missed keys that other nodes may have published (--remote): the cluster
+        is asked about them; returns a future done once it answered (at most ``REMOTE_ASK_WAIT_S`` is
+        worth waiting: then the LOOKUP is asked again and its answer counts the cluster's blocks), or
+        None (no cluster tier, nothing to ask, or too many probes in flight: answer now)."""
+        remote = self.remote
+        n = answer.n
+        if remote is None or n * KEY_SIZE >= len(keys):
+            return None
         ns = self.index.namespaces.get(namespace)
-        if ns is None or self.remote is None or len(ns.tables) < ns.world_size:
-            return
+        if ns is None or len(ns.tables) < ns.world_size:
+            return None
         tables = [ns.tables[r] for r in range(ns.world_size)]
         refs = [TableRef(namespace, t.rank, ns.world_size, ns.layouts[t.rank]) for t in tables]
-        self.remote.note_misses(refs, keys)
+        return remote.note_misses(refs, keys[n * KEY_SIZE:])
 
     # --- STORE ------------------------------------------------------------------------------------------
     def describes(self, namespace: str, rank: int, n: int, tokens: bytes, parents: bytes) -> bool:

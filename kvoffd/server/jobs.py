@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvoffd.cache.keyspace import PROMOTE_WAIT_S, Keyspace
+from kvoffd.cache.keyspace import PROMOTE_WAIT_S, REMOTE_ASK_WAIT_S, Answer, Keyspace
 from kvoffd.metrics import Metrics
 from kvoffd.server.job import Job
 from kvoffd.server.limits import MAX_JOBS_PER_CONN, MAX_RUNS_PER_JOB
@@ -83,8 +83,31 @@ class Jobs:
     def lookup(self, conn: Conn, msg: P.Lookup) -> P.Message | None:
         """Answer first, then hold (``Answer.after_reply``: promotions, then the lease's refs) and
         count: the client waits on the answer, and nothing else runs on the loop in between, so no
-        eviction can take a block the answer promised."""
+        eviction can take a block the answer promised. Keys missed here that other nodes may have
+        published (--remote) are asked of the cluster first, within ``REMOTE_ASK_WAIT_S``, and the
+        LOOKUP is answered afresh after it (the first answer took nothing: it is dropped)."""
         answer = self.keyspace.lookup(msg.namespace, msg.keys, hold=msg.lease_ms > 0)
+        asked = self.keyspace.ask_remote(msg.namespace, msg.keys, answer)
+        if asked is not None:
+            self.spawn(self._lookup_after(conn, msg, asked))
+            return None
+        self._answer_lookup(conn, msg, answer)
+        return None
+
+    async def _lookup_after(self, conn: Conn, msg: P.Lookup, asked: asyncio.Future) -> None:
+        await asyncio.wait({asked}, timeout=REMOTE_ASK_WAIT_S)
+        try:
+            conn = self.sessions.session_of(conn.ident, msg.seq)  # still connected?
+            self._answer_lookup(conn, msg, self.keyspace.lookup(msg.namespace, msg.keys, hold=msg.lease_ms > 0))
+        except ProtocolError as e:
+            e.seq = msg.seq
+            self.reply(conn.ident, P.error_for(e))
+        except Exception:
+            log.exception("a LOOKUP answered after the cluster's probe failed")
+            self.reply(conn.ident, P.Error(seq=msg.seq, code=ErrorCode.INTERNAL.value,
+                                           message="internal error; see the daemon log"))
+
+    def _answer_lookup(self, conn: Conn, msg: P.Lookup, answer: Answer) -> None:
         n = answer.n
         lease_id = 0
         if n and msg.lease_ms:
@@ -102,7 +125,6 @@ class Jobs:
         if missed:
             counts.miss_blocks += missed
             self.metrics.misses.labels(answer.miss_reason.value).inc(missed)
-        return None
 
     # --- checks shared by STORE and LOAD ----------------------------------------------------------------
     def _check(self, conn: Conn, msg: P.Store | P.Load) -> tuple[Engine, list[bytes], np.ndarray]:

@@ -141,6 +141,7 @@ class RemoteTier:
         self.changed = None
         self.st = TierStats(self.name)
         self._io = IoPool(threads, "kvoffd-remote")
+        self._probes = IoPool(1, "kvoffd-remote-probe")  # LOOKUP misses: never queued behind spills
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ns: dict[TableRef, bytes] = {}
         self._queue: collections.deque[_Job] = collections.deque()
@@ -173,6 +174,7 @@ class RemoteTier:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._io.start(loop)
+        self._probes.start(loop)
         self._publisher.start()
         self._io.submit(READ, lambda: self.store.start(self.probe_timeout * 10), lambda ok: None)
 
@@ -221,21 +223,23 @@ class RemoteTier:
         self._io.submit(READ, run, done)
         return fut
 
-    def note_misses(self, tables: Sequence[TableRef], keys: bytes) -> bool:
-        """A LOOKUP missed ``keys`` locally: ask the cluster about them in the background (every rank's
-        table), so that the next LOOKUP of the prefix is answered from ``Known``. Bounded: at most
-        ``max_probing`` probes in flight (more are dropped, counted) and ``probe_keys`` keys each; keys
-        already known are not asked again. False when dropped."""
+    def note_misses(self, tables: Sequence[TableRef], keys: bytes) -> asyncio.Future | None:
+        """A LOOKUP missed ``keys`` locally: ask the cluster about them (every rank's table) on the probe
+        thread (never behind spills), so that ``probe``/``contains`` then answer from ``Known``. Returns a
+        future resolved on the loop once the answer is in (a LOOKUP may wait for it), or None when there
+        is nothing to ask (all known) or the probe was dropped: at most ``max_probing`` in flight (more
+        are counted in ``probes_dropped``), ``probe_keys`` keys each."""
         if self._probing >= self.max_probing:
             self.probes_dropped += 1
-            return False
+            return None
         keys = keys[:self.probe_keys * _KEY]
         ks = split_keys(keys)
         todo = [(t, self._ns_id(t)) for t in tables]
-        todo = [(t, ns) for t, ns in todo if self.known.leading(ns, ks) < len(ks)]
+        todo = [(t, ns) for t, ns in todo if self._fresh().leading(ns, ks) < len(ks)]
         if not todo:
-            return True
+            return None
         self._probing += 1
+        fut = self._future()
 
         def run():
             for _, ns in todo:
@@ -245,8 +249,10 @@ class RemoteTier:
         def done(_res):
             self._probing -= 1
             self.probes_done += 1
-        self._io.submit(READ, run, done)
-        return True
+            if not fut.done():
+                fut.set_result(None)
+        self._probes.submit(READ, run, done)
+        return fut
 
     def read(self, table: TableRef, keys: bytes, dest: Sequence[memoryview]) -> asyncio.Future:
         fut = self._future()
@@ -425,4 +431,5 @@ class RemoteTier:
         if self._publisher.is_alive():
             self._publisher.join(timeout=30)
         self._io.close()
+        self._probes.close()
         self.store.close()
