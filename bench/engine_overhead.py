@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "vllm"))
 
 CONFIGS = ("without", "noop", "with")
 
@@ -116,7 +115,7 @@ class Timer:
 
 
 def run_once(model: str, cfg: str, address: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    from engine_helpers import close_llm, core_of, drain, generate, make_llm
+    from support.vllm_engines import close_llm, core_of, drain, generate, make_llm
 
     if cfg == "noop":
         from vllm.config import KVTransferConfig
@@ -179,11 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
-    from engine_helpers import Daemon, build_tiny_llama
+    from support.daemon import BenchDaemon
+    from support.vllm_engines import build_tiny_llama
 
     work = Path(tempfile.mkdtemp(prefix="kvoffd-bench-"))
     model = args.model or str(build_tiny_llama(work / "tiny-llama"))
-    daemon = Daemon(work, pool="1GiB").start()
+    daemon = BenchDaemon(f"ipc://{work}/kvoffd.sock", ["--pool-size", "1GiB", "--metrics-address", "127.0.0.1:0",
+                                                      "--log-level", "info", "--pool-path", "none"]).start()
     rows: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
     try:
         for rep in range(args.reps):

@@ -2,7 +2,7 @@
 
     python bench/make_tiny_model.py /tmp/tiny-llama
 
-The model is the one the vLLM tests use (tests/vllm/engine_helpers.py: 2 layers, head_dim 32, vocab
+The model is the one the vLLM tests use (bench/support/vllm_engines.py: 2 layers, head_dim 32, vocab
 512, ~0.4 M random parameters, float32): nothing is downloaded, it builds in seconds on a CPU, and
 vLLM's CPU build runs it. Its weights are random, so its text means nothing; it has no tokenizer,
 so serve it with `--skip-tokenizer-init` and send token ids (`"prompt": [3, 14, ...]`,
@@ -15,9 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "vllm"))
-
-from engine_helpers import build_tiny_llama  # noqa: E402 - the tests' builder, one definition
+from support.vllm_engines import build_tiny_llama  # the vLLM tests' model too: one definition
 
 
 def main(argv: list[str] | None = None) -> int:

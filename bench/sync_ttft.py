@@ -9,7 +9,7 @@ noise falls on all three alike:
   runs in a later step;
 * ``recompute``: a prompt of the same shape the daemon has never seen (a miss: vLLM computes it).
 
-The hits are stored by another engine in another process first (tests/vllm/engine_child.py), so
+The hits are stored by another engine in another process first (bench/support/engine_child.py), so
 this engine's own prefix cache never holds them. ``--background`` requests decode meanwhile (topped
 up as they finish), as on a serving engine, so that every step costs a forward; the same-step wait
 stalls them too (their step time, not measured here). Each measured request generates one token;
@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "vllm"))
 
 MODES = ("sync", "async", "recompute")
 BLOCK = 32
@@ -54,7 +53,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 def _step_until_first_token(llm: Any, req_id: str, prompt: list[int], background: int, seed: list[int]) -> tuple[float, int]:
     """(seconds, engine steps) from add_request to the request's first token, with ``background``
     other requests decoding meanwhile (topped up as they finish), so that a step costs a forward."""
-    from engine_helpers import greedy
+    from support.vllm_engines import greedy
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
@@ -77,7 +76,7 @@ def _step_until_first_token(llm: Any, req_id: str, prompt: list[int], background
 
 def _top_up(llm: Any, n: int, seed: list[int]) -> None:
     """Start ``n`` background requests: unique 64-token prompts decoding 200 tokens."""
-    from engine_helpers import greedy
+    from support.vllm_engines import greedy
     from vllm.inputs import TokensPrompt
 
     for _ in range(n):
@@ -90,7 +89,7 @@ def _store_elsewhere(model: str, address: str, prompts: list[list[int]]) -> None
     """Have another engine, in another process, put ``prompts`` into the daemon: this engine's own
     prefix cache never holds them, so each is a daemon hit here, without emptying vLLM's cache
     (which vLLM refuses while the background requests hold blocks)."""
-    child = Path(__file__).resolve().parent.parent / "tests" / "vllm" / "engine_child.py"
+    child = Path(__file__).resolve().parent / "support" / "engine_child.py"
     cfg = [{"kv_bytes": 256 << 20, "max_model_len": 2048}]
     chunks: list[list[list[int]]] = [[]]
     for p in prompts:  # one argument stays under the kernel's 128 KiB
@@ -105,11 +104,13 @@ def _store_elsewhere(model: str, address: str, prompts: list[list[int]]) -> None
 
 
 def run(hit_blocks: list[int], tail: int, reps: int, background: int) -> dict[str, Any]:
-    from engine_helpers import Daemon, build_tiny_llama, close_llm, connector_of, drain, make_llm
+    from support.daemon import BenchDaemon
+    from support.vllm_engines import build_tiny_llama, close_llm, connector_of, drain, make_llm
 
     work = Path(tempfile.mkdtemp(prefix="kvoffd-sync-ttft-"))
     model = str(build_tiny_llama(work / "tiny-llama"))
-    daemon = Daemon(work, pool="512MiB").start()
+    daemon = BenchDaemon(f"ipc://{work}/kvoffd.sock", ["--pool-size", "512MiB", "--metrics-address", "127.0.0.1:0",
+                                                      "--log-level", "info", "--pool-path", "none"]).start()
     # one prompt per (rep, hit size, hit mode), all stored by another engine first
     plan = [(rep, h, mode) for rep in range(reps) for h in hit_blocks
             for mode in (MODES if rep % 2 == 0 else tuple(reversed(MODES)))]

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from engine_helpers import (
+    ENGINE_CHILD,
     build_tiny_mla,
     close_llm,
     connector_of,
@@ -127,7 +128,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, daemon: Any) -> dict[str, Run
     """Every architecture in this process, then one new process that starts a fresh engine for each."""
     models = {name: str(arch.build(tmp_path_factory.mktemp(name))) for name, arch in ARCHS.items()}
     out = {name: _run(arch, models[name], daemon) for name, arch in ARCHS.items()}
-    child = Path(__file__).with_name("engine_child.py")
+    child = ENGINE_CHILD
     cfgs = [{"model": models[n], "dtype": "bfloat16", "block_size": a.block_size, "one_by_one": True, **a.engine} for n, a in ARCHS.items()]
     proc = subprocess.run([sys.executable, str(child), "-", daemon.address, json.dumps(cfgs), json.dumps(PROMPTS)],
                           capture_output=True, text=True, timeout=600)

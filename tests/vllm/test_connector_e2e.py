@@ -6,11 +6,11 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from engine_helpers import (
+    ENGINE_CHILD,
     PROMPTS,
     check_served,
     close_llm,
@@ -76,7 +76,7 @@ def test_partial_prefix_hit_after_reset(llm: Any, tiny_model: str, daemon: Any) 
 
 
 def _run_child(tiny_model: str, address: str, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    child = Path(__file__).with_name("engine_child.py")
+    child = ENGINE_CHILD
     proc = subprocess.run([sys.executable, str(child), tiny_model, address, json.dumps(configs), json.dumps(PROMPTS)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from engine_helpers import (
     BLOCK,
+    ENGINE_CHILD,
     WINDOW,
     build_tiny_gemma3,
     build_tiny_mistral,
@@ -158,7 +159,7 @@ def test_hybrid_outputs_identical_cold_and_loaded(name: str, runs: Callable[[str
 def test_hybrid_new_process(runs: Callable[[str], Run], daemon: Any) -> None:
     """A fresh engine in a new process gets the same outputs and loads what the first engines stored."""
     recs = {name: runs(name) for name in ARCHS}
-    child = Path(__file__).with_name("engine_child.py")
+    child = ENGINE_CHILD
     configs = [{"model": recs[n].model, "dtype": ARCHS[n].dtype} for n in ARCHS]
     proc = subprocess.run([sys.executable, str(child), recs["gemma3"].model, daemon.address, json.dumps(configs),
                            json.dumps(PROMPTS)], capture_output=True, text=True, timeout=600)

@@ -16,7 +16,7 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_helpers import (  # noqa: E402
+from vllm_engines import (  # noqa: E402
     close_llm,
     connector_of,
     drain,
