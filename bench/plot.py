@@ -10,6 +10,8 @@ file leaves its line or bar out (with a note on stderr) rather than drawing a ma
   docs/img/transfer.png   <- bench/transfer.py --json FILE   GB/s of the backend and the daemon next to
                                                              the measured link ceiling
   docs/img/hit_ratio.png  <- bench/trace_replay.py           hit ratio vs pool capacity per policy
+  docs/img/cluster_hit_ratio.png <- bench/trace_cluster.py --out FILE   hit ratio of N nodes sharing a
+                                                             cluster, one node with a disk, N nodes alone
 
 The trace-replay file has this schema (validated here; a violation is an error naming the field):
 
@@ -220,6 +222,46 @@ def plot_hit_ratio(data: dict[str, Any], out: str) -> str:
     return _save(fig, plt, out)
 
 
+_CLUSTER_SETUPS = (("single", "1 node: DRAM {dram:,} + disk {cluster:,}"),
+                   ("cluster", "{nodes} nodes: DRAM {dram:,} each + shared cluster {cluster:,}"),
+                   ("local", "{nodes} nodes: DRAM {dram:,} each, node-local only"))
+
+
+def plot_cluster(data: dict[str, Any], out: str) -> str:
+    """Block and token hit ratios per set-up of bench/trace_cluster.py, the unbounded ratio as the ceiling."""
+    plt = _plt()
+    setups = data["setups"]
+    names = [(k, f.format(dram=data["dram_blocks"], cluster=data["cluster_blocks"], nodes=data["nodes"]))
+             for k, f in _CLUSTER_SETUPS if k in setups]
+    if not names:
+        raise ValueError("no set-up in the file")
+    for k, _ in names:
+        for f in ("block_ratio", "token_ratio"):
+            if not 0 <= setups[k][f] <= 1:
+                raise ValueError(f"setups.{k}.{f} must be in [0, 1]")
+    fig, ax = plt.subplots(figsize=(8, 5))
+    xs = range(len(names))
+    w = 0.38
+    blocks = [setups[k]["block_ratio"] * 100 for k, _ in names]
+    tokens = [setups[k]["token_ratio"] * 100 for k, _ in names]
+    ax.bar([x - w / 2 for x in xs], blocks, w, color=COLORS["hit"], label="block hit ratio")
+    ax.bar([x + w / 2 for x in xs], tokens, w, color=COLORS["inproc"], label="token hit ratio")
+    for x, b in zip(xs, blocks, strict=True):
+        ax.text(x - w / 2, b + 0.4, f"{b:.1f}", ha="center", fontsize=8)
+    ax.axhline(data["unbounded"] * 100, color=COLORS["ceiling"], ls="--", lw=1.5,
+               label=f"unbounded ({data['unbounded'] * 100:.1f}%)")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([n.replace(": ", ":\n") for _, n in names], fontsize=8)
+    ax.set_ylabel("hit ratio (%)")
+    ax.set_ylim(0, data["unbounded"] * 115 + 2)
+    share = data.get("cluster_of_single")
+    ax.set_title(f"{data.get('trace', 'trace')}, random router"
+                 + (f": cluster = {share:.0%} of one node with a disk" if share else ""))
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    return _save(fig, plt, out)
+
+
 # --------------------------------------------------------------------------------------------------
 
 
@@ -236,14 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft", help="JSON of bench/ttft.py --out")
     ap.add_argument("--transfer", help="JSON of bench/transfer.py --json")
     ap.add_argument("--trace", help="JSON of bench/trace_replay.py (schema above)")
+    ap.add_argument("--cluster", help="JSON of bench/trace_cluster.py --out")
     ap.add_argument("--layout", default="blocks", choices=["blocks", "layers"], help="transfer chart's layout")
     ap.add_argument("--outdir", default=DEFAULT_OUT, help="where the PNGs go (default docs/img)")
     args = ap.parse_args(argv)
-    if not (args.ttft or args.transfer or args.trace):
-        ap.error("give at least one of --ttft, --transfer, --trace")
+    if not (args.ttft or args.transfer or args.trace or args.cluster):
+        ap.error("give at least one of --ttft, --transfer, --trace, --cluster")
     jobs = [(args.ttft, "ttft.png", plot_ttft), (args.transfer, "transfer.png",
                                                 lambda d, o: plot_transfer(d, o, args.layout)),
-            (args.trace, "hit_ratio.png", plot_hit_ratio)]
+            (args.trace, "hit_ratio.png", plot_hit_ratio), (args.cluster, "cluster_hit_ratio.png", plot_cluster)]
     failed = False
     for path, name, fn in jobs:
         if not path:

@@ -51,7 +51,8 @@ def test_compose_shards_have_the_production_profile():
     for name, svc in shards.items():
         cmd = _defaults(svc["command"][0])
         for need in ("--cluster-enabled yes", "--cluster-require-full-coverage no",
-                     "--cluster-allow-reads-when-down yes", "--maxmemory-policy allkeys-lru", '--save ""',
+                     "--cluster-allow-reads-when-down yes", "--maxmemory-policy allkeys-lru",
+                     "--maxmemory-samples 10", '--save ""',
                      "--appendonly no", "--requirepass"):
             assert need in cmd, f"{name}: {need} missing from {cmd}"
         assert "valkey_password" in svc["secrets"]
@@ -86,7 +87,8 @@ def test_a_compose_shards_command_line_runs_on_the_real_server(tmp_path):
     try:
         assert wait_until(lambda: _ping(port), 20), (tmp_path / "valkey.log").read_text()[-2000:]
         for name, want in (("cluster-require-full-coverage", b"no"), ("cluster-allow-reads-when-down", b"yes"),
-                           ("maxmemory-policy", b"allkeys-lru"), ("appendonly", b"no"), ("save", b"")):
+                           ("maxmemory-policy", b"allkeys-lru"), ("maxmemory-samples", b"10"), ("appendonly", b"no"),
+                           ("save", b"")):
             got = command(port, "CONFIG", "GET", name, password="pw-0123456789")
             assert got == [name.encode(), want], (name, got)
         assert b"cluster_enabled:1" in command(port, "INFO", "cluster", password="pw-0123456789")
