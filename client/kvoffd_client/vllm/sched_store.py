@@ -101,12 +101,13 @@ class StorePlanner:
             return
         n_full = min(n_full, *(len(t) for t in table[:G]))
         added = False
+        is_known = state.known.is_known
         for i in range(st.next_store, n_full):
             for g in range(G):
                 b = table[g][i]
                 k = all_keys[i * G + g]
                 # A null block is a sliding window's block vLLM already freed: its bytes are gone.
-                if b == NULL_BLOCK_ID or k in batch.seen or state.known.is_known(k, now):
+                if b == NULL_BLOCK_ID or k in batch.seen or is_known(k, now):
                     continue
                 batch.seen.add(k)
                 batch.keys.append(k)
