@@ -2,12 +2,13 @@
 
 Drives a real ``Index`` over a real ``Pool`` with a real ``DiskTier`` (its I/O threads writing a
 file under ``--dir``) through ``Tiers``, the daemon's own objects, and times on the loop thread the
-index's eviction of a batch of blocks (``evicted`` and ``freeing`` included), two ways in the same run:
+index's eviction of a batch of blocks and the spill of its victims (``Spills.settle``, ``freeing``
+included), two ways in the same run:
 
-* **deferred** (the spill path now): the slot stays out of the pool and the tier's threads write
-  straight from it (``Index.evict`` with ``index.deferral.ok`` on, as ``Eviction.keep_ahead`` does);
-* **copied** (the path before issue 15, and today's fallback for a STORE's own victims): each block
-  copied out of its slot into a staging buffer on the loop (``index.deferral.ok`` off).
+* **deferred** (the spill path): the slot stays out of the pool and the tier's threads write
+  straight from it (victims handed over with their slots held, as ``Spills.keep_ahead`` takes them);
+* **copied** (the fallback for a STORE's own victims, whose slots it reuses): each block copied out
+  of its slot into a staging buffer on the loop.
 
 The ceiling is a plain ``memcpy`` of one block (numpy slice assignment) measured in the same run: the
 copied path costs about that much per block, the deferred path must not grow with the block size.
@@ -42,7 +43,7 @@ SIZES = (64 << 10, 2 << 20)
 
 
 def _store(index: Index, t, keys: list[bytes]) -> None:
-    p = index.prepare_store(t, keys)
+    p = index.prepare_store(t, keys)  # into spare slots only: nothing evicted, nothing spilled
     index.add_pending(p)
     index.complete_store(p, True)
 
@@ -56,7 +57,8 @@ async def _one(directory: str, slot: int, batch: int, rounds: int) -> dict:
         tier = DiskTier(d, 64 * nslots * slot, threads=2)
         tier.start(asyncio.get_running_loop())
         tiers = Tiers(index, [tier], spill_buffer_bytes=nslots * slot)
-        index.deferral.budget = 0  # no reserve kept by stores: this bench evicts by hand
+        spills = tiers.spills
+        assert spills is not None
         t = index.table("bench", 0, 1, slot, (slot,))
         out = {"deferred": [], "copied": []}
         seq = 0
@@ -67,16 +69,15 @@ async def _one(directory: str, slot: int, batch: int, rounds: int) -> dict:
                     n = min(batch, pool.spare_slots(slot, batch))
                     _store(index, t, [hashlib.sha256(b"%d" % (seq + i)).digest() for i in range(n)])
                     seq += n
-                index.deferral.budget = nslots * slot
-                index.deferral.ok = mode == "deferred"
+                victims: list = []
                 t0 = time.perf_counter()
-                got = index.evict(slot, batch)
+                got = index.eviction.evict(slot, batch, victims, held=mode == "deferred")
+                spills.settle(victims)
                 dt = time.perf_counter() - t0
-                index.deferral.ok, index.deferral.budget = True, 0
                 assert got == batch
                 out[mode].append(dt / batch)
-                while tiers._spilling:  # let the writes land (and the deferred slots come back)
-                    await asyncio.wait(list(tiers._spilling))
+                while spills.in_flight:  # let the writes land (and the deferred slots come back)
+                    await asyncio.wait(list(spills.in_flight))
                     await asyncio.sleep(0)
             src = np.full(slot, 3, np.uint8)
             dst = np.empty(slot, np.uint8)

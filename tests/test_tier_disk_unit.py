@@ -91,21 +91,21 @@ async def _staged(path: str) -> None:
     keys = [hashlib.sha256(b"s%d" % i).digest() for i in range(32)]
     for lo, n in ((0, 16), (16, 16)):  # the second evicts the first (a pool this small keeps no reserve)
         ks = keys[lo:lo + n]
-        p = index.prepare_store(t, ks)
+        p = _prepare(index, tiers, t, ks)
         entries = index.add_pending(p)
         assert len(entries) == n
         for e in entries:
             index.pool.view(e.slot, SLOT)[:] = np.frombuffer(hashlib.sha256(e.key).digest() * (SLOT // 32), np.uint8)
         index.complete_store(p, True)
-    assert tier.stats().spills == 0 and len(tiers._staged) == 16  # all in flight
-    assert tiers.spill_copies == 16 and not index.deferral.deferred  # a store's own victims are copied out
+    assert tier.stats().spills == 0 and len(tiers.spills.staged) == 16  # all in flight
+    assert tiers.spills.copies == 16 and not index.deferral.deferred  # a store's own victims are copied out
     wanted = b"".join(keys[:8])
     below = tiers.find_below("unit", wanted, index.lookup("unit", wanted))  # as a LOOKUP does
     assert below is not None and below.n == 8
     hits = tiers.promote(below)
     assert hits.n == 8 and tiers.staged_hits == 8
     st = tiers.stats()[0]  # the spill path's figures are STATS fields (and /metrics series), not notes
-    assert (st.staged_hits, st.spill_copies) == (8, tiers.spill_copies) and st.spill_copies >= 16
+    assert (st.staged_hits, st.spill_copies) == (8, tiers.spills.copies) and st.spill_copies >= 16
     assert st.promotions >= 8 and st.spill_deferred_bytes == index.deferral.deferred_bytes
     for k in keys[:8]:
         e = t.visible[k]  # visible at once: no read to wait for
@@ -118,9 +118,17 @@ def test_a_block_whose_spill_has_not_landed_is_served_from_staging(tmp_path):
     asyncio.run(_staged(str(tmp_path / "disk")))
 
 
-def _fill(index, t, keys: list[bytes]) -> list[int]:
+def _prepare(index, tiers, t, keys: list[bytes]):
+    """A STORE's slots as the keyspace takes them under a tier (kvoffd/cache/keyspace.py): its victims
+    handed over to the tiers, spilled or freed, before its copy starts."""
+    plan = index.prepare_store(t, keys, hand_over=True)
+    tiers.after_store(plan)
+    return plan
+
+
+def _fill(index, tiers, t, keys: list[bytes]) -> list[int]:
     """A STORE of ``keys`` whose copy writes each block's own pattern; returns the slots it got."""
-    p = index.prepare_store(t, keys)
+    p = _prepare(index, tiers, t, keys)
     for e in index.add_pending(p):
         index.pool.view(e.slot, SLOT)[:] = np.frombuffer(hashlib.sha256(e.key).digest() * (SLOT // 32), np.uint8)
     index.complete_store(p, True)
@@ -146,24 +154,24 @@ async def _gated(path: str, budget_blocks: int) -> None:
     pattern = {k: hashlib.sha256(k).digest() * (SLOT // 32) for k in keys}
     try:
         for lo in range(0, 128, 4):
-            assert len(_fill(index, t, keys[lo:lo + 4])) == 4
+            assert len(_fill(index, tiers, t, keys[lo:lo + 4])) == 4
         # the last store filled the pool: the 4 oldest were evicted ahead, their writes held by the gate
         deferred = dict(index.deferral.deferred)
         assert len(deferred) == 4 and index.deferral.deferred_bytes == 4 * SLOT and not t.visible.keys() & set(keys[:4])
-        got = _fill(index, t, keys[128:132])  # needs 4 slots now: evicts, and cannot have the deferred ones
+        got = _fill(index, tiers, t, keys[128:132])  # needs 4 slots now: evicts, and cannot have the deferred ones
         assert len(got) == 4 and not set(got) & set(deferred)
         for s in deferred:  # nothing wrote into a deferred slot: its block's bytes are still there
             assert bytes(index.pool.view(s, SLOT)) in {pattern[k] for k in keys[:4]}
         if budget_blocks == 4:  # the budget is taken by the deferred 4: the store's victims' spills are dropped
-            assert tiers.spill_busy == 4 and tiers.spill_copies == 0
+            assert tiers.spills.busy == 4 and tiers.spills.copies == 0
         else:  # the store's own victims are copied out (it needs their slots now), the next 4 kept ahead
-            assert tiers.spill_busy == 0 and tiers.spill_copies == 4 and len(index.deferral.deferred) == 8
+            assert tiers.spills.busy == 0 and tiers.spills.copies == 4 and len(index.deferral.deferred) == 8
         assert index.deferral.deferred_bytes <= budget_blocks * SLOT
         held = len(deferred) + (0 if budget_blocks == 4 else 8)  # the writes the gate holds, by their blocks
         assert tiers.stats()[0].spills_in_flight == held
         gate.set()
-        while tiers._spilling:
-            await asyncio.wait(list(tiers._spilling))
+        while tiers.spills.in_flight:
+            await asyncio.wait(list(tiers.spills.in_flight))
             await asyncio.sleep(0)  # the done callbacks (a yield, not a wait for time)
         assert not index.deferral.deferred and index.deferral.deferred_bytes == 0 and tiers.stats()[0].spills_in_flight == 0
         wanted = b"".join(keys[:4])
@@ -327,7 +335,7 @@ async def _counted(path: str, seed: int) -> None:
             blob, src, _ = _blocks(1000 * seed, len(on_disk))
             res = await tier.write(REF, b"".join(on_disk), src)
             assert all(r is SpillResult.WRITTEN for r in res)
-        _fill(index, t, [k for k, s in zip(keys, state, strict=True) if s in ("ready", "both")])
+        _fill(index, tiers, t, [k for k, s in zip(keys, state, strict=True) if s in ("ready", "both")])
         pending = index.prepare_store(t, [k for k, s in zip(keys, state, strict=True) if s in ("pending", "stored")])
         index.add_pending(pending)
         for lo, w in [(lo, w) for lo in range(0, len(keys), 3) for w in (2, 6, 48)]:

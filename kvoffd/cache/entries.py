@@ -87,6 +87,20 @@ class StorePlan:
     refused: list[int]  # refused by the admission policy: no slot, no copy
     evicted: int = 0  # entries evicted to find the slots (reclaimed chunks included)
     entries: list[Entry] = field(default_factory=list)  # pending, one per ``copy_idx`` (add_pending)
+    victims: list[Victims] = field(default_factory=list)  # what it evicted, handed over (``hand_over``)
+
+
+@dataclass(eq=False)
+class Victims:
+    """Entries an eviction took, handed to the caller (``StorePlan.victims``, ``Index.take_victims``):
+    unlinked, invisible, their bytes still in their slots, the observers not told yet. ``held``: the
+    slots stay out of the pool until ``Index.free_victims``; else they are back in the pool for the
+    STORE that evicted them, and their bytes last until that store's copy starts (a spill copies them
+    out first). ``Index.free_victims`` tells the observers (``freeing``) either way."""
+
+    slot_bytes: int
+    entries: list[Entry]
+    held: bool
 
 
 @dataclass

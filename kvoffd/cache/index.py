@@ -18,10 +18,13 @@ Rules it keeps (docs/architecture.md):
   * CLEAR unlinks entries at once; a slot still being copied is freed when its job ends;
   * a slot size below its fair share of the pool takes a chunk from the one furthest above it,
     evicting that chunk's unheld entries a bounded number per store (``Reclaimer``, reclaim.py);
-  * evicted slots a spill still reads stay out of the pool (``DeferredSlots``, deferral.py);
-  * observers (``IndexObserver``: the pool file's slot records, a lower tier, an event stream) are told of
-    every entry that becomes visible and of every slot before it goes back to the pool, in the same
-    loop callback, so what they keep can never disagree with the index for longer than that callback.
+  * a STORE's victims are returned to its caller when it asks (``hand_over``: ``StorePlan.victims``,
+    as vLLM's ``PrepareStoreOutput.evicted_keys``), which spills them or frees them
+    (``free_victims``; kvoffd/cache/keyspace.py decides); slots a spill still reads stay out of the
+    pool until it is done (``DeferredSlots``, deferral.py);
+  * observers (``IndexObserver``: the pool file's slot records, an event stream: mirrors, never drivers) are
+    told of every entry that becomes visible and of every slot before it can be written again, in the
+    same loop callback, so what they keep can never disagree with the index for longer than that callback.
 
 Everything here runs on the event loop thread; nothing blocks.
 """
@@ -35,7 +38,7 @@ from collections.abc import Collection, Iterable
 
 from kvoffd.cache import index_views
 from kvoffd.cache.deferral import DeferredSlots
-from kvoffd.cache.entries import Entry, Hits, LoadPlan, Namespace, StorePlan, Table
+from kvoffd.cache.entries import Entry, Hits, LoadPlan, Namespace, StorePlan, Table, Victims
 from kvoffd.cache.eviction import Eviction
 from kvoffd.cache.observer import IndexObserver
 from kvoffd.cache.policy import LRU, EvictionPolicy
@@ -45,7 +48,7 @@ from kvoffd.cache.runs import Run, leading
 from kvoffd.pool.allocator import Pool
 from kvoffd_client.protocol import KEY_SIZE, MissReason
 
-__all__ = ["Entry", "Hits", "Index", "IndexObserver", "LoadPlan", "Namespace", "StorePlan", "Table"]
+__all__ = ["Entry", "Hits", "Index", "IndexObserver", "LoadPlan", "Namespace", "StorePlan", "Table", "Victims"]
 
 _HISTORY = 100_000  # evicted/failed keys remembered for miss reasons and `kvoffctl explain`
 
@@ -76,7 +79,7 @@ class Index:
         self.refused = 0  # new blocks the admission policy refused (never copied)
         self.observers: list[IndexObserver] = []
         self.deferral = DeferredSlots(pool)
-        self.eviction = Eviction(self, self.deferral)
+        self.eviction = Eviction(self)
         self.reclaimer = Reclaimer(self)
 
     namespace_stats = index_views.namespace_stats  # STATS' per-namespace figures (read-only)
@@ -162,7 +165,8 @@ class Index:
         return LoadPlan(entries, found, missing)
 
     # --- stores -------------------------------------------------------------------------------------------
-    def prepare_store(self, table: Table, keys: list[bytes], admit: bool = True, shard: int = -1) -> StorePlan:
+    def prepare_store(self, table: Table, keys: list[bytes], admit: bool = True, shard: int = -1,
+                      hand_over: bool = False) -> StorePlan:
         """Slots for the keys not yet present that the policy admits, evicting the policy's victims as
         needed; no entries yet.
 
@@ -172,6 +176,8 @@ class Index:
         skips the admission policy (a promotion from a lower tier: the block was just asked for).
         ``shard``: the pool shard the slots should come from (the storing engine's NUMA node; -1:
         none): a full one spills to the others before anything is evicted (Pool.alloc).
+        ``hand_over``: the entries evicted are returned in ``plan.victims`` for the caller to spill or
+        free with ``free_victims`` before this store's copy starts (else they are freed here).
         """
         entries = table.entries
         want = [i for i, k in enumerate(keys) if k not in entries]
@@ -193,19 +199,20 @@ class Index:
         if not want:
             return StorePlan(table, keys, [], [], present, [], refused)
         evictions = self.evictions
+        victims: list[Victims] | None = [] if hand_over else None
         slots = self.pool.alloc(size, len(want), shard)
         if len(slots) < len(want):
-            self.reclaimer.reclaim(size)  # below its fair share: a chunk of another slot size comes this way
+            self.reclaimer.reclaim(size, victims)  # below its fair share: a chunk of another slot size comes this way
             slots += self.pool.alloc(size, len(want) - len(slots), shard)
         short = len(want) - len(slots)
         if short:
-            slots += self.eviction.for_store(size, short, shard)
-        self.eviction.keep_ahead(size, len(want))
+            self.eviction.evict_for(size, short, shard, victims)
+            slots += self.pool.alloc(size, short, shard)
         dropped = want[len(slots):]
         for i in dropped:  # admitted, no room: the policy lets go of what it reserved
             pol.on_remove((table, keys[i]))
         return StorePlan(table, keys, want[: len(slots)], slots, present, dropped, refused,
-                         self.evictions - evictions)
+                         self.evictions - evictions, victims=victims or [])
 
     def _touch(self, table: Table, keys: list[bytes]) -> None:
         """Keys an engine stores again are in use (it computed them itself): most recently used.
@@ -235,20 +242,13 @@ class Index:
         self._abort(plan.entries)
         return 0
 
-    def _free(self, slot_bytes: int, slots: list[int], evicted: bool = False) -> None:
-        """Give slots back to the pool (their entries are gone for good); ``evicted``: the index chose
-        them to make room (observers hear ``evicted`` first)."""
+    def _free(self, slot_bytes: int, slots: list[int]) -> None:
+        """Give slots back to the pool (their entries are gone for good), observers told first."""
         owner = self.slot_entry
         if self.observers:
             gone = [owner.pop(s) for s in slots]
-            kept: list[Entry] = []
-            if evicted and gone:  # every observer hears ``evicted`` before any hears ``freeing``: a tier
-                for o in self.observers:  # asks the keeper about blocks it forgets at their freeing
-                    kept += o.evicted(slot_bytes, gone) or ()
             for o in self.observers:
                 o.freeing(slot_bytes, gone)
-            if kept:
-                slots = self.deferral.keep(slot_bytes, slots, kept)
         else:
             for s in slots:
                 del owner[s]
@@ -345,10 +345,34 @@ class Index:
         """Free up to ``n`` slots of this size, the policy's victims first, skipping held blocks."""
         return self.eviction.evict(slot_bytes, n)
 
-    def drop_victims(self, slot_bytes: int, victims: list[Entry], reclaim: bool = False) -> int:
+    def take_victims(self, slot_bytes: int, n: int) -> Victims:
+        """Evict up to ``n`` blocks of this size and hand them over, their slots held out of the pool
+        until ``free_victims`` (a tier evicting ahead of the next STORE spills them from there)."""
+        out: list[Victims] = []
+        self.eviction.evict(slot_bytes, n, out)
+        return out[0] if out else Victims(slot_bytes, [], True)
+
+    def free_victims(self, v: Victims, keep: Collection[Entry] = ()) -> None:
+        """The caller is done with victims handed over: observers hear ``freeing`` (the bytes are still
+        in place), and held slots go back to the pool but those of ``keep``, which stay out of it until
+        ``deferral.release`` (a spill still reads them). Victims not ``held`` are in the pool already."""
+        slots = [e.slot for e in v.entries]
+        for o in self.observers if slots else ():
+            o.freeing(v.slot_bytes, v.entries)
+        if keep and not v.held:
+            log.error("free_victims: %d slots a STORE reuses cannot be kept; ignored", len(keep))
+        elif keep:
+            slots = self.deferral.keep(v.slot_bytes, slots, keep)
+        if v.held:
+            self.pool.free(v.slot_bytes, slots)
+
+    def drop_victims(self, slot_bytes: int, victims: list[Entry], reclaim: bool = False,
+                     out: list[Victims] | None = None, held: bool = True) -> int:
         """Unlink the unheld ``victims`` chosen to make room (by ``Eviction``, or by the ``Reclaimer``
-        draining a chunk: ``reclaim``) and free their slots, observers hearing ``evicted`` first; their
-        keys are remembered as evicted. Returns how many."""
+        draining a chunk: ``reclaim``); their keys are remembered as evicted. Their slots are freed,
+        unless ``out`` is given: then they are appended to it as one ``Victims`` for the caller to
+        spill or free (``free_victims``), the slots out of the pool (``held``) or back in it for the
+        STORE that evicted them. Returns how many."""
         now = time.time()
         history, shown = self.misses.evicted, 0
         for e in victims:
@@ -365,7 +389,16 @@ class Index:
         self.evictions += len(victims)
         if reclaim:
             self.reclaim_evictions += len(victims)
-        self._free(slot_bytes, [e.slot for e in victims], evicted=True)
+        slots = [e.slot for e in victims]
+        if out is None:
+            self._free(slot_bytes, slots)
+            return len(victims)
+        owner = self.slot_entry
+        for s in slots:
+            del owner[s]
+        if not held:
+            self.pool.free(slot_bytes, slots)
+        out.append(Victims(slot_bytes, victims, held))
         return len(victims)
 
     def _untrack(self, e: Entry) -> None:

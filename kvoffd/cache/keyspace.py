@@ -290,7 +290,16 @@ class Keyspace:
         return self.events.check_described(namespace, rank, n, tokens, parents)
 
     def prepare_store(self, table: Table, keys: list[bytes], shard: int = -1) -> StorePlan:
-        return self.index.prepare_store(table, keys, shard=shard)
+        """Slots for a STORE's new keys. What the index evicts for them is spilled or freed here, before
+        the copy starts: under a tier the index hands its victims over and the tier spills the blocks
+        worth keeping (copied out of the slots this store reuses, or written from slots kept out of the
+        pool) and evicts ahead for the next store (``Tiers.after_store``); with none, the index frees them."""
+        tiers = self.tiers
+        if not tiers.enabled:
+            return self.index.prepare_store(table, keys, shard=shard)
+        plan = self.index.prepare_store(table, keys, shard=shard, hand_over=True)
+        tiers.after_store(plan)
+        return plan
 
     def add_pending(self, plan: StorePlan) -> list[Entry]:
         """The plan's entries, pending until ``complete_store`` (called once its copy has started)."""
@@ -369,11 +378,11 @@ class Keyspace:
         into the pool). A namespace only a tier knows (blocks on disk from before a restart, no engine
         since) is cleared there. A CLEAR of all is one ``AllBlocksCleared`` for the mirror, not a
         removal per block."""
-        with self.tiers.clearing(namespace) as below:
-            removed = self.index.clear(namespace, in_use=in_use)
+        removed = self.index.clear(namespace, in_use=in_use)
+        below = self.tiers.clear(namespace)  # one pass over each tier, the namespaces only it knows included
         if not namespace and self.events is not None:
             self.events.all_cleared()
-        return removed, dict(below)
+        return removed, below
 
     def explain(self, namespace: str, keys: list[bytes]) -> list[dict]:
         return self.index.explain(namespace, keys)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvoffd.cache.entries import Entry
+    from kvoffd.cache.entries import Entry, Victims
     from kvoffd.cache.index import Index
 
 RECLAIM_BUDGET = 4096  # entries one store may evict from a chunk taken for another slot size
@@ -41,7 +41,7 @@ class Reclaimer:
         self.pool = index.pool
         self._drain: _Drain | None = None
 
-    def reclaim(self, slot_bytes: int) -> None:
+    def reclaim(self, slot_bytes: int, out: list[Victims] | None = None) -> None:
         """Move memory towards ``slot_bytes`` if it holds less than its fair share of the pool.
 
         One chunk at a time is drained: the pool hands nothing more out of it, and each call evicts
@@ -49,7 +49,9 @@ class Reclaimer:
         16k), so no store stalls the loop whatever the block size. Held and pending entries are
         never touched; a chunk that holds some is drained around them and freed when their refs
         drop, or given up after ``DRAIN_PATIENCE_S``. When the chunk's last slot is given back the
-        pool gives the chunk to the slot size that asked.
+        pool gives the chunk to the slot size that asked. ``out``: the entries evicted are handed
+        over there, their slots held (``Index.drop_victims``): the chunk changes hands once the caller
+        has freed them.
         """
         d = self._drain
         if d is not None and not self.pool.draining(d.chunk):
@@ -61,7 +63,7 @@ class Reclaimer:
                 return
             self.pool.begin_drain(chunk, slot_bytes)
             d = self._drain = _Drain(chunk, victim, progress_at=time.monotonic())
-        self._drain_step(d)
+        self._drain_step(d, out)
 
     def _pick_chunk(self, slot_bytes: int) -> int | None:
         """The chunk of this slot size to empty: of the few least recently allocated from (the oldest
@@ -78,7 +80,7 @@ class Reclaimer:
         get = self.index.slot_entry.get
         return any(e.refs for e in map(get, self.pool.carved_slots(chunk)) if e is not None)
 
-    def _drain_step(self, d: _Drain) -> None:
+    def _drain_step(self, d: _Drain, out: list[Victims] | None) -> None:
         """Evict up to ``RECLAIM_BUDGET`` unheld entries of the draining chunk."""
         slots = self.pool.carved_slots(d.chunk)
         get = self.index.slot_entry.get
@@ -94,7 +96,7 @@ class Reclaimer:
         d.cursor = i
         if victims:
             d.progress_at = time.monotonic()
-            self.index.drop_victims(d.slot_bytes, victims, reclaim=True)  # the chunk changes hands here if that was its last slot
+            self.index.drop_victims(d.slot_bytes, victims, reclaim=True, out=out)  # the chunk changes hands here if that was its last slot
         if not self.pool.draining(d.chunk):
             self._drain = None
         elif i >= len(slots):  # what is left was held when passed

@@ -1,8 +1,8 @@
 """Warm restart: the keeper of a pool that lives in a file (kvoffd/pool/file.py).
 
-``FileKeeper`` is an ``IndexObserver`` (kvoffd/cache/observer.py: it overrides the moments below; the
-index's ``evicted`` needs nothing more here, since its slots' ``freeing`` follows) and composes the
-parts of a warm restart, each owning its state:
+``FileKeeper`` is an ``IndexObserver`` (kvoffd/cache/observer.py: it overrides the moments below; an
+evicted block's slot is one more ``freeing``) and composes the parts of a warm restart, each owning
+its state:
 
 * ``RecordMirror`` (kvoffd/cache/restart/mirror.py): the slot records and namespace facts
   (kvoffd/cache/restart/records.py) kept true from the index's moments, the checksums behind the

@@ -3,54 +3,37 @@
 With KV events on, ``publish`` connects each tier to the stream: what it writes and drops is
 published under its medium, and what it found at start is announced (kvoffd/events/announce.py).
 
-It is an index observer (a subclass of kvoffd/cache/index.py's ``IndexObserver``): blocks evicted from
-the pool are spilled (``evicted``), a CLEAR clears the tiers (``cleared``, per namespace; the server
-wraps every CLEAR in ``clearing``, which counts what each tier forgot for the reply, makes a CLEAR of
-all one pass over the tiers, and clears a namespace the index does not know: blocks left on disk from
-before a restart). And it is the one object the server calls
-for the rest, at two places: ``find_below`` after the pool's leading hits (the blocks found below are
-hits too; ``fits`` says whether the LOOKUP may be answered before ``promote`` takes their pool slots
-and starts their reads) and ``promotions`` before a LOAD (which then waits for them, so the LOAD itself
+The keyspace (kvoffd/cache/keyspace.py) calls it at each moment that concerns the tiers: the victims
+of every STORE (``after_store``: spilled, kvoffd/cache/tiers/spill.py, or freed, and the next store's
+room evicted ahead), a CLEAR (``clear``: what each tier forgot, for the reply; a CLEAR of all is one
+pass over the tiers, which also takes the namespaces the index does not know: blocks left on disk
+from before a restart), a LOOKUP past the pool's leading hits (``find_below``: the blocks found below
+are hits too; ``fits`` says whether the LOOKUP may be answered before ``promote`` takes their pool
+slots and starts their reads) and a LOAD (``promotions``, which it then waits for, so the LOAD itself
 is an ordinary pool -> engine copy).
 
-Spilled bytes are never copied on the loop: the tier's I/O threads write them straight from the pool
-slot, which the index keeps out of the pool meanwhile (a deferred free, kvoffd/cache/deferral.py)
-and which ``evicted``'s write gives back once it has read it. At most ``spill_buffer_bytes`` are
-deferred; past it a spill is dropped (counted ``busy``), never waited for, so a slow disk cannot
-stall stores or the loop. One fallback copies: a STORE that needs more slots at once than the index
-kept free ahead of it (kvoffd/cache/deferral.py) has its victims copied out on the loop into a
-staging buffer (within the same budget, counted in ``spill_copies``) rather than dropped.
-
-A promotion takes pool slots the way a STORE does (evicting as needed, bypassing admission: the block
-was just asked for) as pending entries, visible only once the tier has verified the bytes; a block that
-fails is aborted (its LOAD reports it failed, the engine recomputes). A slot is never freed while a
-read into it is in flight: the entry keeps its store ref until the tier resolves the read.
-
-A block adopted at a warm restart whose checksum the keeper has not verified yet (kvoffd/cache/restart/verifier.py)
-is checked against it before it is spilled, on a thread, and dropped (counted ``corrupt``) when it
-fails: the tier would otherwise give the corrupt bytes a fresh checksum of its own and serve them.
-Until its check is done such a block is neither staged nor written. And a tier that raises is a
-dropped spill (counted ``error``, logged), never an error in the eviction that called it: the index
-must stay whole whatever a tier does.
+A promotion takes pool slots the way a STORE does (evicting as needed, its victims spilled in turn,
+bypassing admission: the block was just asked for) as pending entries, visible only once the tier has
+verified the bytes; a block that fails is aborted (its LOAD reports it failed, the engine recomputes).
+A slot is never freed while a read into it is in flight: the entry keeps its store ref until the tier
+resolves the read.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import mmap
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvoffd.cache.checksum import block_sum
 from kvoffd.cache.deferral import AHEAD_SHARE
-from kvoffd.cache.index import Entry, Hits, Index, IndexObserver, StorePlan, Table
+from kvoffd.cache.index import Entry, Hits, Index, StorePlan, Table
 from kvoffd.cache.tiers.base import Held, SpillResult, TableRef, Tier, TierEvents, TierStats
+from kvoffd.cache.tiers.spill import SPILL_BUFFER_BYTES, Spill, Spills, views
 from kvoffd.runtime import UnsafePath
 from kvoffd_client.protocol import KEY_SIZE, split_keys
 
@@ -61,33 +44,6 @@ log = logging.getLogger(__name__)
 
 _K = KEY_SIZE
 PROMOTE_WAIT_S = 10.0  # a LOAD waits at most this long for a promotion (then those blocks fail)
-SPILL_BUFFER_BYTES = 256 << 20
-_POPULATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-FAULT_LOG_S = 60.0  # a tier that keeps raising: its traceback once, then a line at most this often
-
-
-@dataclass
-class _Spill:
-    """One write to a tier of blocks evicted together: ``src`` are views of their deferred pool slots."""
-
-    tier: Tier
-    table: Table
-    slot_bytes: int
-    keys: list[bytes]
-    slots: list[int]  # deferred pool slots, given back when the write resolves ([] once copied out)
-    src: list[memoryview] = field(default_factory=list)
-    copied: int = 0  # bytes in a staging copy (the fallback), counted against the budget
-    unchecked: list[tuple[int, int]] = field(default_factory=list)  # (position, checksum): adopted, not verified yet
-
-
-@dataclass
-class _Clearing:
-    """A CLEAR under way (``Tiers.clearing``): its namespace ("" = all), the blocks each tier forgot,
-    and whether the tiers were cleared yet."""
-
-    namespace: str
-    removed: dict[str, int]
-    done: bool = False
 
 
 @dataclass
@@ -114,37 +70,23 @@ class Below:
     tables: list[Table]
 
 
-class Tiers(IndexObserver):
-    """``keeper``: the pool file's keeper (kvoffd/cache/restart/keeper.py), asked which evicted blocks are adopted
-    and not verified yet (``must_check``) and whether their bytes still match (``intact``); None: a
-    pool without one (nothing adopted)."""
+class Tiers:
+    """``keeper``: the pool file's keeper (kvoffd/cache/restart/keeper.py), for the spills of adopted
+    blocks (``Spills``); None: a pool without one (nothing adopted). ``spill_buffer_bytes``: what spills
+    may hold of the pool's slots and of staging copies."""
 
     def __init__(self, index: Index, tiers: Sequence[Tier], verify: bool = False,
                  spill_buffer_bytes: int = SPILL_BUFFER_BYTES, keeper: Keeper | None = None):
         self.index = index
         self.tiers = list(tiers)
         self.verify = verify
-        self.keeper = keeper
-        self.spill_corrupt = 0  # adopted blocks not spilled: their bytes failed the checksum they were adopted with
-        self.spill_errors = 0  # blocks not spilled because the tier raised (a bug: logged)
-        self._fault_logged = -FAULT_LOG_S
-        self.spill_buffer_bytes = spill_buffer_bytes
         self._refs: dict[Table, TableRef] = {}
         self._promoting: dict[Entry, asyncio.Future] = {}
-        self._spilling: set[asyncio.Future] = set()
-        self._copied_bytes = 0  # staging copies in flight (the fallback when a STORE needs the slots now)
-        self.spill_copies = 0  # blocks copied on the loop by that fallback
-        self._held: list[_Spill] | None = None  # spills begun during a LOOKUP's promotions, written after them
-        self._staged: dict[tuple[Table, bytes], memoryview] = {}  # spilled, write not done: its pool slot
+        self.spills = Spills(index, self.tiers[0], self._ref, spill_buffer_bytes, keeper) if self.tiers else None
         self.staged_hits = 0
         self.no_room = 0  # blocks a LOOKUP answered before their promotion that no pool slot was found for
         self.hits: dict[str, int] = {t.name: 0 for t in self.tiers}
-        self.spill_busy = 0
-        self._clearing: _Clearing | None = None  # inside ``clearing``
         self.disabled = ""  # why a configured tier is not running (kvoffctl status shows it)
-        if self.tiers:
-            index.observers.append(self)
-            index.deferral.budget = spill_buffer_bytes  # spills read their (deferred) pool slots
 
     @property
     def enabled(self) -> bool:
@@ -169,7 +111,8 @@ class Tiers(IndexObserver):
 
     async def aclose(self, timeout: float = 30.0) -> None:
         """Let spills in flight land in the index (a clean stop keeps them), then close the tiers."""
-        pending = [f for f in self._spilling if not f.done()] + [f for f in self._promoting.values() if not f.done()]
+        spilling = self.spills.in_flight if self.spills is not None else ()
+        pending = [f for f in spilling if not f.done()] + [f for f in self._promoting.values() if not f.done()]
         if pending:
             await asyncio.wait(pending, timeout=timeout)
         for t in self.tiers:
@@ -182,42 +125,26 @@ class Tiers(IndexObserver):
             ref = self._refs[t] = TableRef(t.namespace, t.rank, ns.world_size, ns.layouts[t.rank])
         return ref
 
-    # --- the observer seam ------------------------------------------------------------------------
-    # ``committed`` and ``freeing`` stay no-ops: a tier is written when a block leaves the pool (the
-    # ``evicted`` moment, just before its ``freeing``), not when it enters; other frees are not kept.
-    def cleared(self, namespace: str) -> None:
-        """Forget ``namespace`` below the pool too ("" = every namespace: the server's CLEAR of all)."""
-        c = self._clearing
-        if c is not None and not c.namespace:
-            return  # one pass over the tiers for all of them, when the CLEAR of all ends
-        self._clear_tiers(namespace, c)
+    # --- STORE and CLEAR --------------------------------------------------------------------------
+    def after_store(self, plan: StorePlan, writes: list[Spill] | None = None) -> None:
+        """A STORE (or a promotion) got its slots: its victims (``plan.victims``, handed over) are
+        spilled or freed before its copy starts, and the next store's room is evicted ahead."""
+        spills = self.spills
+        assert spills is not None
+        if plan.victims:
+            spills.settle(plan.victims, writes)
+        if plan.copy_idx or plan.dropped:
+            spills.keep_ahead(plan.table.slot_bytes, len(plan.copy_idx) + len(plan.dropped), writes)
 
-    def _clear_tiers(self, namespace: str, c: _Clearing | None) -> None:
-        for t in self.tiers:
-            n = t.clear(namespace)
-            if c is not None:
-                c.removed[t.name] += n
-        if c is not None:
-            c.done = True
+    def clear(self, namespace: str) -> dict[str, int]:
+        """Forget ``namespace`` below the pool too ("" = every namespace, in one pass over each tier,
+        those only a tier knows included: blocks left on disk from before a restart). Returns the
+        blocks each tier forgot, by tier name. Called after the index's CLEAR."""
+        removed = {t.name: t.clear(namespace) for t in self.tiers}
         self._refs = {t: r for t, r in self._refs.items() if namespace and r.namespace != namespace}
-        self._staged = {k: v for k, v in self._staged.items() if namespace and k[0].namespace != namespace}
-
-    @contextlib.contextmanager
-    def clearing(self, namespace: str) -> Iterator[dict[str, int]]:
-        """Around the index's CLEAR of ``namespace`` ("" = all); yields the blocks each tier forgot, by
-        tier name, filled in when the block ends (the CLEAR's reply says them beside the pool's).
-
-        Of all: the index's per-namespace ``cleared`` moments become one clear of the tiers at the end
-        (a tier's clear walks its whole index), which also takes the namespaces only the tiers
-        know. Of one: the index tells ``cleared`` if it knows the namespace; if it does not (blocks left
-        on disk from before a restart, no engine registered since), the tiers are cleared here."""
-        c = self._clearing = _Clearing(namespace, {t.name: 0 for t in self.tiers})
-        try:
-            yield c.removed
-        finally:
-            self._clearing = None
-            if not c.done:
-                self._clear_tiers(namespace, c)
+        if self.spills is not None:
+            self.spills.forget(namespace)
+        return removed
 
     def namespace_blocks(self) -> dict[str, dict[str, Held]]:
         """Namespace -> tier name -> what that tier holds of it (tiers that hold none of it left out)."""
@@ -226,154 +153,6 @@ class Tiers(IndexObserver):
             for ns, held in t.namespace_blocks().items():
                 out.setdefault(ns, {})[t.name] = held
         return out
-
-    def evicted(self, slot_bytes: int, entries: Sequence[Entry]) -> list[Entry]:
-        """Spill what the pool evicts (visible blocks, admitted once), unless a tier holds it already.
-        Returns the entries spilled: their slots stay out of the pool (deferred) until the write has
-        read them. When the index needs the slots now (``index.deferral.ok`` off: a STORE larger than the
-        reserve kept ahead) the blocks are copied out instead. Past the budget a spill is dropped
-        (counted ``busy``), never waited for."""
-        tier = self.tiers[0]
-        index = self.index
-        groups: dict[Table, list[Entry]] = {}
-        for e in entries:
-            if e.ready:
-                groups.setdefault(e.table, []).append(e)
-        kept: list[Entry] = []
-        for t, es in groups.items():
-            sp: _Spill | None = None
-            try:
-                keys = b"".join([e.key for e in es])
-                have_it = tier.contains(self._ref(t), keys, touch=True).tolist()  # used in the pool since
-                todo = [e for e, have in zip(es, have_it, strict=True)
-                        if not have and (t, e.key) not in self._staged]
-                room = max(0, index.deferral.budget - index.deferral.deferred_bytes - self._copied_bytes
-                           - len(kept) * slot_bytes) // slot_bytes
-                if len(todo) > room:
-                    self.spill_busy += len(todo) - room
-                    todo = todo[:room]
-                if not todo:
-                    continue
-                sp = _Spill(tier, t, slot_bytes, [e.key for e in todo], [e.slot for e in todo],
-                            unchecked=self._unchecked(todo))
-                if not index.deferral.ok:  # the STORE needs these slots now: the one case the loop still copies (bounded)
-                    self._copy_out(sp)
-                self._spill(sp)
-            except Exception:  # the index must stay whole whatever a tier does: these blocks are just not spilled
-                self._fault("a spill", len(es))
-                if sp is not None:
-                    sp.slots = []  # not deferred: the index frees them itself
-                    self._spilled(sp)
-                continue
-            if index.deferral.ok:
-                kept += todo
-        return kept
-
-    def _unchecked(self, entries: list[Entry]) -> list[tuple[int, int]]:
-        """The adopted blocks among ``entries`` that the keeper has not verified yet, with the checksum
-        they were adopted with (asked now: the keeper forgets them at their ``freeing``, just after)."""
-        k = self.keeper
-        if k is None or not k.must_check(entries):
-            return []
-        return [(i, e.checksum) for i, e in enumerate(entries) if k.must_check((e,))]
-
-    def _fault(self, what: str, blocks: int) -> None:
-        """A tier raised: ``blocks`` dropped (counted ``error``); the traceback once, then a line a minute."""
-        self.spill_errors += blocks
-        now = time.monotonic()
-        if now - self._fault_logged >= FAULT_LOG_S:
-            first = self._fault_logged < 0
-            self._fault_logged = now
-            log.error("disk tier: %s failed (%d blocks dropped, %d in all); the daemon goes on without them",
-                      what, blocks, self.spill_errors, exc_info=first)
-
-    def _copy_out(self, sp: _Spill) -> None:
-        """Copy the blocks out of their slots into a page-aligned staging buffer (O_DIRECT writes
-        straight from it); the slots are then free at once (``sp.slots`` emptied: nothing deferred)."""
-        size = sp.slot_bytes
-        # MAP_POPULATE: the kernel faults the pages in at once; touched one page at a time by the copy
-        # they cost most of it (~5 µs per 4 KiB page on the VM: bench/index_scale.py, disk hits)
-        staging = mmap.mmap(-1, len(sp.slots) * size, flags=_POPULATE)
-        dst = np.frombuffer(staging, dtype=np.uint8)
-        buf = self.index.pool.buffer
-        for i, s in enumerate(sp.slots):
-            dst[i * size:(i + 1) * size] = buf[s:s + size]
-        view = memoryview(staging)
-        sp.src = [view[i * size:(i + 1) * size] for i in range(len(sp.slots))]
-        sp.copied = len(sp.slots) * size
-        sp.slots = []
-        self._copied_bytes += sp.copied
-        self.spill_copies += len(sp.src)
-
-    def _spill(self, sp: _Spill) -> None:
-        if not sp.src:
-            sp.src = _views(self.index.pool.buffer, sp.slots, sp.slot_bytes)  # the pool's memory: no copy
-        if sp.unchecked:  # adopted blocks not verified yet: checked first, off the loop
-            self._check_then_spill(sp)
-            return
-        for k, v in zip(sp.keys, sp.src, strict=True):  # until the write lands, a lookup is served from here
-            self._staged[(sp.table, k)] = v
-        if self._held is not None:  # a LOOKUP is promoting: its reads go first (see ``promote``)
-            self._held.append(sp)
-        else:
-            self._write(sp)
-
-    def _check_then_spill(self, sp: _Spill) -> None:
-        """Compare the unverified adopted blocks of ``sp`` with their checksums on a thread (their bytes
-        stay put meanwhile: deferred slots, or the staging copy), then spill those that match."""
-        keeper = self.keeper
-        assert keeper is not None
-        todo, src = list(sp.unchecked), sp.src
-
-        def check() -> list[int]:
-            return [i for i, want in todo if not keeper.intact(src[i], want)]
-
-        fut = asyncio.get_running_loop().run_in_executor(None, check)
-        self._spilling.add(fut)
-
-        def checked(f: asyncio.Future) -> None:
-            self._spilling.discard(f)
-            bad = set(f.result()) if not f.cancelled() and f.exception() is None else {i for i, _ in todo}
-            if bad:
-                self.spill_corrupt += len(bad)
-                log.warning("%d blocks adopted at the restart failed their checksum as they left the pool: "
-                            "not spilled", len(bad))
-                sp.keys = [k for i, k in enumerate(sp.keys) if i not in bad]
-                sp.src = [v for i, v in enumerate(sp.src) if i not in bad]
-            sp.unchecked = []
-            if sp.keys:
-                self._spill(sp)
-            else:
-                self._spilled(sp)
-
-        fut.add_done_callback(checked)
-
-    def _write(self, sp: _Spill) -> None:
-        try:
-            fut = sp.tier.write(self._ref(sp.table), b"".join(sp.keys), sp.src)
-        except Exception:  # a tier that raises: the spill is dropped, its slots given back as if written
-            self._fault("a spill", len(sp.keys))
-            asyncio.get_running_loop().call_soon(self._spilled, sp)  # (after ``evicted`` deferred them)
-            return
-        self._spilling.add(fut)
-
-        def done(f: asyncio.Future) -> None:  # every task of the write has read its slots
-            self._spilling.discard(f)
-            self._spilled(sp)
-
-        fut.add_done_callback(done)
-
-    def _spilled(self, sp: _Spill) -> None:
-        """The spill's bytes are read (written, or dropped): unstaged, its slots back to the pool."""
-        for k, v in zip(sp.keys, sp.src, strict=True):
-            if self._staged.get((sp.table, k)) is v:
-                del self._staged[(sp.table, k)]
-        sp.src = []
-        self._copied_bytes -= sp.copied
-        sp.copied = 0
-        if sp.slots:
-            slots, sp.slots = sp.slots, []
-            self.index.deferral.release(sp.slot_bytes, slots)
 
     # --- lookups and loads ------------------------------------------------------------------------
     def find_below(self, namespace: str, keys: bytes, hits: Hits) -> Below | None:
@@ -412,7 +191,7 @@ class Tiers(IndexObserver):
 
         Surely: the slots free now, plus the ready blocks the policy may evict less every ref taken
         in the pool (``Index.evictable``: a held block is never evicted) and the blocks this answer
-        itself pins, cover every key past the pool's hits. A full pool passes; one whose blocks are
+        itself holds, cover every key past the pool's hits. A full pool passes; one whose blocks are
         mostly leased does not."""
         need: dict[int, int] = {}
         ahead: dict[int, int] = {}
@@ -423,8 +202,8 @@ class Tiers(IndexObserver):
             need[size] = need.get(size, 0) + per_rank
             if i:  # each rank's store evicts ahead for the next (deferred slots: not free at once)
                 ahead[size] = ahead.get(size, 0) + min(per_rank, index.pool.slots_share(size) // AHEAD_SHARE)
-        pinned = (below.hits.n + per_rank) * len(below.tables)
-        return all(index.pool.spare_slots(size, k) + index.evictable(size) - pinned - ahead.get(size, 0) >= k
+        held = (below.hits.n + per_rank) * len(below.tables)
+        return all(index.pool.spare_slots(size, k) + index.evictable(size) - held - ahead.get(size, 0) >= k
                    for size, k in need.items())
 
     def promote(self, below: Below, answered: bool = False) -> Hits:
@@ -448,22 +227,21 @@ class Tiers(IndexObserver):
             by_rank = {r: [ns.tables[r].visible[keys[i * _K:(i + 1) * _K]] for i in range(n)]
                        for r in range(ns.world_size)}
         keep = {id(e) for e in self._lead_entries(by_rank)}
-        pinned = [e for w in walks for e in w.lead if e is not None and id(e) not in keep]
-        pinned += self._lead_entries(by_rank)
+        held = [e for w in walks for e in w.lead if e is not None and id(e) not in keep]
+        held += self._lead_entries(by_rank)
         # what this answer promises must survive the evictions the promotions cause
-        self.index.hold(Hits(len(pinned), {0: pinned}, None, ns.world_size))
+        self.index.hold(Hits(len(held), {0: held}, None, ns.world_size))
         # The promotions evict pool blocks, whose spills would take tier slots: one of them could be a
         # block about to be read. So the spills wait until every read is submitted (a read in flight
         # keeps its slot from reuse).
-        self._held = []
+        writes: list[Spill] = []
         try:
             for w in walks:
-                limit = min(limit, self._promote(w, limit))
+                limit = min(limit, self._promote(w, limit, writes))
         finally:
-            held, self._held = self._held, None
-            self.index.release(pinned)
-            for sp in held:
-                self._write(sp)
+            self.index.release(held)
+            for sp in writes:
+                self.spills.write(sp)
         if answered:
             self.no_room += below.n - n - limit
         if not limit:
@@ -483,7 +261,7 @@ class Tiers(IndexObserver):
         (``find_below`` says why "may"). The first key is asked exactly, alone: the usual miss (a new
         prompt) costs one lookup of one key."""
         get = t.entries.get
-        staged = self._staged
+        staged = self.spills.staged
         promoting = self._promoting
         tier, ref = self.tiers[0], self._ref(t)
         first = rest[:_K]
@@ -520,7 +298,7 @@ class Tiers(IndexObserver):
         """The leading keys of ``rest`` (at most ``limit``) this rank serves, exactly: its entry (pool or
         promotion under way) or None for a tier block, and the positions of the tier blocks to promote."""
         get = t.entries.get
-        staged = self._staged
+        staged = self.spills.staged
         keys = split_keys(rest[:limit * _K])
         on = self.tiers[0].contains(self._ref(t), rest[:limit * _K]).tolist()
         ents = list(map(get, keys))
@@ -540,7 +318,7 @@ class Tiers(IndexObserver):
             wanted.append(i)
         return _Walk(t, keys, lead, wanted)
 
-    def _promote(self, w: _Walk, limit: int) -> int:
+    def _promote(self, w: _Walk, limit: int, writes: list[Spill]) -> int:
         """Pool slots and reads for this rank's tier blocks among the first ``limit``; returns how many
         leading keys stay hits (fewer when the pool had no room for all)."""
         t, lead = w.table, w.lead
@@ -548,7 +326,8 @@ class Tiers(IndexObserver):
         if not wanted:
             return limit
         keys = [w.keys[i] for i in wanted]
-        plan = self.index.prepare_store(t, keys, admit=False)
+        plan = self.index.prepare_store(t, keys, admit=False, hand_over=True)
+        self.after_store(plan, writes)  # before any byte lands in the slots it reused
         if plan.dropped:
             limit = min(limit, wanted[plan.dropped[0]])
         if not plan.copy_idx:
@@ -561,7 +340,7 @@ class Tiers(IndexObserver):
         entries = self._from_staging(plan, entries)
         if not entries:
             return limit
-        dest = _views(self.index.pool.buffer, [e.slot for e in entries], t.slot_bytes)
+        dest = views(self.index.pool.buffer, [e.slot for e in entries], t.slot_bytes)
         fut = tier.read(self._ref(t), b"".join([e.key for e in entries]), dest)
         for e in entries:
             self._promoting[e] = fut
@@ -578,7 +357,8 @@ class Tiers(IndexObserver):
         """Blocks spilled moments ago, whose write has not landed, are copied back from their deferred
         pool slot (the bytes of a committed block, untouched until the write gives it back) and made
         visible at once; returns the others."""
-        if not self._staged:
+        staged = self.spills.staged
+        if not staged:
             return entries
         t = plan.table
         size = t.slot_bytes
@@ -586,7 +366,7 @@ class Tiers(IndexObserver):
         done: list[Entry] = []
         rest: list[Entry] = []
         for e in entries:
-            v = self._staged.get((t, e.key))
+            v = staged.get((t, e.key))
             if v is None:
                 rest.append(e)
                 continue
@@ -625,33 +405,26 @@ class Tiers(IndexObserver):
     def stats(self) -> list[TierStats]:
         out = []
         for t in self.tiers:
+            sp = self.spills
+            assert sp is not None
             st = t.stats()
             st = replace(st, spills_dropped=dict(st.spills_dropped), notes=dict(st.notes))  # not the tier's own
             st.hits = self.hits[t.name]
             st.promotions += self.staged_hits  # served from a spill still in flight
-            if self.spill_busy:
-                st.spills_dropped[SpillResult.BUSY.value] = self.spill_busy
-            if self.spill_errors:  # the tier raised (its own I/O errors are in its count already)
+            if sp.busy:
+                st.spills_dropped[SpillResult.BUSY.value] = sp.busy
+            if sp.errors:  # the tier raised (its own I/O errors are in its count already)
                 st.spills_dropped[SpillResult.ERROR.value] = st.spills_dropped.get(SpillResult.ERROR.value, 0) \
-                    + self.spill_errors
-            if self.spill_corrupt:
-                st.spills_dropped[SpillResult.CORRUPT.value] = self.spill_corrupt
+                    + sp.errors
+            if sp.corrupt:
+                st.spills_dropped[SpillResult.CORRUPT.value] = sp.corrupt
             st.staged_hits = self.staged_hits
-            st.spill_copies = self.spill_copies  # the fallback that copies on the loop
+            st.spill_copies = sp.copies  # the fallback that copies on the loop
             st.promotions_no_room = self.no_room
             st.spill_deferred_bytes = self.index.deferral.deferred_bytes  # pool slots spills still read
-            st.spills_in_flight = len(self._staged)
+            st.spills_in_flight = len(sp.staged)
             out.append(st)
         return out
-
-
-def _views(buf: np.ndarray, slots: Sequence[int], size: int) -> list[memoryview]:
-    """One memoryview per slot of the pool's buffer. Sliced from one view of the whole buffer: a slice of
-    a memoryview is ~0.2 µs where ``memoryview(buf[a:b])`` (a numpy slice, then a view of it) is ~3 µs,
-    a third of a 1,024-block promotion's loop time (bench/index_scale.py, disk hits). The parent view is
-    local: the slices keep the pool's mapping exported only as long as they live, as before."""
-    mv = memoryview(buf)
-    return [mv[s:s + size] for s in slots]
 
 
 def make_tiers(index: Index, disk_path: str, disk_size: int, verify: bool, disk_policy: str = "clock2-ghost",
