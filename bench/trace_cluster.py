@@ -16,10 +16,11 @@ prefix, one STORE of the rest per request; every loaded byte checked):
 
 A block is a hit when it is leading and its LOAD succeeded: a block the cluster evicted after a node
 learned it was there fails its LOAD (the daemon's notice names it) and is recomputed and stored like a
-miss, as vLLM does. The daemon asks the cluster about a LOOKUP's local misses in the background and
-the next LOOKUP of the prefix finds what it held; the replay lets that probe answer (it waits for the
-remote tier's ``probes_done`` in STATS, at most ``--probe-wait-ms``) and asks again before it loads:
-vLLM's asynchronous lookup (the connector answers "not yet" for a step) would wait the same way.
+miss, as vLLM does. The daemon asks the cluster about a LOOKUP's local misses before it answers (at most
+Keyspace's REMOTE_ASK_WAIT_S); the replay also makes sure that probe has answered (the remote tier's
+``probes_done`` in STATS, at most ``--probe-wait-ms``) and asks again before it loads, so that a
+probe that outlived the daemon's wait on a loaded box still counts (the runs of docs/benchmarks.md
+before 9cfd9db relied on this wait alone).
 
     python bench/trace_cluster.py [--trace PATH] [--nodes 2] [--dram 2000] [--cluster-blocks 16000]
                                   [--requests N] [--setups single,cluster,local] [--maxmemory-samples 5]
