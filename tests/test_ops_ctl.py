@@ -12,8 +12,8 @@ import subprocess
 import sys
 
 import pytest
+from disktier import POOL, Rig, disk_flags, fill_and_spill
 from kvtest import chain_keys, start_daemon, wait_until
-from test_tier_disk import POOL, Rig, _disk, _fill_and_spill
 
 NS = "ops-ctl"
 
@@ -206,7 +206,7 @@ def _disk_blocks(n: dict | None) -> int:
 def _two_namespaces_on_disk(d) -> None:
     for ns in ("tenant-a", "tenant-b"):
         rig = Rig(d, ns=ns)
-        _fill_and_spill(rig, rounds=2)
+        fill_and_spill(rig, rounds=2)
         rig.c.unregister("disk-0")
         rig.close()
     c = d.client()
@@ -218,7 +218,7 @@ def test_namespaces_and_clear_count_the_disk_tier_and_one_namespace_leaves_every
     """Issue 33 point 10: `kvoffctl namespaces` shows each namespace's blocks in the pool and on disk
     (before: the pool's only), `kvoffctl clear --namespace` says what it removed from each, and it
     purges that namespace from every tier while another keeps all its blocks in both."""
-    d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *_disk(tmp_path))
+    d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *disk_flags(tmp_path))
     try:
         _two_namespaces_on_disk(d)
         before = _spaces(d.address)
@@ -249,7 +249,7 @@ def test_a_namespace_only_the_disk_holds_after_a_restart_is_listed_and_cleared(t
     """After a restart, before any engine registers again, the disk's blocks are the daemon's all the
     same: `kvoffctl namespaces` lists their namespaces (before: "no namespaces") and `kvoffctl clear
     --namespace` takes one (before: refused as a namespace the daemon does not hold)."""
-    args = _disk(tmp_path)
+    args = disk_flags(tmp_path)
     d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *args)
     try:
         _two_namespaces_on_disk(d)

@@ -17,81 +17,15 @@ import subprocess
 import sys
 
 import pytest
+from disktier import LRU, POOL, SLOT, Rig, disk_flags, fill_and_spill
 from kvtest import chain_keys, start_daemon, wait_until
 from reliability_util import ShmEngine, metric_value
 
-SLOT = 64 << 10
-POOL = "8MiB"  # 128 slots
-LRU = ("--eviction-policy", "lru")  # every block admitted: what is evicted is known
-
-
-def _disk(tmp_path, *extra: str, size: str = "64MiB") -> tuple[str, ...]:
-    return ("--disk-path", str(tmp_path / "disk"), "--disk-size", size, *LRU, *extra)
-
-
-class Rig:
-    """One engine on one daemon: store chains, look them up, load them into fresh blocks."""
-
-    def __init__(self, d, blocks: int = 512, ns: str = "disk"):
-        self.d, self.ns = d, ns
-        self.eng = ShmEngine(blocks, SLOT, tag="disk")
-        self.c = d.client()
-        self.c.register("disk-0", ns, 0, 1, self.eng.memory, self.eng.layout)
-        self.job = 0
-
-    def store(self, keys: list[bytes], base: int = 0) -> None:
-        ids = range(base, base + len(keys))
-        self.eng.fill(ids, keys)
-        self.job += 1
-        self.c.submit_store("disk-0", self.job, keys, ids)
-        n = self.c.wait_notices({self.job}, 30)
-        assert n and n[0].ok, n
-
-    def lookup_load(self, keys: list[bytes], base: int) -> tuple[int, object]:
-        """Hits, then the LOAD of the hit prefix into blocks ``base..`` (poisoned first)."""
-        hits = self.c.lookup(self.ns, keys).hits
-        ids = range(base, base + hits)
-        self.eng.poison(ids)
-        if not hits:
-            return 0, None
-        self.job += 1
-        self.c.submit_load("disk-0", self.job, keys[:hits], ids)
-        n = self.c.wait_notices({self.job}, 30)
-        assert n, "no notice for the load"
-        return hits, n[0]
-
-    def exact(self, keys: list[bytes], base: int, notice) -> int:
-        """Blocks loaded byte-exact; every block the notice calls good must be exact."""
-        ids = list(range(base, base + len(keys)))
-        good = self.eng.matches(ids, keys)
-        failed = set(notice.failed) if notice is not None else set()
-        for i, ok in enumerate(good):
-            assert ok or i in failed, f"block {i} reported loaded but holds the wrong bytes"
-        return int(good.sum())
-
-    def tier(self, name: str = "disk") -> dict:
-        return next(t for t in self.c.stats()["tiers"] if t["name"] == name)
-
-    def close(self) -> None:
-        self.c.close()
-        self.eng.close()
-
-
-def _fill_and_spill(rig: Rig, n_old: int = 100, rounds: int = 3) -> list[bytes]:
-    """``n_old`` blocks stored first, then enough others to evict them all from the pool; returns the
-    old chain once the disk holds all of it."""
-    old = chain_keys(n_old, b"old")
-    rig.store(old)
-    for r in range(rounds):
-        rig.store(chain_keys(100, b"new%d" % r), base=100)
-    assert wait_until(lambda: rig.tier()["spills"] >= n_old, 30), rig.tier()
-    return old
-
 
 def test_evicted_blocks_come_back_from_disk_byte_exact(make_daemon, tmp_path):
-    d = make_daemon(POOL, *_disk(tmp_path))
+    d = make_daemon(POOL, *disk_flags(tmp_path))
     rig = Rig(d)
-    old = _fill_and_spill(rig)
+    old = fill_and_spill(rig)
     assert rig.c.explain("disk", old[:1])[0]["state"] != "resident"  # gone from the pool
     hits, notice = rig.lookup_load(old, 200)
     assert hits == len(old), rig.tier()
@@ -116,9 +50,9 @@ def test_the_pools_counters_agree_when_promotions_evict(make_daemon, tmp_path):
     ``evicted_blocks`` (before: the first was 100 below the other two here, the promotions' evictions left out).
     Promotions are counted (``promoted_blocks``), so the pool's books balance: stored + promoted -
     evicted = resident."""
-    d = make_daemon(POOL, *_disk(tmp_path))
+    d = make_daemon(POOL, *disk_flags(tmp_path))
     rig = Rig(d)
-    old = _fill_and_spill(rig)
+    old = fill_and_spill(rig)
     hits, notice = rig.lookup_load(old, 200)  # 100 promotions into a full pool: 100 more evictions
     assert hits == len(old) and notice.ok
     st = rig.c.stats()
@@ -133,11 +67,11 @@ def test_the_pools_counters_agree_when_promotions_evict(make_daemon, tmp_path):
 
 
 def test_disk_blocks_survive_a_restart(tmp_path):
-    args = _disk(tmp_path)
+    args = disk_flags(tmp_path)
     d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *args)
     try:
         rig = Rig(d)
-        old = _fill_and_spill(rig)
+        old = fill_and_spill(rig)
         rig.close()
     finally:
         d.stop()
@@ -157,7 +91,7 @@ def test_sigkill_mid_spill_serves_no_torn_block(tmp_path):
     that did land are then torn on disk (their second half overwritten, as a write cut short by a
     crash would leave them). After the restart every block is either served byte-exact or reported
     failed; the torn ones are never served."""
-    args = _disk(tmp_path)
+    args = disk_flags(tmp_path)
     d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *args)
     rig = Rig(d)
     old = chain_keys(100, b"old")
@@ -187,9 +121,9 @@ def test_sigkill_mid_spill_serves_no_torn_block(tmp_path):
 
 
 def test_corrupt_and_truncated_disk_blocks_are_misses(make_daemon, tmp_path):
-    d = make_daemon(POOL, *_disk(tmp_path))
+    d = make_daemon(POOL, *disk_flags(tmp_path))
     rig = Rig(d)
-    old = _fill_and_spill(rig)
+    old = fill_and_spill(rig)
     data = tmp_path / "disk" / f"blocks-{SLOT}.dat"
     with open(data, "r+b") as f:  # flip bytes in every slot: each block on disk is now corrupt
         for off in range(0, os.path.getsize(data), SLOT):
@@ -226,7 +160,7 @@ def _fsize_limit() -> None:
 
 def test_full_disk_drops_spills_and_keeps_serving(tmp_path):
     """RLIMIT_FSIZE makes the data file unable to grow past 20 blocks: a real EFBIG from pwritev."""
-    d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *_disk(tmp_path), preexec_fn=_fsize_limit)
+    d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *disk_flags(tmp_path), preexec_fn=_fsize_limit)
     try:
         rig = Rig(d)
         old = chain_keys(100, b"old")
@@ -252,9 +186,9 @@ def test_full_disk_drops_spills_and_keeps_serving(tmp_path):
 
 
 def test_vanished_directory_keeps_the_daemon_serving(make_daemon, tmp_path):
-    d = make_daemon(POOL, *_disk(tmp_path))
+    d = make_daemon(POOL, *disk_flags(tmp_path))
     rig = Rig(d)
-    old = _fill_and_spill(rig)
+    old = fill_and_spill(rig)
     shutil.rmtree(tmp_path / "disk")
     hits, notice = rig.lookup_load(old, 200)  # the open files still work: served, or missed, never wrong
     if hits:
@@ -278,9 +212,9 @@ def test_unusable_disk_path_leaves_the_pool_serving(make_daemon, tmp_path):
 
 @pytest.mark.parametrize("lease_ms", [0, 5000])
 def test_clear_forgets_disk_blocks(make_daemon, tmp_path, lease_ms):
-    d = make_daemon(POOL, *_disk(tmp_path))
+    d = make_daemon(POOL, *disk_flags(tmp_path))
     rig = Rig(d)
-    old = _fill_and_spill(rig)
+    old = fill_and_spill(rig)
     assert rig.c.lookup("disk", old[:5], lease_ms=lease_ms).hits == 5
     rig.c.clear("disk")
     assert rig.c.lookup("disk", old).hits == 0
@@ -291,12 +225,12 @@ def test_clear_forgets_disk_blocks(make_daemon, tmp_path, lease_ms):
 def test_clear_of_all_forgets_disk_blocks_of_every_namespace_after_a_restart(tmp_path):
     """A CLEAR of all namespaces clears the disk once for all of them: the ones the restarted daemon's
     index knows (an engine registered again) and the ones only the disk knows (no engine yet)."""
-    args = _disk(tmp_path)
+    args = disk_flags(tmp_path)
     d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *args)
     try:
         for ns in ("disk", "other"):
             rig = Rig(d, ns=ns)
-            _fill_and_spill(rig, rounds=2)
+            fill_and_spill(rig, rounds=2)
             rig.c.unregister("disk-0")
             rig.close()
     finally:
@@ -324,7 +258,7 @@ def _ranked(key: bytes, rank: int) -> bytes:
 def test_two_ranks_come_back_from_disk_together(make_daemon, tmp_path):
     """A namespace of world size 2: a key is a hit only where both ranks hold it (pool or disk); both
     ranks' blocks are promoted and load byte-exact, each its own bytes."""
-    d = make_daemon(POOL, *_disk(tmp_path))
+    d = make_daemon(POOL, *disk_flags(tmp_path))
     engs = [ShmEngine(256, SLOT, tag=f"disk-r{r}") for r in range(2)]
     c = d.client()
     for r, eng in enumerate(engs):
@@ -367,9 +301,9 @@ def test_a_disk_hit_is_answered_before_its_promotion_only_when_the_pool_surely_h
     that got a slot: the LOAD of what was answered succeeds whole, byte-exact, and no promise is broken
     (``promotions_no_room`` stays 0). Once the lease goes, the same LOOKUP gets them all: the full
     pool's blocks are evictable now."""
-    d = make_daemon(POOL, *_disk(tmp_path))
+    d = make_daemon(POOL, *disk_flags(tmp_path))
     rig = Rig(d)
-    old = _fill_and_spill(rig)
+    old = fill_and_spill(rig)
     hold = chain_keys(128, b"hold")
     rig.store(hold, base=300)  # the pool now holds only (the resident part of) this chain
     leaser = d.client(name="leaser")
@@ -397,9 +331,9 @@ def test_the_disk_index_is_locked_private_memory_never_a_mapping_of_its_file(mak
     file, and at least the records and fingerprints of its 1,024 slots are locked."""
     from kvoffd.cache.tiers.diskindex import DiskIndex
 
-    d = make_daemon(POOL, *_disk(tmp_path))
+    d = make_daemon(POOL, *disk_flags(tmp_path))
     rig = Rig(d)
-    _fill_and_spill(rig)
+    fill_and_spill(rig)
     assert wait_until(lambda: rig.tier()["notes"].get(f"index_locked_{SLOT}") == "yes", 10), rig.tier()["notes"]
     with open(f"/proc/{d.proc.pid}/smaps") as f:
         smaps = f.read()

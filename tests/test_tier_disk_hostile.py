@@ -19,9 +19,9 @@ import subprocess
 
 import numpy as np
 import pytest
+from disktier import LRU, POOL, SLOT, Rig, disk_flags, fill_and_spill
 from kvtest import chain_keys, start_daemon, wait_until
 from pools import flip_block
-from test_tier_disk import LRU, POOL, SLOT, Rig, _disk, _fill_and_spill
 
 ROOT_ONLY = pytest.mark.skipif(os.getuid() != 0, reason="mounts a file system / plays another user (needs root)")
 
@@ -84,7 +84,7 @@ def test_a_full_file_system_drops_spills_and_never_kills_the_daemon(tmp_path):
         d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *args)
         try:
             rig = Rig(d)
-            _fill_and_spill(rig, n_old=40, rounds=2)  # ~100 blocks spilled: 7 MB of the 26 MB
+            fill_and_spill(rig, n_old=40, rounds=2)  # ~100 blocks spilled: 7 MB of the 26 MB
             rig.close()
         finally:
             d.stop()
@@ -144,12 +144,12 @@ def test_truncating_the_index_under_the_daemon_costs_nothing(tmp_path):
     """The index file truncated to nothing while the daemon runs (the old shared mapping: SIGBUS at the
     next LOOKUP). The daemon goes on serving from memory, byte-exact; at its next write it finds the file
     short and writes it whole again (one line), so a restart finds every block."""
-    args = _disk(tmp_path)
+    args = disk_flags(tmp_path)
     d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *args)
     index = tmp_path / "disk" / f"index-{SLOT}.kvx"
     try:
         rig = Rig(d)
-        old = _fill_and_spill(rig)
+        old = fill_and_spill(rig)
         size = os.path.getsize(index)
         os.truncate(index, 0)
         hits, notice = rig.lookup_load(old, 200)  # the records are in memory: served, and exact
@@ -177,11 +177,11 @@ def test_truncating_the_index_under_the_daemon_costs_nothing(tmp_path):
 
 @pytest.mark.parametrize("damage", ["garbage", "short", "header"])
 def test_a_damaged_index_at_start_is_a_cold_tier_and_one_line(tmp_path, damage):
-    args = _disk(tmp_path)
+    args = disk_flags(tmp_path)
     d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *args)
     try:
         rig = Rig(d)
-        _fill_and_spill(rig)
+        fill_and_spill(rig)
         rig.close()
     finally:
         d.stop()
@@ -200,7 +200,7 @@ def test_a_damaged_index_at_start_is_a_cold_tier_and_one_line(tmp_path, damage):
         assert _log(d).count("started over") == 1, _log(d)
         assert rig.tier()["resident_blocks"] == 0 and f"broken_{SLOT}" not in rig.tier()["notes"], rig.tier()
         assert rig.c.lookup("disk", chain_keys(100, b"old")).hits == 0
-        _fill_and_spill(rig)  # the block size works: spills land and come back exact
+        fill_and_spill(rig)  # the block size works: spills land and come back exact
         hits, notice = rig.lookup_load(chain_keys(100, b"old"), 200)
         assert hits == 100 and notice.ok and rig.exact(chain_keys(100, b"old"), 200, notice) == 100
         rig.close()
@@ -227,11 +227,11 @@ _BAD_TABLES = {
 def test_a_malformed_tables_json_is_logged_and_its_blocks_skipped(make_daemon, tmp_path, doc):
     (tmp_path / "disk").mkdir(mode=0o700)
     (tmp_path / "disk" / "tables.json").write_text(json.dumps(_BAD_TABLES[doc]))
-    d = make_daemon(POOL, *_disk(tmp_path))
+    d = make_daemon(POOL, *disk_flags(tmp_path))
     rig = Rig(d)
     assert not any(t.get("disabled") for t in rig.c.stats()["tiers"]), rig.c.stats()["tiers"]
     assert _log(d).count("tables.json") >= 1 and "Traceback" not in _log(d), _log(d)
-    old = _fill_and_spill(rig)  # the tier works: spills land and come back exact
+    old = fill_and_spill(rig)  # the tier works: spills land and come back exact
     hits, notice = rig.lookup_load(old, 200)
     assert hits == len(old) and notice.ok and rig.exact(old, 200, notice) == len(old)
     saved = json.loads((tmp_path / "disk" / "tables.json").read_text())["tables"]
@@ -250,9 +250,9 @@ def test_a_bogus_old_index_never_disables_its_block_size(make_daemon, tmp_path, 
     else:
         bogus.write_bytes(os.urandom(1000) if old == "garbage" else b"")
     (tmp_path / "disk" / "index-0.kvx").write_bytes(b"")  # and a name no block size has (was a ZeroDivisionError)
-    d = make_daemon(POOL, *_disk(tmp_path))
+    d = make_daemon(POOL, *disk_flags(tmp_path))
     rig = Rig(d)
-    old_keys = _fill_and_spill(rig)
+    old_keys = fill_and_spill(rig)
     assert f"broken_{SLOT}" not in rig.tier()["notes"], rig.tier()
     hits, notice = rig.lookup_load(old_keys, 200)
     assert hits == len(old_keys) and notice.ok and rig.exact(old_keys, 200, notice) == len(old_keys)
@@ -266,7 +266,7 @@ def test_a_bogus_old_index_never_disables_its_block_size(make_daemon, tmp_path, 
 def _plant(tmp_path, keys: list[bytes]) -> str:
     """A disk tier directory holding the blocks of ``keys`` with an attacker's bytes (0x66), consistent
     (index, tables, checksums): what a user who controls the directory can leave there."""
-    d = start_daemon(f"ipc://{tmp_path}/plant.sock", POOL, *_disk(tmp_path))
+    d = start_daemon(f"ipc://{tmp_path}/plant.sock", POOL, *disk_flags(tmp_path))
     try:
         rig = Rig(d)
         rig.eng.poison(range(len(keys)), 0x66)
@@ -328,10 +328,10 @@ def test_symlinks_in_the_directory_are_never_followed_and_files_are_private(tmp_
         v.write_bytes(b"precious " + name.encode())
         os.symlink(v, disk / name)
         victims[v] = v.read_bytes()
-    d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *_disk(tmp_path))
+    d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *disk_flags(tmp_path))
     try:
         rig = Rig(d)
-        _fill_and_spill(rig)
+        fill_and_spill(rig)
         rig.close()
     finally:
         d.stop()
@@ -347,7 +347,7 @@ def test_symlinks_in_the_directory_are_never_followed_and_files_are_private(tmp_
     os.symlink(target, data)
     target.chmod(0o600)
     before = target.read_bytes()
-    d = start_daemon(f"ipc://{tmp_path}/b.sock", POOL, *_disk(tmp_path))
+    d = start_daemon(f"ipc://{tmp_path}/b.sock", POOL, *disk_flags(tmp_path))
     try:
         rig = Rig(d)
         for r in range(3):
@@ -367,7 +367,7 @@ def test_corrupt_adopted_blocks_are_not_laundered_through_the_disk(tmp_path, poo
     them to the disk. Before, the disk gave them a fresh checksum of its own and served them (LOAD ok,
     flipped bytes in the engine). Now each is checked against its adopted checksum as it is spilled: not
     kept (counted ``corrupt``), a miss; the intact ones among them are spilled and come back exact."""
-    args = ("--pool-path", pool_path, *_disk(tmp_path))
+    args = ("--pool-path", pool_path, *disk_flags(tmp_path))
     d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *args)
     keys = chain_keys(64, b"adopted")
     try:
@@ -412,7 +412,7 @@ def test_every_store_gets_its_notice_when_the_tier_fails_inside(tmp_path):
     (tmp_path / "disk").mkdir(mode=0o700)
     row = dict(_GOOD_ROW, tid=2**32, namespace="zz")
     (tmp_path / "disk" / "tables.json").write_text(json.dumps({"tables": [row]}))
-    d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *_disk(tmp_path))
+    d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *disk_flags(tmp_path))
     try:
         rig = Rig(d)
         for r in range(5):
@@ -445,12 +445,12 @@ def test_the_index_file_catches_up_and_survives_a_stop_or_a_kill(tmp_path, sig):
     """The index is written behind the spills by its own thread, as soon as told: once the file holds
     what the tier holds (the gate: read from the file itself), a SIGKILL loses none of it; a SIGTERM
     writes what is pending before the daemon exits."""
-    args = _disk(tmp_path)
+    args = disk_flags(tmp_path)
     index = tmp_path / "disk" / f"index-{SLOT}.kvx"
     d = start_daemon(f"ipc://{tmp_path}/a.sock", POOL, *args)
     try:
         rig = Rig(d)
-        old = _fill_and_spill(rig)
+        old = fill_and_spill(rig)
         if sig == signal.SIGKILL:
             assert wait_until(lambda: rig.tier()["spills_in_flight"] == 0, 10), rig.tier()
             held = rig.tier()["resident_blocks"]
