@@ -8,8 +8,8 @@ datagram the launcher reads, as it reads them.
 
 The daemon's stdout and stderr go to one log file, in the session's log directory
 (``$KVOFFD_TEST_LOG_DIR``, made and removed by tests/conftest.py) unless the caller names one. ``stop``
-sends a signal, waits, kills after a timeout and always reaps; the notify socket's directory goes with
-the process.
+sends a signal, waits, kills after a timeout and always reaps; the notify socket and its directory go
+as soon as the daemon is ready (else with the process).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class DaemonProc:
         self.log_path = str(log_path)
         self.proc: subprocess.Popen | None = None
         self.clients: list[KvoffdClient] = []
-        self.notices: list[str] = []  # every datagram the daemon sent over $NOTIFY_SOCKET, in order
+        self.notices: list[str] = []  # the datagrams the daemon sent over $NOTIFY_SOCKET up to READY=1, in order
         self._metrics_address = ""
         self._notify_dir: str | None = None
         self._notify: socket.socket | None = None
@@ -94,12 +94,14 @@ class DaemonProc:
         return self
 
     def wait_ready(self, timeout: float) -> None:
+        """Until its READY=1; then the notify socket and its directory go (what the daemon says later,
+        STOPPING, it drops by design), so a test that reaps the process itself leaves nothing behind."""
         deadline = time.monotonic() + timeout
         while not any("READY=1" in m.split("\n") for m in self.notices):
             if self.proc.poll() is not None:
                 self.read_notices()
                 if any("READY=1" in m.split("\n") for m in self.notices):
-                    return
+                    break
                 raise RuntimeError(f"daemon at {self.address} exited ({self.proc.returncode}) before it was "
                                    f"ready; log:\n{self.log()}")
             left = deadline - time.monotonic()
@@ -107,6 +109,7 @@ class DaemonProc:
                 raise RuntimeError(f"daemon at {self.address} not ready within {timeout:.0f} s; log:\n{self.log()}")
             # short slices: a daemon that dies without a word is noticed by its exit, not by the deadline
             self.read_notices(min(left, 0.2))
+        self._close_notify()
 
     def read_notices(self, timeout: float = 0.0) -> list[str]:
         """Collect the datagrams waiting (up to ``timeout`` for the first); forward each to the caller's
