@@ -292,7 +292,8 @@ def _info(servers: Servers, port: int, field_name: str) -> int:
     raise KeyError(field_name)
 
 
-def size_cluster(servers: Servers, value_bytes: int, blocks: int, sample: int = 600, samples: int = 5) -> dict:
+def size_cluster(servers: Servers, value_bytes: int, blocks: int, sample: int = 600, samples: int = 5,
+                 policy: str = "allkeys-lru") -> dict:
     """Each shard's ``maxmemory``: its own baseline + its share of ``blocks`` values, at the bytes one
     value of this size really takes there (measured by writing ``sample`` values of the daemon's key
     length to shard 0, then deleting them). Shares follow the slot ranges."""
@@ -318,10 +319,11 @@ def size_cluster(servers: Servers, value_bytes: int, blocks: int, sample: int = 
         base = base0 if port == port0 else _info(servers, port, "used_memory")  # the allocator may keep
         mm = base + int(share * per_value)  # some of the sample's memory: shard 0's baseline is from before
         servers.cmd(port, "CONFIG", "SET", "maxmemory", str(mm))
-        servers.cmd(port, "CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
+        servers.cmd(port, "CONFIG", "SET", "maxmemory-policy", policy)
         servers.cmd(port, "CONFIG", "SET", "maxmemory-samples", str(samples))
         out.append(mm)
-    return {"maxmemory": out, "per_value_bytes": per_value, "value_bytes": value_bytes, "maxmemory_samples": samples}
+    return {"maxmemory": out, "per_value_bytes": per_value, "value_bytes": value_bytes, "maxmemory_samples": samples,
+            "maxmemory_policy": policy}
 
 
 def valkey_figures(servers: Servers) -> dict:
@@ -344,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-wait-ms", type=float, default=500.0)
     ap.add_argument("--maxmemory-samples", type=int, default=5,
                     help="the shards' maxmemory-samples (Valkey's default 5; its LRU is sampled, 10 is closer to LRU)")
+    ap.add_argument("--maxmemory-policy", default="allkeys-lru", help="the shards' eviction (allkeys-lfu: by use)")
     ap.add_argument("--model", default="",
                     help="also print the daemon-free model's ratios for these maxmemory-samples (e.g. 5,10; 0: exact "
                          "LRU): N nodes on the shared tier, and one node on it")
@@ -390,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             with Servers(binary, shards=3, maxmemory="4gb") as servers:
                 servers.start()
                 sizing = size_cluster(servers, HEADER + geo.slot_bytes, a.cluster_blocks,
-                                      samples=a.maxmemory_samples)
+                                      samples=a.maxmemory_samples, policy=a.maxmemory_policy)
                 log(f"cluster: {a.nodes} daemons on a 3-shard cluster, maxmemory {sizing['maxmemory']} "
                     f"({sizing['per_value_bytes']:.0f} B per value)")
                 r = replay_nodes(trace, geo, keys, a.nodes, a.seed, [["--remote", servers.url]] * a.nodes, True,
