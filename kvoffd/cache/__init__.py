@@ -1,1 +1,1 @@
-"""What the daemon knows: the index of cached blocks, the slab pool they live in, and the admission/eviction policy."""
+"""What the daemon knows: the keyspace (index, policies, warm restart, tiers below the pool) over the pool (README.md)."""
