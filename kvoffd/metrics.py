@@ -8,12 +8,13 @@ docs/metrics.md documents each one.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvoffd_client.protocol import PROTOCOL_VERSION, DropReason, ErrorCode, MissReason
@@ -144,6 +145,102 @@ class _TierState(Collector):
             for r in SPILL_DROP_REASONS:
                 fam.add_metric([t["name"], r], t.get("spills_dropped", {}).get(r, 0))
         yield fam
+
+
+class LatencyTally:
+    """A latency histogram as plain bucket counts, observed once per batch (a probe, a fetch, a publish of
+    many blocks) on the thread that ran it, exported at scrape time by ``_RemoteState``."""
+
+    __slots__ = ("bounds", "counts", "sum", "_lock")
+
+    def __init__(self, bounds: tuple[float, ...] = _SECONDS_BUCKETS):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: over the largest bound
+        self.sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        i = bisect.bisect_left(self.bounds, seconds)
+        with self._lock:
+            self.counts[i] += 1
+            self.sum += seconds
+
+    def snapshot(self) -> tuple[list[tuple[str, int]], float]:
+        """Cumulative (le, count) pairs, +Inf last, and the sum."""
+        with self._lock:
+            counts, total = list(self.counts), self.sum
+        out, acc = [], 0
+        for b, c in zip([*map(str, self.bounds), "+Inf"], counts, strict=True):
+            acc += c
+            out.append((b, acc))
+        return out, total
+
+
+REMOTE_OPS = ("probe", "fetch", "publish")
+REMOTE_ERRORS = ("timeout", "auth", "oom", "verify", "connect", "server")
+REMOTE_PUBLISH_DROPS = ("queue_full", "held_share")
+REMOTE_PUBLISH_SKIPS = ("known", "present")
+BREAKER_STATES = ("closed", "open", "half_open")
+
+
+class _RemoteState(Collector):
+    """The cluster tier's own figures (``--remote``), read at scrape time from the ``remote`` entry of its
+    tier dict; without --remote every family is there with no series."""
+
+    def __init__(self, read: Callable[[], list[dict[str, Any]]]):
+        self._read = read
+
+    def describe(self) -> Iterable[Any]:
+        return self._families({})
+
+    def collect(self) -> Iterable[Any]:
+        r = next((t["remote"] for t in self._read() if t.get("remote")), {})
+        return self._families(r)
+
+    @staticmethod
+    def _families(r: dict[str, Any]) -> Iterable[Any]:
+        def counter(name: str, help_: str, key: str) -> CounterMetricFamily:
+            fam = CounterMetricFamily(name, help_, labels=[])
+            if r:
+                fam.add_metric([], r.get(key, 0))
+            return fam
+
+        def by(name: str, help_: str, label: str, key: str, values: Iterable[str]) -> CounterMetricFamily:
+            fam = CounterMetricFamily(name, help_, labels=[label])
+            for v in values if r else ():
+                fam.add_metric([v], r.get(key, {}).get(v, 0))
+            return fam
+        yield counter("kvoffd_remote_probes", "EXISTS batches sent to the cluster for keys no local tier holds",
+                      "probes")
+        yield counter("kvoffd_remote_probed_blocks", "Keys those probes asked about", "probed_blocks")
+        yield counter("kvoffd_remote_probes_dropped", "LOOKUP misses not asked about: too many probes in flight",
+                      "probes_dropped")
+        yield by("kvoffd_remote_errors", "Failed cluster calls and refused values, by kind", "kind", "errors",
+                 REMOTE_ERRORS)
+        yield by("kvoffd_remote_publish_dropped", "Admitted blocks not written behind, by reason (queue_full: the "
+                 "oldest of a full queue; held_share: the pool share held for publishing was full, published "
+                 "when evicted instead)", "reason", "publish_dropped", REMOTE_PUBLISH_DROPS)
+        yield by("kvoffd_remote_publish_skipped", "Blocks not written because the cluster held them (known: this "
+                 "node knew it; present: the cluster said so)", "reason", "publish_skipped", REMOTE_PUBLISH_SKIPS)
+        queue = GaugeMetricFamily("kvoffd_remote_publish_queue_blocks", "Blocks waiting in the write-behind queue "
+                                  "now, and its capacity", labels=["state"])
+        if r:
+            queue.add_metric(["queued"], r.get("queued", 0))
+            queue.add_metric(["capacity"], r.get("queue_capacity", 0))
+        yield queue
+        breaker = GaugeMetricFamily("kvoffd_remote_breaker_state", "Each shard's circuit breaker: 1 for its "
+                                    "state now, 0 for the others", labels=["shard", "state"])
+        for shard, state in sorted(r.get("breakers", {}).items()):
+            for s in BREAKER_STATES:
+                breaker.add_metric([shard, s], 1 if s == state else 0)
+        yield breaker
+        hist = HistogramMetricFamily("kvoffd_remote_seconds", "Latency of one cluster call over a batch of "
+                                     "blocks, by operation (probe: EXISTS, fetch: GET into pool slots, verified; "
+                                     "publish: SET)", labels=["op"])
+        for op, snap in r.get("latency", {}).items():
+            buckets, total = snap
+            hist.add_metric([op], buckets, total)
+        yield hist
 
 
 class LookupCounts:
@@ -331,5 +428,7 @@ class Metrics:
         self.registry.register(_LiveState(read_state))
 
     def watch_tiers(self, read_tiers: Callable[[], list[dict[str, Any]]]) -> None:
-        """Export the per-tier figures ``read_tiers`` gives at each scrape (the pool is tier "dram")."""
+        """Export the per-tier figures ``read_tiers`` gives at each scrape (the pool is tier "dram"), and the
+        cluster tier's own (its dict's ``remote`` entry)."""
         self.registry.register(_TierState(read_tiers))
+        self.registry.register(_RemoteState(read_tiers))

@@ -52,7 +52,7 @@ def test_compose_shards_have_the_production_profile():
         cmd = _defaults(svc["command"][0])
         for need in ("--cluster-enabled yes", "--cluster-require-full-coverage no",
                      "--cluster-allow-reads-when-down yes", "--maxmemory-policy allkeys-lru",
-                     "--maxmemory-samples 10", '--save ""',
+                     "--maxmemory-samples 64", '--save ""',
                      "--appendonly no", "--requirepass"):
             assert need in cmd, f"{name}: {need} missing from {cmd}"
         assert "valkey_password" in svc["secrets"]
@@ -87,7 +87,7 @@ def test_a_compose_shards_command_line_runs_on_the_real_server(tmp_path):
     try:
         assert wait_until(lambda: _ping(port), 20), (tmp_path / "valkey.log").read_text()[-2000:]
         for name, want in (("cluster-require-full-coverage", b"no"), ("cluster-allow-reads-when-down", b"yes"),
-                           ("maxmemory-policy", b"allkeys-lru"), ("maxmemory-samples", b"10"), ("appendonly", b"no"),
+                           ("maxmemory-policy", b"allkeys-lru"), ("maxmemory-samples", b"64"), ("appendonly", b"no"),
                            ("save", b"")):
             got = command(port, "CONFIG", "GET", name, password="pw-0123456789")
             assert got == [name.encode(), want], (name, got)
@@ -159,11 +159,70 @@ def test_the_dashboards_cluster_row_queries_series_a_remote_daemon_exports(remot
         for s in fam.samples:
             if "tier" in s.labels:
                 exported.setdefault(s.name, set()).add(s.labels["tier"])
+    own = {s.name for fam in text_string_to_metric_families(d.metrics()) if fam.name.startswith("kvoffd_remote_")
+           for s in fam.samples}
     exprs = _remote_row_exprs()
-    assert len(exprs) >= 8
+    assert len(exprs) >= 16
     for e in exprs:
         names = re.findall(r"\b(kvoffd_tier_[a-z_]+)\{([^}]*)\}", e)
-        assert names, e
+        remote = re.findall(r"\b(kvoffd_remote_[a-z_]+)\{", e)
+        assert names or remote, e
         for name, sel in names:
             assert 'tier=~"remote"' in sel, e
             assert "remote" in exported.get(name, set()), f"{name}{{tier=remote}} not exported: {e}"
+        for name in remote:
+            assert name in own, f"{name} not exported by a --remote daemon: {e}"
+
+
+def _samples(d) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(d.metrics()) for s in fam.samples}
+
+
+def _get(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), -1.0)
+
+
+def test_the_cluster_tiers_own_metrics_count_probes_publishes_breakers_and_errors(make_daemon, cluster):
+    """kvoffd_remote_*: probes and their latency, publishes and theirs, each shard's breaker state, and the
+    errors by kind once a shard is SIGKILLed (its breaker open, its calls timeouts or refused connects)."""
+    d = make_daemon("8MiB", "--remote", cluster.url, name="met")
+    eng = ShmEngine(64, 64 << 10, tag="met")
+    c = d.client()
+    try:
+        c.register("met-0", "ns", 0, 1, eng.memory, eng.layout)
+        m = _samples(d)
+        for port in cluster.ports:
+            assert _get(m, "kvoffd_remote_breaker_state", shard=f"127.0.0.1:{port}", state="closed") == 1, m
+        assert _get(m, "kvoffd_remote_publish_queue_blocks", state="capacity") > 0
+        assert _get(m, "kvoffd_remote_probes_total") == 0
+        keys = chain_keys(16, b"met")
+        assert c.lookup("ns", keys).hits == 0  # local misses: asked of the cluster
+        eng.fill(range(16), keys)
+        c.submit_store("met-0", 1, keys, range(16))
+        n = c.wait_notices({1}, 30)
+        assert n and n[0].ok, n
+        # written behind (the pool's 1/8 publishing may hold is 16 slots) and counted once released
+        assert wait_until(lambda: _get(_samples(d), "kvoffd_tier_write_bytes_total", tier="remote") == 16 * (64 << 10),
+                          10), _samples(d)
+        m = _samples(d)
+        assert _get(m, "kvoffd_remote_seconds_count", op="publish") >= 1, m
+        assert _get(m, "kvoffd_remote_probes_total") >= 1 and _get(m, "kvoffd_remote_probed_blocks_total") >= 16, m
+        assert _get(m, "kvoffd_remote_seconds_count", op="probe") >= 1
+        assert _get(m, "kvoffd_remote_seconds_bucket", op="probe", le="+Inf") == \
+            _get(m, "kvoffd_remote_seconds_count", op="probe")
+        assert _get(m, "kvoffd_remote_errors_total", kind="timeout") == 0
+        dead = f"127.0.0.1:{cluster.nodes[1].port}"
+        cluster.kill(1)
+        other = chain_keys(64, b"met-dead")  # some on every shard's slots
+
+        def dead_counted() -> bool:
+            c.lookup("ns", other)
+            m = _samples(d)
+            errs = _get(m, "kvoffd_remote_errors_total", kind="timeout") + \
+                _get(m, "kvoffd_remote_errors_total", kind="connect")
+            return errs >= 1 and _get(m, "kvoffd_remote_breaker_state", shard=dead, state="closed") == 0
+        assert wait_until(dead_counted, 10), _samples(d)
+    finally:
+        c.close()
+        eng.close()

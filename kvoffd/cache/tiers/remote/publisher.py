@@ -73,6 +73,7 @@ class Publisher(IndexObserver):
             room = max(0, self.max_held_bytes - self.held_bytes) // size
             if len(es) > room:
                 self.skipped_held += len(es) - room
+                self.tier.note_held_full(len(es) - room)
                 es = es[:room]
             if not es:
                 continue

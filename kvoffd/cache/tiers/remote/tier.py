@@ -25,6 +25,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +35,7 @@ from kvoffd.cache.tiers.base import Held, SpillResult, TableRef, TierStats
 from kvoffd.cache.tiers.iopool import READ, WRITE, IoPool
 from kvoffd.cache.tiers.remote.store import OK, PRESENT, RemoteStore
 from kvoffd.cache.tiers.remote.valueformat import namespace_id
+from kvoffd.metrics import REMOTE_OPS, LatencyTally
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +121,14 @@ class Known:
         return len(self._d)
 
 
+@dataclass
+class RemoteStats(TierStats):
+    """``TierStats`` plus the cluster tier's own figures (``remote``: kvoffd/metrics.py's ``_RemoteState``
+    exports them, docs/metrics.md *The cluster tier*)."""
+
+    remote: dict[str, Any] = field(default_factory=dict)
+
+
 class _Job:
     __slots__ = ("table", "keys", "src", "release")
 
@@ -139,7 +150,8 @@ class RemoteTier:
         self.queue_blocks = queue_blocks
         self.known = Known(known_cap)
         self.changed = None
-        self.st = TierStats(self.name)
+        self.st = RemoteStats(self.name)
+        self.latency = {op: LatencyTally() for op in REMOTE_OPS}  # one observation per batch, on its thread
         self._io = IoPool(threads, "kvoffd-remote")
         self._probes = IoPool(1, "kvoffd-remote-probe")  # LOOKUP misses: never queued behind spills
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -159,6 +171,7 @@ class RemoteTier:
         self.known_resets = 0
         self.dropped_oldest = 0  # blocks dropped from the write-behind queue (counted)
         self.skipped_known = 0  # blocks not published: this node knew the cluster holds them
+        self.skipped_held = 0  # admitted blocks the Publisher did not hold for publishing (its share full)
 
     # -- the Tier protocol -------------------------------------------------------------------------
 
@@ -210,7 +223,9 @@ class RemoteTier:
         ns, ks = self._ns_id(table), split_keys(keys)
 
         def run():
+            t0 = time.monotonic()
             hit = self.store.exists(ns, ks, self.probe_timeout)
+            self.latency["probe"].observe(time.monotonic() - t0)
             self.known.add(ns, [k for k, h in zip(ks, hit.tolist(), strict=True) if h])
             return hit
 
@@ -243,7 +258,9 @@ class RemoteTier:
 
         def run():
             for _, ns in todo:
+                t0 = time.monotonic()
                 hit = self.store.exists(ns, ks, self.probe_timeout)
+                self.latency["probe"].observe(time.monotonic() - t0)
                 self.known.add(ns, [k for k, h in zip(ks, hit.tolist(), strict=True) if h])
 
         def done(_res):
@@ -259,7 +276,9 @@ class RemoteTier:
         ns, ks = self._ns_id(table), split_keys(keys)
 
         def run():
+            t0 = time.monotonic()
             ok = self.store.fetch(ns, ks, dest, self.read_timeout)
+            self.latency["fetch"].observe(time.monotonic() - t0)
             self.known.discard(ns, [k for k, o in zip(ks, ok.tolist(), strict=True) if not o])
             return ok
 
@@ -296,7 +315,9 @@ class RemoteTier:
             return out
         if wait:
             time.sleep(wait)  # the publisher's own thread: paced, never the loop
+        t0 = time.monotonic()
         res = self.store.publish(ns, [ks[i] for i in todo], [src[i] for i in todo], self.write_timeout)
+        self.latency["publish"].observe(time.monotonic() - t0)
         self.known.add(ns, [ks[i] for i, r in zip(todo, res, strict=True) if r in (OK, PRESENT)])
         for i, r in zip(todo, res, strict=True):
             out[i] = SpillResult.WRITTEN if r == OK else SpillResult.PRESENT if r == PRESENT else SpillResult.ERROR
@@ -356,6 +377,10 @@ class RemoteTier:
             self.dropped_oldest += k
             self._release(old.table, old.release, [SpillResult.BUSY] * k)
 
+    def note_held_full(self, n: int) -> None:
+        """The Publisher left ``n`` admitted blocks to the spill path: its held share of the pool was full."""
+        self.skipped_held += n
+
     @property
     def queued_blocks(self) -> int:
         return self._queued_blocks
@@ -410,15 +435,26 @@ class RemoteTier:
     def namespace_blocks(self) -> dict[str, Held]:
         return {}
 
-    def stats(self) -> TierStats:
+    def stats(self) -> RemoteStats:
         s = self.store.stats()
         st = self.st
+        breakers = self.store.breakers()
+        st.remote = {
+            "probes": sum(self.latency["probe"].counts), "probed_blocks": s["probes"],
+            "probes_dropped": self.probes_dropped,
+            "errors": {"timeout": s["timeouts"], "auth": s["auth_errors"], "oom": s["oom_errors"],
+                       "verify": s["verify_failures"], "connect": s["connect_errors"], "server": s["server_errors"]},
+            "publish_dropped": {"queue_full": self.dropped_oldest, "held_share": self.skipped_held},
+            "publish_skipped": {"known": self.skipped_known, "present": s["publish_present"]},
+            "queued": self._queued_blocks, "queue_capacity": self.queue_blocks, "breakers": breakers,
+            "latency": {op: t.snapshot() for op, t in self.latency.items()}}
         st.resident_blocks = len(self.known)
         st.checksum_failures = s["verify_failures"]
         st.io_errors = s["timeouts"] + s["connect_errors"] + s["server_errors"] + s["auth_errors"] + s["oom_errors"]
         st.spills_in_flight = self._queued_blocks
-        st.notes = {"breakers": ",".join(f"{a}={b}" for a, b in self.store.breakers().items()),
+        st.notes = {"breakers": ",".join(f"{a}={b}" for a, b in breakers.items()),
                     "dropped_oldest": str(self.dropped_oldest), "skipped_known": str(self.skipped_known),
+                    "skipped_held": str(self.skipped_held),
                     "probes_dropped": str(self.probes_dropped), "probes_done": str(self.probes_done)}
         return st
 
