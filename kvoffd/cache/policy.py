@@ -129,8 +129,10 @@ class LRU:
             order.move_to_end(k, last=False)
 
     def on_access(self, key: Key) -> None:
-        self._order[key] = None  # re-tracks a handed-back victim
-        self._order.move_to_end(key)
+        try:
+            self._order.move_to_end(key)  # one probe when tracked: every block a LOAD read
+        except KeyError:
+            self._order[key] = None  # re-tracks a handed-back victim
 
     def victim(self) -> Key | None:
         return self._order.popitem(last=False)[0] if self._order else None
