@@ -154,6 +154,9 @@ class Servers:
     shards: int = 3
     password: str | None = None
     maxmemory: str = "512mb"
+    # keys sampled per eviction (Valkey's LRU is sampled; 64 is its maximum and the closest to an exact
+    # LRU, cheap for values of kilobytes to megabytes: docs/benchmarks.md, Cluster tier)
+    maxmemory_samples: int = 64
     node_timeout_ms: int = 1000
     extra: list[str] = field(default_factory=list)
     tls: bool = False  # a plain server on TLS only (its own CA in ``ca_file``), for rediss://
@@ -197,7 +200,8 @@ class Servers:
 
     def _args(self, port: int, d: str) -> list[str]:
         a = [self.binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-             "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru", "--protected-mode", "yes",
+             "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
+             "--maxmemory-samples", str(self.maxmemory_samples), "--protected-mode", "yes",
              "--dir", d, "--daemonize", "no", "--logfile", ""]
         if self.password:
             a += ["--requirepass", self.password]
