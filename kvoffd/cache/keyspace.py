@@ -42,12 +42,13 @@ from kvoffd.pool.file import PoolFile
 from kvoffd.pool.topology import Topology
 from kvoffd_client.protocol import KEY_SIZE, KvEventsLayout, MissReason
 
-__all__ = ["PROMOTE_WAIT_S", "REMOTE_ASK_WAIT_S", "Answer", "Entry", "EventMirror", "Keyspace", "KeyspaceSettings", "StorePlan", "Table",
+__all__ = ["ASK_WAIT_S", "PROMOTE_WAIT_S", "Answer", "Entry", "EventMirror", "Keyspace", "KeyspaceSettings", "StorePlan", "Table",
            "purge_command"]
 
 log = logging.getLogger(__name__)
 
-REMOTE_ASK_WAIT_S = 0.25  # how long a LOOKUP with local misses waits for the cluster's answer (--remote)
+#: how long a LOOKUP whose misses were asked of a tier other nodes write (--remote) waits for its answer
+ASK_WAIT_S = 0.25
 
 
 class KeyspaceSettings(Protocol):
@@ -92,7 +93,7 @@ class Answer:
     ``after_reply`` once: nothing else runs on the loop in between, so no eviction can take a block
     the answer promised."""
 
-    __slots__ = ("_below", "_hits", "_hold", "_keyspace", "n", "world_size")
+    __slots__ = ("_below", "_hits", "_hold", "_keyspace", "asked", "n", "world_size")
 
     def __init__(self, keyspace: Keyspace, hits: Hits, below: Below | None, hold: bool) -> None:
         self._keyspace = keyspace
@@ -101,6 +102,9 @@ class Answer:
         self._hold = hold
         self.n = below.n if below is not None else hits.n
         self.world_size = hits.world_size
+        #: a tier was asked about the misses (``Keyspace.lookup``): done once it answered. The server then
+        #: drops this answer (it took nothing) and looks up again once it is done or ``ASK_WAIT_S`` passed.
+        self.asked: asyncio.Future | None = None
 
     def after_reply(self) -> int:
         """The work that follows the reply: the promotions of the blocks found below the pool, then (a
@@ -245,12 +249,13 @@ class Keyspace:
         return self.index.forget_if_idle(namespace)
 
     # --- LOOKUP -----------------------------------------------------------------------------------------
-    def lookup(self, namespace: str, keys: bytes, hold: bool = False) -> Answer:
+    def lookup(self, namespace: str, keys: bytes, hold: bool = False, ask: bool = True) -> Answer:
         """The leading keys every rank can serve: in the pool, or (a warm restart still indexing) once
         asked for, or below it. Blocks found below are answered before their promotion's per-block work
         when the pool surely has slots for them all (``Tiers.fits``); otherwise they are promoted first
         (the evictions may fall short) and the answer counts those that got a slot. ``hold``: a lease
-        will hold the hits (their entries are listed)."""
+        will hold the hits (their entries are listed). ``ask``: keys missed everywhere here may be asked
+        of the cluster tier (``Answer.asked``); the second lookup, after its answer, does not ask again."""
         index = self.index
         hits = index.lookup(namespace, keys, with_entries=hold)
         total = len(keys) // KEY_SIZE
@@ -263,13 +268,16 @@ class Keyspace:
             below = tiers.find_below(namespace, keys, hits)
             if below is not None and not tiers.fits(below):  # room not sure: promote, then answer
                 hits, below = tiers.promote(below), None
-        return Answer(self, hits, below, hold)
+        answer = Answer(self, hits, below, hold)
+        if ask and self.remote is not None:
+            answer.asked = self._ask_remote(namespace, keys, answer)
+        return answer
 
-    def ask_remote(self, namespace: str, keys: bytes, answer: Answer) -> asyncio.Future | None:
+    def _ask_remote(self, namespace: str, keys: bytes, answer: Answer) -> asyncio.Future | None:
         """``answer`` (this LOOKUP's) missed keys that other nodes may have published (--remote): the cluster
-        is asked about them; returns a future done once it answered (at most ``REMOTE_ASK_WAIT_S`` is
-        worth waiting: then the LOOKUP is asked again and its answer counts the cluster's blocks), or
-        None (no cluster tier, nothing to ask, or too many probes in flight: answer now)."""
+        is asked about them; returns a future done once it answered (at most ``ASK_WAIT_S`` is worth
+        waiting: then the LOOKUP is asked again and its answer counts the cluster's blocks), or None
+        (nothing to ask, or too many probes in flight: answer now)."""
         remote = self.remote
         n = answer.n
         if remote is None or n * KEY_SIZE >= len(keys):

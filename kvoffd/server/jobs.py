@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvoffd.cache.keyspace import PROMOTE_WAIT_S, REMOTE_ASK_WAIT_S, Answer, Keyspace
+from kvoffd.cache.keyspace import ASK_WAIT_S, PROMOTE_WAIT_S, Answer, Keyspace
 from kvoffd.metrics import Metrics
 from kvoffd.server.job import Job
 from kvoffd.server.limits import MAX_JOBS_PER_CONN, MAX_RUNS_PER_JOB
@@ -83,22 +83,22 @@ class Jobs:
     def lookup(self, conn: Conn, msg: P.Lookup) -> P.Message | None:
         """Answer first, then hold (``Answer.after_reply``: promotions, then the lease's refs) and
         count: the client waits on the answer, and nothing else runs on the loop in between, so no
-        eviction can take a block the answer promised. Keys missed here that other nodes may have
-        published (--remote) are asked of the cluster first, within ``REMOTE_ASK_WAIT_S``, and the
-        LOOKUP is answered afresh after it (the first answer took nothing: it is dropped)."""
+        eviction can take a block the answer promised. When the keyspace asked a tier about the misses
+        (``Answer.asked``), the LOOKUP is answered afresh once the tier answered, within ``ASK_WAIT_S``
+        (the first answer took nothing: it is dropped)."""
         answer = self.keyspace.lookup(msg.namespace, msg.keys, hold=msg.lease_ms > 0)
-        asked = self.keyspace.ask_remote(msg.namespace, msg.keys, answer)
-        if asked is not None:
-            self.spawn(self._lookup_after(conn, msg, asked))
+        if answer.asked is not None:
+            self.spawn(self._lookup_after(conn, msg, answer.asked))
             return None
         self._answer_lookup(conn, msg, answer)
         return None
 
     async def _lookup_after(self, conn: Conn, msg: P.Lookup, asked: asyncio.Future) -> None:
-        await asyncio.wait({asked}, timeout=REMOTE_ASK_WAIT_S)
+        await asyncio.wait({asked}, timeout=ASK_WAIT_S)
         try:
             conn = self.sessions.session_of(conn.ident, msg.seq)  # still connected?
-            self._answer_lookup(conn, msg, self.keyspace.lookup(msg.namespace, msg.keys, hold=msg.lease_ms > 0))
+            self._answer_lookup(conn, msg, self.keyspace.lookup(msg.namespace, msg.keys, hold=msg.lease_ms > 0,
+                                                                ask=False))
         except ProtocolError as e:
             e.seq = msg.seq
             self.reply(conn.ident, P.error_for(e))

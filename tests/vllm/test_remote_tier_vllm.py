@@ -1,10 +1,10 @@
 """Two real vLLM engines (CPU build, tiny random Llama, greedy) on two daemons with separate pools and
-sockets, sharing one real 3-shard Valkey/Redis cluster (--remote; tests/support/valkey_cluster.py).
+sockets, sharing one real 3-shard Valkey/Redis cluster (--remote; bench/support/valkey_cluster.py).
 
 Engine A serves the prompts on daemon A, whose pool is too small for them: its blocks are published to
 the cluster as they leave the pool. Engine B then serves the same prompts on daemon B, which never saw
 them: they must come from the cluster (B's LOOKUP waits for the cluster's answer about its local misses,
-at most Keyspace's REMOTE_ASK_WAIT_S; counted as the remote tier's hits and fetches in B's STATS and
+at most Keyspace's ASK_WAIT_S; counted as the remote tier's hits and fetches in B's STATS and
 metrics, and as vLLM's external prefix-cache hits), and every output must equal an engine's without
 any connector. An engine with another cache_salt on daemon B loads nothing of A's. The engines run one
 after the other (vLLM's worker connector is a process global).
