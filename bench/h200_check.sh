@@ -32,7 +32,7 @@ python3 -m compileall -q -j 8 kvoffd client/kvoffd_client /tmp/site > /dev/null 
 # The disk index's compiled probe (setup.py), as pip install would build it; without a compiler here the
 # table falls back to numpy, and the summary says which.
 python3 setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1
-echo "index kernel: $(PYTHONPATH="$new_pp" python3 -c 'from kvoffd.cache.tiers.table import KERNEL; print(KERNEL)' 2>&1)" >> "$summary"
+echo "index kernel: $(PYTHONPATH="$new_pp" python3 -c 'from kvoffd.cache.tiers.diskindex import KERNEL; print(KERNEL)' 2>&1)" >> "$summary"
 env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$new_pp" python3 -c "import kvoffd.cli, kvoffd.server.loop, kvoffd.transfer.cuda" \
   > /dev/null 2>&1
 echo "python: $(python3 -V 2>&1); $(env | grep -E '^PYTHON(DONTWRITEBYTECODE|OPTIMIZE)=' | tr '\n' ' ')" >> "$summary"
