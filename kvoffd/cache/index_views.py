@@ -36,7 +36,7 @@ def explain(index: Index, namespace: str, keys: list[bytes]) -> list[dict]:
             item["state"] = "namespace_unknown"
         elif len(ranks) * ns.replicas == ns.world_size and all(v[0] == "resident" for v in ranks.values()):
             item.update(state="resident", stored_at=min(v[1] for v in ranks.values()),
-                        pinned=any(v[2] for v in ranks.values()),
+                        held=any(v[2] for v in ranks.values()),
                         slots={str(r): v[3] for r, v in ranks.items()})
         elif ranks:
             item.update(state="partial", ranks={str(r): v[0] for r, v in ranks.items()})
