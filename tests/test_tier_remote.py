@@ -1,4 +1,4 @@
-"""The cluster tier's client against real Valkey/Redis servers (tests/support/valkey_cluster.py): a
+"""The cluster tier's client against real Valkey/Redis servers (bench/support/valkey_cluster.py): a
 3-shard cluster (no replicas, ``cluster-require-full-coverage no``) and a plain server.
 
 What must hold: blocks round-trip byte-exact from and into pool slots; a dead or hung shard costs its own

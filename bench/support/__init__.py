@@ -5,4 +5,6 @@ A bench script runs as ``python bench/<name>.py``: its own folder is first on ``
 ``bench/`` on the path, as tests/test_bench_*.py do).
 
 * ``support.daemon``: one kvoffd for a bench, ready on its own READY=1, its pool given back at the end.
+* ``support.valkey_cluster``: real Valkey/Redis servers and 3-shard clusters (the cluster tier's benches
+  and tests).
 """
