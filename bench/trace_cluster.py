@@ -9,7 +9,7 @@ prefix, one STORE of the rest per request; every loaded byte checked):
 * **single** — one daemon serving the whole trace: DRAM ``--dram`` + a disk tier of
   ``--cluster-blocks`` (the figure the cluster must reach: issue 31 asks for at least 90% of it);
 * **cluster** — ``--nodes`` daemons, each DRAM ``--dram`` + ``--remote`` on one real 3-shard Valkey
-  cluster (tests/support/valkey_cluster.py) whose ``maxmemory`` holds ``--cluster-blocks`` values
+  cluster (bench/support/valkey_cluster.py) whose ``maxmemory`` holds ``--cluster-blocks`` values
   (measured per value on the running cluster, plus each shard's own baseline; ``allkeys-lru``);
 * **local** — ``--nodes`` daemons, each DRAM ``--dram`` only: what the nodes share without the cluster
   (nothing).
@@ -17,13 +17,13 @@ prefix, one STORE of the rest per request; every loaded byte checked):
 A block is a hit when it is leading and its LOAD succeeded: a block the cluster evicted after a node
 learned it was there fails its LOAD (the daemon's notice names it) and is recomputed and stored like a
 miss, as vLLM does. The daemon asks the cluster about a LOOKUP's local misses before it answers (at most
-Keyspace's REMOTE_ASK_WAIT_S); the replay also makes sure that probe has answered (the remote tier's
+Keyspace's ASK_WAIT_S); the replay also makes sure that probe has answered (the remote tier's
 ``probes_done`` in STATS, at most ``--probe-wait-ms``) and asks again before it loads, so that a
 probe that outlived the daemon's wait on a loaded box still counts (the runs of docs/benchmarks.md
 before 9cfd9db relied on this wait alone).
 
     python bench/trace_cluster.py [--trace PATH] [--nodes 2] [--dram 2000] [--cluster-blocks 16000]
-                                  [--requests N] [--setups single,cluster,local] [--maxmemory-samples 5]
+                                  [--requests N] [--setups single,cluster,local] [--maxmemory-samples 64]
                                   [--model 0,5,10] [--reuse EARLIER.json] [--out FILE.json]
 
 ``--model``: the same replay without daemons (``model``), the shared tier an exact LRU (0) or Valkey's
@@ -60,7 +60,7 @@ for p in (ROOT, ROOT / "tests" / "support", ROOT / "bench"):
 
 import trace_replay as tr  # noqa: E402
 from kvtest import DaemonProc, start_daemon  # noqa: E402
-from valkey_cluster import Servers, server_binary  # noqa: E402
+from support.valkey_cluster import Servers, server_binary  # noqa: E402
 
 from kvoffd.cache.tiers.remote.slots import key_slot  # noqa: E402
 from kvoffd.cache.tiers.remote.valueformat import HEADER, store_key  # noqa: E402
@@ -292,7 +292,7 @@ def _info(servers: Servers, port: int, field_name: str) -> int:
     raise KeyError(field_name)
 
 
-def size_cluster(servers: Servers, value_bytes: int, blocks: int, sample: int = 600, samples: int = 5,
+def size_cluster(servers: Servers, value_bytes: int, blocks: int, sample: int = 600, samples: int = 64,
                  policy: str = "allkeys-lru") -> dict:
     """Each shard's ``maxmemory``: its own baseline + its share of ``blocks`` values, at the bytes one
     value of this size really takes there (measured by writing ``sample`` values of the daemon's key
@@ -344,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the random router's seed")
     ap.add_argument("--setups", default="single,cluster,local")
     ap.add_argument("--probe-wait-ms", type=float, default=500.0)
-    ap.add_argument("--maxmemory-samples", type=int, default=5,
-                    help="the shards' maxmemory-samples (Valkey's default 5; its LRU is sampled, 10 is closer to LRU)")
+    ap.add_argument("--maxmemory-samples", type=int, default=64,
+                    help="the shards' maxmemory-samples (Valkey's LRU is sampled: its default 5, at most 64, the "
+                    "closest to an exact LRU)")
     ap.add_argument("--maxmemory-policy", default="allkeys-lru", help="the shards' eviction (allkeys-lfu: by use)")
     ap.add_argument("--model", default="",
                     help="also print the daemon-free model's ratios for these maxmemory-samples (e.g. 5,10; 0: exact "
