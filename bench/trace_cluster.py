@@ -54,12 +54,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "tests" / "support", ROOT / "bench"):
+for p in (ROOT, ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
 import trace_replay as tr  # noqa: E402
-from kvtest import DaemonProc, start_daemon  # noqa: E402
+from support.daemon import BenchDaemon, start_daemon  # noqa: E402
 from support.valkey_cluster import Servers, server_binary  # noqa: E402
 
 from kvoffd.cache.tiers.remote.slots import key_slot  # noqa: E402
@@ -240,7 +240,7 @@ def replay_nodes(trace: tr.Trace, geo: tr.PoolGeometry, keys: dict[int, bytes], 
                  log=print) -> SetupResult:
     """The trace through ``nodes`` fresh daemons (``extra[i]``: node i's own flags), a random router."""
     tmps = [tempfile.mkdtemp(prefix=f"kvoffd-trace-n{i}-") for i in range(nodes)]
-    daemons: list[DaemonProc] = []
+    daemons: list[BenchDaemon] = []
     engines = []
     try:
         reps = []
