@@ -28,6 +28,7 @@ import yaml
 from kvtest import chain_keys, wait_until
 from promtest import PROMETHEUS_DIR, ROOT, Prometheus, binaries, comparisons_as_bool, without_offsets
 from reliability_util import ShmEngine
+from valkey_cluster import Servers, server_binary
 
 ALERTS = PROMETHEUS_DIR / "alerts.yaml"
 ALERT_TESTS = PROMETHEUS_DIR / "alerts_test.yaml"
@@ -165,12 +166,12 @@ def test_make_says_what_it_does_when_prometheus_is_missing(tmp_path):
 # a real Prometheus scraping a live daemon
 
 
-def _config(target: str) -> dict:
+def _config(*targets: str) -> dict:
     """The deploy's static scrape job, pointed at the test daemon and scraped every second, with the
     alert rules loaded. (The Kubernetes job needs an API server; promtool checks it above.)"""
     job = copy.deepcopy(next(j for j in yaml.safe_load(SCRAPE.read_text())["scrape_configs"]
                              if "static_configs" in j))
-    job["static_configs"] = [{"targets": [target]}]
+    job["static_configs"] = [{"targets": list(targets)}]
     job["scrape_interval"] = job["scrape_timeout"] = "1s"
     return {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(ALERTS)], "scrape_configs": [job]}
@@ -213,14 +214,30 @@ def _rfc3339(s: str) -> float:
 
 def test_a_real_prometheus_scrapes_the_daemon_and_every_query_returns_series(bins, make_daemon, tmp_path):
     # With a disk tier, so that the dashboard's tier panels have series too (a daemon without one has
-    # only the pool's: those panels are empty there by design).
+    # only the pool's: those panels are empty there by design), and beside it a daemon on a real
+    # Valkey/Redis cluster (--remote), which the cluster row's panels show: the dashboard's instance
+    # variable selects both, as an operator's does.
+    binary = server_binary()
+    if binary is None:
+        pytest.skip("no valkey-server/redis-server: the dashboard's cluster row needs a --remote daemon")
     (tmp_path / "disk").mkdir()
     d = make_daemon("64MiB", "--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB", name="prom")
     target = d.metrics_address
     engine = ShmEngine(16, 4096, tag="prom")
-    with Prometheus(bins.prometheus, _config(target), tmp_path) as p:
+    with Servers(binary, shards=3) as cluster:
+        cluster.start()
+        remote = make_daemon("16MiB", "--remote", cluster.url, name="prom-remote").metrics_address
+        _scrape_and_query(bins, d, target, remote, engine, tmp_path)
+
+
+def _scrape_and_query(bins, d, target: str, remote: str, engine: ShmEngine, tmp_path) -> None:
+    with Prometheus(bins.prometheus, _config(target, remote), tmp_path) as p:
         up = f'up{{job="kvoffd",instance="{target}"}}'
         assert wait_until(lambda: [s for s in p.query(up) if s["value"][1] == "1"], 60), p.log()
+        both = f'{target}|{remote}'
+        # a rate needs two samples: the remote daemon scraped twice at least (a gate, not a sleep)
+        twice = f'count_over_time(up{{job="kvoffd",instance="{remote}"}}[5m]) >= 2'
+        assert wait_until(lambda: p.query(twice), 60), p.log()
         looked_up, loaded = _traffic(d, engine)
         # a deterministic gate, not a sleep: Prometheus has scraped the counters after the traffic
         seen = (f'sum(kvoffd_lookup_blocks_total{{instance="{target}"}}) == {looked_up} and on() '
@@ -233,12 +250,12 @@ def test_a_real_prometheus_scrapes_the_daemon_and_every_query_returns_series(bin
         queries = _panel_queries()
         assert len(queries) > 20
         for title, expr in queries:
-            q = expr.replace("$__rate_interval", "5m").replace("$instance", target)
+            q = expr.replace("$__rate_interval", "5m").replace("$instance", both)
             assert "$" not in q, f"{title}: a Grafana variable the test does not know: {q}"
             q = comparisons_as_bool(q)  # "errors > 0" shows only errors; the series must exist
             assert p.query(q), f"panel {title!r}: no series for {q}"
         for doc, expr in _doc_queries():
-            q = comparisons_as_bool(expr)  # this Prometheus scrapes only the test's daemon
+            q = comparisons_as_bool(expr)  # this Prometheus scrapes only the test's two daemons
             assert p.query(q), f"{doc}: no series for {q}"
         hit_rate = next(e for t, e in queries if t == "Hit rate (blocks served)")
         served = hit_rate.replace("$__rate_interval", "5m").replace("$instance", target)

@@ -70,7 +70,11 @@ def test_kv_events_name_vllms_hashes_and_match_the_daemons_index(tiny_model, tmp
         assert c.connect(10)
         rng = random.Random(16)
         prompts = [[rng.randrange(3, 500) for _ in range(130)] for _ in range(12)]  # 4 full blocks each
-        generate(llm, prompts, max_tokens=4)
+        # two waves, each drained: the first wave's 24 blocks are committed (ready, no store holds them)
+        # before the second's need their slots, so the pool evicts rather than drops whatever the load
+        generate(llm, prompts[:6], max_tokens=4)
+        drain(llm)
+        generate(llm, prompts[6:], max_tokens=4)
         drain(llm)
         ns = connector_of(llm)._scheduler.state.identity.namespace
         assert theirs.wait_for(lambda s: len(_stored(s.events())) >= 48)
