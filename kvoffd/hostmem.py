@@ -1,7 +1,7 @@
 """How much memory a pool can really have: the cgroup's limit and what the host has available.
 
 Physical RAM is the wrong yardstick on a shared or containerised host: a 20 GiB pool on a machine
-with 6 GiB available starts, then the kernel reclaims or kills (issue 33). A pool's pages live in
+with 6 GiB available starts, then the kernel reclaims or kills. A pool's pages live in
 shared memory, which Linux charges to the memory cgroup of whoever first touches them, so a pool
 larger than the daemon's cgroup limit can never be filled without the OOM killer. MemAvailable is a
 softer bound: a pool file the daemon is about to adopt already holds its pages (counted in Shmem,

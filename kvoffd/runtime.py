@@ -1,7 +1,7 @@
 """The daemon's runtime directory and TCP auth token: refuse anything another user could control.
 
 A socket directory another user created (or can write) lets that user serve a fake daemon to the
-engines, or keep the real one from starting (issue 18, defect 7); a token file others can read is no
+engines, or keep the real one from starting; a token file others can read is no
 secret. So the daemon starts only when both are its own: it creates them private, and refuses (a clear
 error, exit 1) a directory or file that belongs to someone else or that others can write or read.
 """

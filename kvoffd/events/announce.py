@@ -1,4 +1,4 @@
-"""Announcing a warm restart's adopted blocks on the KV-event stream (issue 16's "match the index").
+"""Announcing a warm restart's adopted blocks on the KV-event stream, so that it matches the index.
 
 A daemon that adopts the previous daemon's pool file (kvoffd/cache/restart/filekeeper.py) holds blocks its own
 stream never named: no STORE committed them here. A router that consumes the stream (and dropped the

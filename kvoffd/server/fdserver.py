@@ -1,9 +1,9 @@
 """The fd socket: clients hand the daemon their KV memory as file descriptors (SCM_RIGHTS), in batches.
 
 Why a descriptor and not a path: with a path the daemon opens memory with its own rights, so any
-client could name memory it could not open itself (issue 18, defect 3: a confused deputy). A
+client could name memory it could not open itself (a confused deputy). A
 descriptor proves the client holds the memory. Why a batch under one token: VMM memory (``cuda_vmm``)
-is one descriptor per physical allocation, thousands for a real KV cache (issue 16); the daemon answers
+is one descriptor per physical allocation, thousands for a real KV cache; the daemon answers
 one random one-time token for the whole ordered list, REGISTER names it, and the backend maps the
 descriptors and closes them. ``cpu_fd`` memory is a batch of one. The exchange is
 kvoffd_client.protocol.fdsocket's (docs/protocol.md, "The fd socket").

@@ -4,9 +4,8 @@ Hand-written on non-blocking sockets driven by the daemon's loop (no framework, 
 routes, no bodies in, and a scrape reads counters; it never waits on a copy. Every local user can
 reach the port (and the network can, with 0.0.0.0), and each connection costs the daemon a file
 descriptor, so connections are bounded. How they are bounded is what keeps the port answering under
-a connection flood (issue 28, item 3: the first version refused the 65th connection, so whoever held
-64 idle ones made every /healthz fail, 40 of 40 probes, and a liveness probe on it would have
-restarted a healthy daemon):
+a connection flood (a plain global cap would not: whoever held every slot with idle connections
+would make every /healthz fail, and a liveness probe on it would restart a healthy daemon):
 
 - A request already in the kernel's buffer when its connection is accepted is answered at once and
   holds no slot: probes and scrapes send their request as soon as they connect.

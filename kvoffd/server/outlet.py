@@ -2,7 +2,7 @@
 ROUTER) for the daemon. ``python -m kvoffd.server.outlet FD``, started by the daemon
 (kvoffd/server/outlet_link.py) with one end of a socketpair as FD; it exits when the daemon's end closes.
 
-Why a process (issue 28, item 0). libzmq accepts on its own I/O thread, so the daemon cannot refuse a
+Why a process. libzmq accepts on its own I/O thread, so the daemon cannot refuse a
 connection to a ZeroMQ endpoint before its descriptor exists: it learns of each accept afterwards
 (the socket monitor) and can only stop further accepts (kvoffd/server/fdbudget.py's ListenerGuard).
 That reaction has a delay, and a full-speed flood fills the descriptor table within it; once the
@@ -26,7 +26,7 @@ Who may subscribe: ipc:// is the socket directory's (0700) and the socket's (060
 user only; tcp:// takes CURVE clients whose public key is in the allowed directory
 (kvoffd/server/curve_keys.py, a ZAP handler here), unless the operator said ``--kv-events-auth none``.
 
-Replay (issue 28, item 7): a request is answered a window at a time (``Replays``), never all at once:
+Replay: a request is answered a window at a time (``Replays``), never all at once:
 at most REPLAY_WINDOW_BYTES of one peer's replay and REPLAY_TOTAL_BYTES of all are handed to libzmq
 and not yet written; REPLAY_ACTIVE replays run at once, REPLAY_WAITING more wait their turn, and beyond
 that a request is dropped and counted, as is a replay that cannot go on for REPLAY_STALL_S (its peer

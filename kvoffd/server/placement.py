@@ -4,7 +4,7 @@ Decided once, at REGISTER, from what the daemon can see for itself rather than f
 engine claims: a GPU engine's node is its device's (the CUDA backend's ordinal and PCI bus id, or
 ``--numa-map``); a CPU engine's is the node holding every CPU its process may run on (its affinity;
 a process free to run anywhere has no node). An engine without a node, or a pool of one shard, has no
-preference (-1): its stores take the pool's chunks in order, as before shards existed.
+preference (-1): its stores take the pool's chunks in order, as a pool of one shard does.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def route_client_logs() -> None:
     logger, at its level. Called by the connector's constructor: vLLM configures its logging in
     each process before it builds the connector (not at import). Nothing changes where vLLM
     leaves logging alone (VLLM_CONFIGURE_LOGGING=0: no handlers): the lines propagate to the root
-    logger as before."""
+    logger unchanged."""
     vllm_log = logging.getLogger("vllm")
     client = logging.getLogger("kvoffd_client")
     if not vllm_log.handlers or any(isinstance(h, _ThroughVllm) for h in client.handlers):
