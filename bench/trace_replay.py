@@ -78,6 +78,7 @@ import hashlib
 import heapq
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -460,6 +461,7 @@ def replay_daemon(trace: Trace, geo: PoolGeometry, keys: dict[int, bytes], verif
         d.stop()
         if eng is not None:
             eng.close()
+        shutil.rmtree(tmp, ignore_errors=True)  # the socket's directory (and the disk tier's files)
 
 
 def measured_capacity(run: DaemonRun, geo: PoolGeometry) -> int:
