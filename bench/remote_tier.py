@@ -150,7 +150,11 @@ def store_to_visible(servers: Servers, size: int, n: int, src: np.ndarray) -> di
     b.start()
     out = []
     try:
-        loop.run_until_complete(asyncio.sleep(0.2))  # A's slot map
+        deadline = time.monotonic() + 10.0  # A reads its slot map on an I/O thread: wait for it, not a sleep
+        while a.store.cluster.owner(0) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("node A never read the cluster's slot map")
+            loop.run_until_complete(asyncio.sleep(0.01))
         for i in range(n):
             key = (1 << 40 | i).to_bytes(32, "little")
             view = memoryview(src[(i % 8) * size:(i % 8 + 1) * size])
