@@ -82,9 +82,11 @@ class Known:
 
     def add(self, ns_id: bytes, keys: Sequence[bytes]) -> None:
         with self._lock:
+            d = self._d
             for k in keys:
-                self._d[ns_id + k] = None
-                self._d.move_to_end(ns_id + k)
+                key = ns_id + k
+                d[key] = None
+                d.move_to_end(key)
             while len(self._d) > self.cap:
                 self._d.popitem(last=False)
 
