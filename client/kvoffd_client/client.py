@@ -31,7 +31,7 @@ __all__ = ["EXPIRY_GRACE_S", "DaemonUnavailable", "KvoffdClient", "KvoffdError",
 
 log = logging.getLogger("kvoffd_client")
 
-_UNSOLICITED = (P.Notice, P.HelloOk)  # never the answer a request() waits for
+_UNSOLICITED = (P.Notice, P.Landed, P.HelloOk)  # never the answer a request() waits for
 
 
 class KvoffdClient:
@@ -224,6 +224,9 @@ class KvoffdClient:
         if isinstance(msg, P.Notice):
             self._jobs.noticed(msg)
             return
+        if isinstance(msg, P.Landed):
+            self._jobs.landed(msg)
+            return
         if isinstance(msg, P.HelloOk):
             if self._link.answers_hello(msg.seq):  # any HELLO of ours answered (the daemon answers each)
                 self._on_hello(msg)
@@ -362,18 +365,33 @@ class KvoffdClient:
 
     def submit_store(self, engine_id: str, job_id: int, keys: Sequence[bytes] | bytes,
                      block_ids: Sequence[int] | bytes, event: int = -1, tokens: bytes = b"",
-                     parents: bytes = b"") -> None:
-        """``tokens``/``parents``: what KV events show of the blocks (P.Store); empty: nothing."""
+                     parents: bytes = b"", cuts: Sequence[int] = (), events: Sequence[int] = ()) -> None:
+        """``tokens``/``parents``: what KV events show of the blocks (P.Store); empty: nothing.
+        ``cuts``/``events``: a store in parts, part p copied once event ``events[p]`` fired (P.Store;
+        only where ``supports_parts``)."""
         self._jobs.submit(P.Store(engine_id=engine_id, job_id=job_id, keys=keys, block_ids=block_ids,
-                                  ready_event=event, tokens=tokens, parents=parents))
+                                  ready_event=event, tokens=tokens, parents=parents, cuts=list(cuts),
+                                  ready_events=list(events)))
 
     def submit_load(self, engine_id: str, job_id: int, keys: Sequence[bytes] | bytes,
                     block_ids: Sequence[int] | bytes, lease_id: int = 0, event: int = -1,
-                    deadline_s: float | None = None) -> None:
+                    deadline_s: float | None = None, cuts: Sequence[int] = ()) -> None:
         """``deadline_s``: this job's own deadline, when shorter than ``job_deadline_s`` (a load the
-        engine waits for within its step is not worth starting after the engine gave up on it)."""
+        engine waits for within its step is not worth starting after the engine gave up on it).
+        ``cuts``: a load in parts, announced as they land (``wait_landed``; only where ``supports_parts``)."""
         self._jobs.submit(P.Load(engine_id=engine_id, job_id=job_id, keys=keys, block_ids=block_ids,
-                                 lease_id=lease_id, ready_event=event), deadline_s)
+                                 lease_id=lease_id, ready_event=event, cuts=list(cuts)), deadline_s)
+
+    def wait_landed(self, job_ids: set[int], parts: int, timeout_s: float) -> set[int]:
+        """Block (bounded) until every LOAD in ``job_ids`` has its first ``parts`` parts in place or
+        has ended (its notice says how); returns those still short when ``timeout_s`` ran out."""
+        return self._jobs.wait_landed(job_ids, parts, timeout_s)
+
+    @property
+    def supports_parts(self) -> bool:
+        """Whether the daemon takes jobs in parts (its HELLO_OK lists ``parts``)."""
+        hello = self.hello
+        return hello is not None and "parts" in hello.capabilities
 
     def take_notices(self) -> list[P.Notice]:
         """Completion notices that arrived (real or synthesized for lost jobs). Never waits."""

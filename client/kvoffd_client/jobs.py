@@ -23,6 +23,7 @@ class Job:
     n: int
     deadline: float  # when the daemon stops starting it (its expires_ns); past it + grace: overdue
     daemon: DaemonProcess | None  # the daemon that took it: only its notice or its exit ends the job
+    landed: int = 0  # a LOAD in parts: how many of its leading parts are in place (LANDED)
 
 
 def lost_job_notice(job_id: int, job: Job, code: str, message: str) -> P.Notice:
@@ -63,6 +64,12 @@ class ClientJobs:
         if self.jobs.pop(msg.job_id, None) is not None:
             self._notices.append(msg)
 
+    def landed(self, msg: P.Landed) -> None:
+        """LANDED: more of a LOAD in parts is in place (parts only ever grow; for no job of ours: dropped)."""
+        job = self.jobs.get(msg.job_id)
+        if job is not None and msg.parts > job.landed:
+            job.landed = msg.parts
+
     def refused(self, msg: P.Error) -> bool:
         """An ERROR naming a job in flight: the daemon refused it, nothing was written; it is over."""
         job = self.jobs.pop(msg.job_id, None) if msg.job_id is not None else None
@@ -94,6 +101,19 @@ class ClientJobs:
             self._pump(0)
             out, self._notices = self._notices, []
             return out
+
+    def wait_landed(self, job_ids: set[int], parts: int, timeout_s: float) -> set[int]:
+        """Block (bounded) until every job in ``job_ids`` has ``parts`` leading parts in place or has
+        ended (its notice, taken or not, says how); returns the jobs still short when the time ran out."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                self._pump(0)
+                short = {j for j in job_ids if (job := self.jobs.get(j)) is not None and job.landed < parts}
+                left = deadline - time.monotonic()
+                if not short or left <= 0:
+                    return short
+                self._pump(int(min(left, 0.05) * 1000) + 1)
 
     def wait_notices(self, job_ids: set[int], timeout_s: float) -> list[P.Notice]:
         """Block (bounded) until every job in ``job_ids`` has a notice; returns the ones received."""

@@ -38,6 +38,7 @@ from kvoffd.cache.keyspace import ASK_WAIT_S, PROMOTE_WAIT_S, Answer, Keyspace
 from kvoffd.metrics import Metrics
 from kvoffd.server.job import Job
 from kvoffd.server.limits import MAX_JOBS_PER_CONN, MAX_RUNS_PER_JOB
+from kvoffd.server.parts import check_parts, submit_parts
 from kvoffd.server.sessions import Conn, Engine, Lease, Reply, Sessions
 from kvoffd.server.verify import Verifier
 from kvoffd.transfer.base import Direction, JobExpired
@@ -150,16 +151,24 @@ class Jobs:
         if len(conn.jobs) >= MAX_JOBS_PER_CONN:
             raise ProtocolError(ErrorCode.TOO_MANY, f"at most {MAX_JOBS_PER_CONN} jobs in flight per connection",
                                 seq=msg.seq, job_id=msg.job_id)
-        if len(ids) * len(eng.mapped.segments) > MAX_RUNS_PER_JOB:
-            raise ProtocolError(ErrorCode.TOO_MANY, f"{len(ids)} blocks of {len(eng.mapped.segments)} segments "
-                                f"make {len(ids) * len(eng.mapped.segments)} copy runs; at most "
-                                f"{MAX_RUNS_PER_JOB} per job", seq=msg.seq, job_id=msg.job_id)
+        runs = len(eng.mapped.segments) + len(msg.cuts)  # a cut splits at most one run
+        if len(ids) * runs > MAX_RUNS_PER_JOB:
+            raise ProtocolError(ErrorCode.TOO_MANY, f"{len(ids)} blocks of {runs} runs make {len(ids) * runs} "
+                                f"copy runs; at most {MAX_RUNS_PER_JOB} per job", seq=msg.seq, job_id=msg.job_id)
+        try:
+            check_parts(msg, eng.mapped)
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_FIELD, str(e), seq=msg.seq, job_id=msg.job_id) from None
         return eng, P.split_keys(msg.keys), ids
 
-    @staticmethod
-    def _submit(eng: Engine, d: Direction, ids: np.ndarray, slots: np.ndarray, msg: P.Store | P.Load
-                ) -> Awaitable[None]:
+    def _submit(self, conn: Conn, eng: Engine, d: Direction, ids: np.ndarray, slots: np.ndarray,
+                msg: P.Store | P.Load) -> Awaitable[None]:
+        """Start the job's copy: whole, or in parts (kvoffd.server.parts; a LOAD's LANDED go to ``conn``)."""
         try:
+            if msg.cuts:
+                landed = (lambda n: self.reply(conn.ident, P.Landed(job_id=msg.job_id, parts=n))
+                          ) if d is Direction.LOAD else None
+                return submit_parts(eng.backend, d, eng.mapped, ids, slots, msg, eng.mapped.parts(msg.cuts), landed)
             return eng.backend.submit(d, eng.mapped, ids, slots, msg.ready_event, msg.expires_ns)
         except Exception as e:
             return _failed_future(e)
@@ -226,7 +235,7 @@ class Jobs:
         slots = np.array(plan.slots, dtype=np.int64)
         block_ids = ids[plan.copy_idx]
         # the copy starts first; the per-key bookkeeping below runs while the bytes move
-        fut = self._submit(eng, Direction.STORE, block_ids, slots, msg)
+        fut = self._submit(conn, eng, Direction.STORE, block_ids, slots, msg)
         fault: Exception | None = None
         try:
             self.keyspace.add_pending(plan)
@@ -355,7 +364,7 @@ class Jobs:
         fut: Awaitable[None] | None = None
         # start the copy now, not one loop turn later in the job's task, unless checksums come first
         if not checks_first:
-            fut = self._submit(eng, Direction.LOAD, ids, slots, msg)
+            fut = self._submit(conn, eng, Direction.LOAD, ids, slots, msg)
         job = Job(conn=conn, engine=eng, msg=msg, direction=Direction.LOAD, started=t0, entries=entries,
                   idx=lp.found_idx, block_ids=ids, slots=slots, failed=failed,
                   code=NoticeCode.NOT_RESIDENT.value if failed else "", future=fut)

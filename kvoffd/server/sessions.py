@@ -183,7 +183,7 @@ class Sessions:
         if conn is None:
             conn = self._open_conn(ident, msg)
         conn.last_seen = time.monotonic()
-        caps = ["lease", "explain", "replicas", *(f"memory:{k}" for k in self.by_kind), *self.capabilities]
+        caps = ["lease", "explain", "replicas", "parts", *(f"memory:{k}" for k in self.by_kind), *self.capabilities]
         return P.HelloOk(seq=msg.seq, daemon_id=self.daemon_id, pid=os.getpid(), capabilities=caps,
                          limits={"max_frame_bytes": P.MAX_FRAME_BYTES, "max_keys": P.MAX_KEYS,
                                  "max_jobs": MAX_JOBS_PER_CONN, "key_size": P.KEY_SIZE},

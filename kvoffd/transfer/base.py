@@ -7,6 +7,7 @@ engine's memory and copies batches between it and the pool. One call moves a who
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Iterator
@@ -54,6 +55,60 @@ def past(expires_ns: int) -> bool:
     return expires_ns != 0 and time.monotonic_ns() > expires_ns
 
 
+@dataclass(frozen=True, eq=False)
+class Runs:
+    """The byte runs of one block that a copy moves: run k lies at ``offset[k] + b*stride[k]`` in the
+    engine's memory for block b, ``length[k]`` bytes, at ``pos[k]`` in the block's pool slot.
+
+    A whole block is its segments back to back in the slot (:meth:`of`); a part of a block (a group
+    of layers, :meth:`cut`) is the runs that cover a range of slot bytes, segments split where the
+    range ends inside one (a block-contiguous layout, one run holding every layer, is cut by bytes).
+    """
+
+    offset: np.ndarray
+    stride: np.ndarray
+    length: np.ndarray
+    pos: np.ndarray
+
+    @classmethod
+    def of(cls, segments: list[Segment]) -> Runs:
+        n = len(segments)
+        length = np.fromiter((s.length for s in segments), dtype=np.int64, count=n)
+        return cls(offset=np.fromiter((s.offset for s in segments), dtype=np.int64, count=n),
+                   stride=np.fromiter((s.stride for s in segments), dtype=np.int64, count=n),
+                   length=length, pos=np.concatenate(([0], np.cumsum(length)[:-1])).astype(np.int64))
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one block these runs move."""
+        return int(self.length.sum())
+
+    def cut(self, cuts: list[int] | tuple[int, ...]) -> list[Runs]:
+        """The parts ``cuts`` makes of these (whole-block) runs: part p covers slot bytes
+        [cuts[p-1], cuts[p]) (from 0, to the slot's end). ValueError unless the cuts are strictly
+        increasing and inside the slot, so that every part is a non-empty range."""
+        total = self.nbytes
+        edges = [0, *cuts, total]
+        if any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+            raise ValueError(f"cuts must increase strictly inside the {total}-byte slot; got {list(cuts)[:8]}")
+        end = self.pos + self.length
+        parts = []
+        for a, b in zip(edges, edges[1:], strict=False):
+            k = np.nonzero((self.pos < b) & (end > a))[0]
+            lo = np.maximum(self.pos[k], a)
+            hi = np.minimum(end[k], b)
+            parts.append(Runs(offset=self.offset[k] + (lo - self.pos[k]), stride=self.stride[k], length=hi - lo,
+                              pos=lo))
+        return parts
+
+
+#: Distinct ``cuts`` one mapping keeps the parts of (an engine uses one or two).
+PART_CACHE = 8
+
+
 @dataclass
 class MappedMemory:
     """An engine's KV memory as the daemon sees it, plus the layout of one block in it.
@@ -76,6 +131,24 @@ class MappedMemory:
 
     def check_bounds(self) -> None:
         check_bounds(self.size, self.num_blocks, self.segments)
+
+    @functools.cached_property
+    def runs(self) -> Runs:
+        """A whole block's runs."""
+        return Runs.of(self.segments)
+
+    def parts(self, cuts: list[int]) -> list[Runs]:
+        """The runs of each part of a block cut at ``cuts`` (:meth:`Runs.cut`), kept for the next job
+        with the same cuts. ValueError for cuts that do not cut this block's slot."""
+        key = tuple(cuts)
+        cache: dict[tuple[int, ...], list[Runs]] = self.__dict__.setdefault("_parts", {})
+        got = cache.get(key)
+        if got is None:
+            got = self.runs.cut(key)
+            if len(cache) >= PART_CACHE:
+                cache.pop(next(iter(cache)))
+            cache[key] = got
+        return got
 
 
 def check_bounds(size: int, num_blocks: int, segments: list[Segment]) -> None:
@@ -116,8 +189,10 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def submit(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
-               slots: np.ndarray, event: int = -1, expires_ns: int = 0) -> Awaitable[None]:
-        """Start moving ``block_ids[i]`` <-> pool slot at byte offset ``slots[i]``, as one batch.
+               slots: np.ndarray, event: int = -1, expires_ns: int = 0, runs: Runs | None = None
+               ) -> Awaitable[None]:
+        """Start moving ``block_ids[i]`` <-> pool slot at byte offset ``slots[i]``, as one batch:
+        the whole of each block, or only ``runs`` of it (one part of a job in parts).
 
         The work must begin before this returns (the server does its per-key bookkeeping while the
         bytes move); the awaitable completes once they are in place (for a LOAD: visible to the
@@ -142,21 +217,18 @@ class TransferBackend(ABC):
         return {"name": self.name}
 
 
-def run_descriptors(mapped: MappedMemory, block_ids: np.ndarray, slots: np.ndarray, pool_base: int
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def run_descriptors(mapped: MappedMemory, block_ids: np.ndarray, slots: np.ndarray, pool_base: int,
+                    runs: Runs | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Byte runs for a batch, built with numpy: (engine offsets, pool addresses, lengths).
 
-    Run k of block i is segment k of that block; in the pool the segments sit back to back in the
-    slot. Order is block-major so neighbouring runs on both sides can be coalesced.
+    Run k of block i is run k of ``runs`` (default: the block's segments, back to back in its slot)
+    for that block. Order is block-major so neighbouring runs on both sides can be coalesced.
     """
-    seg_off = np.fromiter((s.offset for s in mapped.segments), dtype=np.int64, count=len(mapped.segments))
-    seg_stride = np.fromiter((s.stride for s in mapped.segments), dtype=np.int64, count=len(mapped.segments))
-    seg_len = np.fromiter((s.length for s in mapped.segments), dtype=np.int64, count=len(mapped.segments))
-    seg_pos = np.concatenate(([0], np.cumsum(seg_len)[:-1]))
+    r = mapped.runs if runs is None else runs
     b = block_ids.astype(np.int64)[:, None]
-    eng = (seg_off[None, :] + b * seg_stride[None, :]).ravel()
-    pool = (pool_base + slots.astype(np.int64)[:, None] + seg_pos[None, :]).ravel()
-    lens = np.broadcast_to(seg_len, (len(block_ids), len(seg_len))).ravel()
+    eng = (r.offset[None, :] + b * r.stride[None, :]).ravel()
+    pool = (pool_base + slots.astype(np.int64)[:, None] + r.pos[None, :]).ravel()
+    lens = np.broadcast_to(r.length, (len(block_ids), len(r))).ravel()
     return eng, pool, lens
 
 
@@ -164,16 +236,17 @@ DESCRIBE_RUNS = 1 << 16  # runs described at a time: ~4 MB of descriptors, a few
 
 
 def describe_in_chunks(mapped: MappedMemory, block_ids: np.ndarray, slots: np.ndarray, pool_base: int,
-                       max_runs: int = DESCRIBE_RUNS) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                       max_runs: int = DESCRIBE_RUNS, runs: Runs | None = None
+                       ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """:func:`run_descriptors` for consecutive ranges of blocks, about ``max_runs`` runs each.
 
     Why: a job's runs are blocks x segments, millions for a large job of a many-segment layout. Built
     at once they cost seconds and gigabytes; built a chunk at a time on a copy thread their memory is
     bounded and the event loop never waits for them.
     """
-    step = max(1, max_runs // max(1, len(mapped.segments)))
+    step = max(1, max_runs // max(1, len(mapped.runs if runs is None else runs)))
     for a in range(0, len(block_ids), step):
-        yield run_descriptors(mapped, block_ids[a:a + step], slots[a:a + step], pool_base)
+        yield run_descriptors(mapped, block_ids[a:a + step], slots[a:a + step], pool_base, runs)
 
 
 def pool_chunks(pool_addrs: np.ndarray, pool: Pool) -> np.ndarray:

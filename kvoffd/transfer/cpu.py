@@ -40,6 +40,7 @@ from kvoffd.transfer.base import (
     Direction,
     JobExpired,
     MappedMemory,
+    Runs,
     TransferBackend,
     check_bounds,
     coalesce,
@@ -130,21 +131,23 @@ class CpuBackend(TransferBackend):
             log.warning("engine %s: munmap failed: %s", mapped.engine_id, os.strerror(ctypes.get_errno()))
 
     def submit(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray,
-               slots: np.ndarray, event: int = -1, expires_ns: int = 0) -> Awaitable[None]:
+               slots: np.ndarray, event: int = -1, expires_ns: int = 0, runs: Runs | None = None
+               ) -> Awaitable[None]:
         loop = asyncio.get_running_loop()
-        parts = _split(len(block_ids), mapped.slot_bytes, self.threads)
+        nbytes = mapped.slot_bytes if runs is None else runs.nbytes
+        parts = _split(len(block_ids), nbytes, self.threads)
         return asyncio.ensure_future(_all_parts([
             loop.run_in_executor(self._executor, self._copy_blocks, direction, mapped, block_ids[a:b], slots[a:b],
-                                 expires_ns)
+                                 expires_ns, runs)
             for a, b in parts]))
 
     def _copy_blocks(self, direction: Direction, mapped: FdMapping, block_ids: np.ndarray,
-                     slots: np.ndarray, expires_ns: int) -> None:
+                     slots: np.ndarray, expires_ns: int, runs: Runs | None = None) -> None:
         """Describe a range of blocks a chunk at a time and move each chunk: on a copy thread, so
         no job's descriptors (millions of runs for a many-segment layout) ever stall the loop. The
         deadline is checked before every batch of runs (``_copy_runs``)."""
         base = mapped.address
-        for eng, pool, lens in describe_in_chunks(mapped, block_ids, slots, self.pool.base_address):
+        for eng, pool, lens in describe_in_chunks(mapped, block_ids, slots, self.pool.base_address, runs=runs):
             eng += base
             src, dst = (eng, pool) if direction is Direction.STORE else (pool, eng)
             self._copy_runs(*coalesce(src, dst, lens, pool_chunks(pool, self.pool)), expires_ns)

@@ -37,6 +37,7 @@ from kvoffd.transfer.base import (
     Direction,
     JobExpired,
     MappedMemory,
+    Runs,
     TransferBackend,
     coalesce,
     pool_chunks,
@@ -191,14 +192,15 @@ class CudaBackend(TransferBackend):
 
     # --- copies -----------------------------------------------------------------------------------
     def submit(self, direction: Direction, mapped: CudaMapping, block_ids: np.ndarray,  # type: ignore[override]
-               slots: np.ndarray, event: int = -1, expires_ns: int = 0) -> Awaitable[None]:
+               slots: np.ndarray, event: int = -1, expires_ns: int = 0, runs: Runs | None = None
+               ) -> Awaitable[None]:
         if mapped.detached:
             raise RuntimeError(f"engine {mapped.engine_id} is not mapped")
         if event >= len(mapped.events):
             raise ValueError(f"event {event} is outside the engine's ring of {len(mapped.events)}")
         loop = asyncio.get_running_loop()
         job = CudaJob(direction=direction, mapped=mapped, block_ids=block_ids, slots=slots, expires_ns=expires_ns,
-                      future=loop.create_future(), loop=loop)
+                      future=loop.create_future(), loop=loop, runs=mapped.runs if runs is None else runs)
         if len(block_ids) == 0:
             job.future.set_result(None)
             return job.future
@@ -229,7 +231,7 @@ class CudaBackend(TransferBackend):
         if job.expired():  # a gated job whose event fired late, or a poller that was frozen
             job.resolve(JobExpired("deadline passed before the copy could start; not started"))
             return
-        head = self.tuning.head_blocks(len(mapped.segments), mapped.slot_bytes)
+        head = self.tuning.head_blocks(len(job.runs), job.runs.nbytes)
         if len(job.block_ids) <= head:
             self._submit_job(job, 0)
             return
@@ -263,7 +265,8 @@ class CudaBackend(TransferBackend):
         stops there (raising JobExpired) instead of starting the rest late."""
         mapped: CudaMapping = job.mapped  # type: ignore[assignment]
         drv = cudart.driver()
-        eng, pool, lens = run_descriptors(mapped, job.block_ids[a:b], job.slots[a:b], self.pool.base_address)
+        eng, pool, lens = run_descriptors(mapped, job.block_ids[a:b], job.slots[a:b], self.pool.base_address,
+                                          job.runs)
         eng += mapped.region
         store = job.direction is Direction.STORE
         src, dst = (eng, pool) if store else (pool, eng)

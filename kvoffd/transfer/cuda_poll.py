@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from kvoffd.transfer import cuda_driver as cudart
-from kvoffd.transfer.base import Direction, JobExpired, MappedMemory, past
+from kvoffd.transfer.base import Direction, JobExpired, MappedMemory, Runs, past
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class CudaJob:
     expires_ns: int  # CLOCK_MONOTONIC ns after which no part of the job may start; 0: none
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    runs: Runs  # which runs of each block move (the whole block, or one part of a job in parts)
 
     def expired(self) -> bool:
         return past(self.expires_ns)

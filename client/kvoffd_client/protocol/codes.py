@@ -30,6 +30,7 @@ class Op(str, enum.Enum):
     PONG = "pong"
     EXPLAINED = "explained"
     NOTICE = "notice"
+    LANDED = "landed"
     ERROR = "error"
 
 

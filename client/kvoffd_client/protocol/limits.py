@@ -24,6 +24,10 @@ MAX_KEYS = 65536
 #: Longest namespace / engine id / free-text field.
 MAX_NAME = 256
 
+#: Parts one STORE or LOAD may be cut into (``cuts``): a group of layers each, so one per layer of the
+#: deepest models with room to spare.
+MAX_PARTS = 256
+
 #: IPC events one CUDA engine may share (its ring of "writes done" markers)
 MAX_EVENTS = 4096
 #: Memory kinds REGISTER may name (the daemon says which it serves in HELLO_OK: ``memory:<kind>``).

@@ -13,6 +13,7 @@ from kvoffd_client.protocol.keys import idblob, keyblob
 from kvoffd_client.protocol.limits import (
     MAX_KEYS,
     MAX_NAME,
+    MAX_PARTS,
     PROTOCOL_VERSION,
     U63,
     EventIndex,
@@ -147,6 +148,11 @@ class _Job(Message):
     block_ids: bytes = b""  # little-endian int32
     ready_event: EventIndex = -1
     expires_ns: U63 = 0
+    #: A job in parts (only to a daemon whose HELLO_OK lists ``parts``): strictly increasing byte
+    #: offsets into a block's slot where a part starts; part p is slot bytes [cuts[p-1], cuts[p]) of
+    #: every block (cuts[-1] = 0, the last part ends at the slot's end). The parts are copied in order,
+    #: and a LOAD's parts are announced as they land (LANDED), so an engine computes layer by layer.
+    cuts: Annotated[list[U63], Meta(max_length=MAX_PARTS - 1)] = []
 
     def __post_init__(self) -> None:
         self.keys = keyblob(self.keys)
@@ -163,6 +169,9 @@ class Store(_Job, tag="store"):
 
     tokens: bytes = b""
     parents: bytes = b""
+    #: With ``cuts``: the event of the engine's ring that part p waits for (the forward wrote that
+    #: part's layers), one per part; empty: every part waits for ``ready_event``.
+    ready_events: Annotated[list[EventIndex], Meta(max_length=MAX_PARTS)] = []
 
 
 class Load(_Job, tag="load"):
@@ -170,6 +179,15 @@ class Load(_Job, tag="load"):
     LOOKUP's lease: the load consumes this rank's share of it (the copy holds what it reads itself)."""
 
     lease_id: U63 = 0
+
+
+class Landed(Message, tag="landed"):
+    """Parts 0..``parts``-1 of LOAD ``job_id`` (one in parts: ``cuts``) are in the engine's memory,
+    visible to its next kernel. Sent in order as parts land; the job's NOTICE still ends it (and says
+    whether every part landed: a job that failed after some parts landed fails as a whole)."""
+
+    job_id: int = 0
+    parts: int = 0
 
 
 class Notice(Message, tag="notice"):
@@ -237,7 +255,7 @@ class Error(Message, tag="error"):
 MESSAGES: dict[str, type[Message]] = {
     cls.__struct_config__.tag: cls
     for cls in (Hello, HelloOk, Register, Registered, Unregister, Lookup, LookupResult, Release, Store,
-                Load, Notice, Stats, StatsResult, Clear, Cleared, Explain, Explained, Ping, Pong, Ok, Error)
+                Load, Landed, Notice, Stats, StatsResult, Clear, Cleared, Explain, Explained, Ping, Pong, Ok, Error)
 }
 for _tag, _cls in MESSAGES.items():
     _cls.op = Op(_tag)
