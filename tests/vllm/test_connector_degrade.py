@@ -88,11 +88,11 @@ def test_daemon_sigkilled_while_loading(tiny_model: str, reference: list[list[in
         worker = _worker()
         real_start = worker.start_load_kv
 
-        def freeze_daemon_then_load(meta: Any) -> None:
+        def freeze_daemon_then_load(meta: Any, **kw: Any) -> None:
             # The daemon stops before it sees the LOADs, so they are certainly in flight at the kill.
             if meta.loads and d.proc is not None:
                 os.kill(d.proc.pid, signal.SIGSTOP)
-            real_start(meta)
+            real_start(meta, **kw)
 
         worker.start_load_kv = freeze_daemon_then_load
         engine = llm.llm_engine
@@ -207,11 +207,11 @@ def test_frozen_daemon_holds_only_the_loading_requests(tiny_model: str, referenc
         real_start = worker.start_load_kv
         frozen_at: list[float] = []
 
-        def freeze_daemon_then_load(meta: Any) -> None:
+        def freeze_daemon_then_load(meta: Any, **kw: Any) -> None:
             if meta.loads and not frozen_at and d.proc is not None:
                 os.kill(d.proc.pid, signal.SIGSTOP)  # before it sees the LOADs: they wait past their deadline
                 frozen_at.append(time.monotonic())
-            real_start(meta)
+            real_start(meta, **kw)
 
         worker.start_load_kv = freeze_daemon_then_load
         engine = llm.llm_engine

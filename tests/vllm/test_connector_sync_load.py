@@ -188,11 +188,11 @@ def test_frozen_daemon_recomputes_without_hanging(tiny_model: str, reference: li
         worker = _worker()
         real_start = worker.start_load_kv
 
-        def freeze_then_load(meta: Any) -> None:
+        def freeze_then_load(meta: Any, **kw: Any) -> None:
             if any(ld.sync for ld in meta.loads) and not frozen and d.proc is not None:
                 os.kill(d.proc.pid, signal.SIGSTOP)
                 frozen.append(d.proc.pid)
-            real_start(meta)
+            real_start(meta, **kw)
 
         worker.start_load_kv = freeze_then_load
         log = watch(llm)
@@ -216,6 +216,8 @@ def test_frozen_daemon_recomputes_without_hanging(tiny_model: str, reference: li
             assert not thawed.is_set(), "generate waited for the frozen daemon (thawed after 60 s)"
             assert frozen, "no same-step load was submitted"
             assert worker.stats.lifetime.get("sync_load_timeouts", 0) >= 1
+            # by default the forward waits layer by layer: the first layer's wait is the one that ran out
+            assert worker.stats.lifetime.get("layerwise_load_jobs", 0) >= 1
             held = dict(worker._late)
             assert held, "the timed-out load was dropped while its daemon could still write"
             sched = core_of(llm).scheduler
@@ -262,11 +264,11 @@ def test_daemon_killed_before_a_same_step_load_recomputes(tiny_model: str, refer
         worker = _worker()
         real_start = worker.start_load_kv
 
-        def kill_then_load(meta: Any) -> None:
+        def kill_then_load(meta: Any, **kw: Any) -> None:
             if any(ld.sync for ld in meta.loads) and not killed:
                 d.kill()
                 killed.append(True)
-            real_start(meta)
+            real_start(meta, **kw)
 
         worker.start_load_kv = kill_then_load
         assert llm.reset_prefix_cache()

@@ -49,12 +49,12 @@ def test_daemon_sigkilled_with_100_loads_in_flight(tiny_model: str, tmp_path: Pa
         real_start = worker.start_load_kv
         frozen: dict[str, Any] = {}
 
-        def freeze_then_load(meta: Any) -> None:
+        def freeze_then_load(meta: Any, **kw: Any) -> None:
             # Freeze the daemon before it reads this step's LOADs: they are all in flight at the kill.
             if len(meta.loads) >= 100 and d.proc is not None and not frozen:
                 os.kill(d.proc.pid, signal.SIGSTOP)
                 frozen["loads"] = len(meta.loads)
-            real_start(meta)
+            real_start(meta, **kw)
 
         worker.start_load_kv = freeze_then_load
         engine = llm.llm_engine

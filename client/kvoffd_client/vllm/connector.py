@@ -106,12 +106,15 @@ class KvoffdConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if self._worker is not None and isinstance(meta, KvoffdMetadata):
-            self._worker.start_load_kv(meta)
+            # A full CUDA graph replays without per-layer hooks: its same-step loads are waited for whole.
+            mode = getattr(getattr(forward_context, "cudagraph_runtime_mode", None), "name", "")
+            self._worker.start_load_kv(meta, hooks=mode != "FULL")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing per layer: a same-step load is waited for whole in ``start_load_kv``, which vLLM
-        runs before the forward in a step with same-step loads. (Per-layer hooks do not run under
-        full CUDA graphs, so waiting here could let a replayed graph read blocks still loading.)"""
+        """Before each attention layer: wait for the parts of this step's same-step loads that hold the
+        layer (kvoffd_client.vllm.layerwise); nothing to wait for when the step has none."""
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:

@@ -33,6 +33,9 @@ class Settings:
     sync_step_ms: float = 2.0  # the step time a same-step load may add (for the derived budget)
     link_gbps: float = 0.0  # GB/s for the derived budget; 0: measured from same-step loads
     sync_load_timeout_ms: int = 200  # a same-step load not done by then is recomputed (vLLM's load-error path)
+    # Same-step loads layer by layer (kvoffd_client.vllm.layerwise): the forward waits per layer group.
+    layerwise: bool = True
+    layer_parts: int = 32  # most parts a layer-wise load is cut into (layers grouped evenly)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:

@@ -29,6 +29,8 @@ STAT_KEYS = (
     "sync_load_jobs",  # loads waited for within their step (also counted in load_jobs)
     "sync_load_wait_us",  # time those waits took, summed
     "sync_load_timeouts",  # waits that ran out: the blocks were recomputed
+    "layerwise_load_jobs",  # same-step loads the forward waited for layer by layer (in sync_load_jobs too)
+    "layerwise_unwaited",  # layer-wise loads whose forward ran no per-layer hook: recomputed, then whole loads
     "fence_waits",  # preemptions that had to wait for in-flight stores
     "fence_wait_us",
     "fence_timeouts",  # fences that waited longer than fence_timeout_s (they still waited)

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvoffd_client.client import DaemonUnavailable, KvoffdClient, KvoffdError
 from kvoffd_client.protocol import Notice
 from kvoffd_client.vllm.identity import CacheIdentity
+from kvoffd_client.vllm.layerwise import LayerParts, StepLayers
 from kvoffd_client.vllm.logs import log
 from kvoffd_client.vllm.metadata import KvoffdMetadata, KvoffdWorkerMeta
 from kvoffd_client.vllm.registration import KvRegistration
@@ -78,6 +79,8 @@ class KvoffdWorker:
         self._meta = KvoffdWorkerMeta()
         #: Store jobs this worker is waiting for before a forward (empty otherwise); tests watch it.
         self.fencing: frozenset[int] = frozenset()
+        #: Same-step loads layer by layer (None: whole loads; kvoffd_client.vllm.layerwise).
+        self.layers: StepLayers | None = None
         if identity is not None:
             self.client = KvoffdClient(settings.address, name=f"vllm-worker:{engine_id}",
                                        timeout_s=max(settings.connect_timeout_s, 0.1),
@@ -103,6 +106,11 @@ class KvoffdWorker:
             return
         if not reg.register(self.client, kv_caches):
             self._shutdown_client()
+            return
+        single = reg.identity.num_groups < 2  # same-step loads are single-group only (syncload)
+        parts = (LayerParts.of(kv_caches, reg.num_blocks, reg.block_bytes, self.s.layer_parts)
+                 if self.s.layerwise and single else None)
+        self.layers = StepLayers(parts) if parts is not None else None
 
     def unregister_kv_caches(self) -> None:
         """Drain this worker's jobs, then UNREGISTER (``KvRegistration.unregister``), before vLLM
@@ -226,10 +234,15 @@ class KvoffdWorker:
                           "this step waits until the daemon answers or is gone (frozen or stalled daemon?)",
                           len(left), time.perf_counter() - t0)
 
-    def start_load_kv(self, meta: KvoffdMetadata) -> None:
+    def start_load_kv(self, meta: KvoffdMetadata, hooks: bool = True) -> None:
         """Submit the step's loads; then wait for its same-step loads (vLLM calls this before the
-        forward when the step has any: ``SchedulerOutput.has_sync_kv_loads``)."""
+        forward when the step has any: ``SchedulerOutput.has_sync_kv_loads``), or, layer-wise, let
+        the forward wait for each layer (``wait_for_layer_load``). ``hooks``: whether this step's
+        forward runs vLLM's per-layer hooks (not when it replays a full CUDA graph)."""
         sync: set[int] = set()
+        layered: set[int] = set()
+        cuts = (self.layers.parts.cuts if hooks and self.layers is not None and self.client is not None
+                and self.client.supports_parts else ())
         for ld in meta.loads:
             self.stats.add("load_jobs")
             self.stats.add("load_blocks", len(ld.keys))
@@ -241,10 +254,11 @@ class KvoffdWorker:
                 # A same-step load is not started after the step gave up on it (its blocks are
                 # recomputed by then); it still ends only with its notice.
                 self.client.submit_load(self.engine_id, ld.job_id, ld.keys, ld.block_ids, lease_id=ld.lease_id,
-                                        deadline_s=self.s.sync_load_timeout_ms / 1000 if ld.sync else None)
+                                        deadline_s=self.s.sync_load_timeout_ms / 1000 if ld.sync else None,
+                                        cuts=cuts if ld.sync else ())
                 self._loads[ld.job_id] = lj
                 if ld.sync:
-                    sync.add(ld.job_id)
+                    (layered if cuts else sync).add(ld.job_id)
             except (DaemonUnavailable, KvoffdError):
                 if ld.sync:  # nothing was sent: nothing can write its blocks
                     self._meta.sync_settled[ld.job_id] = self._meta.sync_settled.get(ld.job_id, 0) + 1
@@ -256,35 +270,80 @@ class KvoffdWorker:
                 self._meta.load_failed_at[ld.req_id] = 0
                 self.stats.add("load_failed_jobs")
         if sync:
-            self._wait_sync(sync, meta)
+            self._wait_sync(sync)
+        if layered:
+            assert self.layers is not None
+            self.layers.begin(layered, self.s.sync_load_timeout_ms / 1000)
+            self.stats.add("layerwise_load_jobs", len(layered))
 
-    def _wait_sync(self, jobs: set[int], meta: KvoffdMetadata) -> None:
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before a layer's attention: wait until the parts of this step's layer-wise loads holding
+        that layer landed (at most until the step's deadline; a load still short is recomputed)."""
+        if self.layers is None or not self.layers.active or self.client is None:
+            return
+        late = self.layers.wait(self.client, layer_name)
+        if late:
+            self._mark_late(late)
+
+    def _settle_layers(self) -> None:
+        """After the forward: the step's layer-wise loads end like whole same-step loads (their notices,
+        within the step's deadline; late ones stay in flight). A forward that did not wait for every
+        part (its layers ran no hooks) may have read blocks still loading: those loads are reported
+        failed and every later same-step load is waited for whole."""
+        layers = self.layers
+        if layers is None or not layers.active or self.client is None:
+            return
+        jobs, complete = layers.end()
+        jobs = {j for j in jobs if j in self._loads}
+        if not complete:
+            log.error("kvoffd: this step's forward did not wait for its layer-wise loads (no per-layer hooks: a "
+                      "full CUDA graph?); they are recomputed, and same-step loads are now waited for whole")
+            self.stats.add("layerwise_unwaited", len(jobs))
+            self.layers = None
+            self._mark_late(jobs, log_it=False)
+            return
+        self._settle_sync(jobs, layers.left_s(), layers.blocked_s)
+
+    def _wait_sync(self, jobs: set[int]) -> None:
         """Wait (at most ``sync_load_timeout_ms``) for this step's same-step loads. A load still out
         then is reported failed (its blocks recomputed) but stays in flight: its blocks remain the
         request's, and a preemption or finish of the request waits for it (handle_preemptions, and
         the scheduler's delayed free), since the daemon may still write them."""
+        self._settle_sync(jobs, self.s.sync_load_timeout_ms / 1000)
+
+    def _settle_sync(self, jobs: set[int], timeout_s: float, blocked_s: float = 0.0) -> None:
+        """Wait (at most ``timeout_s``) for the notices of same-step loads; ``blocked_s``: how long the
+        step already waited for them (layer by layer). The wait counts towards the budget's measure."""
         assert self.client is not None
-        t0 = time.perf_counter()
-        self._complete(self.client.wait_notices(jobs, self.s.sync_load_timeout_ms / 1000))
+        t0 = time.perf_counter() - blocked_s
+        blocks = sum(self._loads[j].n for j in jobs if j in self._loads)
+        if jobs:
+            self._complete(self.client.wait_notices(jobs, timeout_s))
         us = int((time.perf_counter() - t0) * 1e6)
         self.stats.add("sync_load_jobs", len(jobs))
         self.stats.add("sync_load_wait_us", us)
-        late = [j for j in jobs if j in self._loads]
-        for j in late:
-            lj = self._loads[j]
+        late = {j for j in jobs if j in self._loads}
+        self._mark_late(late)
+        if not late and us > 0:
+            assert self.registration is not None
+            self._meta.sync_bytes += blocks * self.registration.block_bytes
+            self._meta.sync_us += us
+
+    def _mark_late(self, jobs: set[int], log_it: bool = True) -> None:
+        """Same-step loads past their time: reported failed, but in flight until their notice (the
+        daemon may still write their blocks, so the request keeps them and a preemption waits)."""
+        for j in jobs:
+            lj = self._loads.get(j)
+            if lj is None or lj.late:
+                continue
             lj.late = True
             self._late.setdefault(lj.req_id, set()).add(j)
             self._sync_failed(lj, 0)
-        if late:
-            self.stats.add("sync_load_timeouts", len(late))
-            self._meta.sync_timeouts += len(late)
+        if jobs and log_it:
+            self.stats.add("sync_load_timeouts", len(jobs))
+            self._meta.sync_timeouts += len(jobs)
             log.warning("kvoffd: %d same-step load(s) not done after %d ms; vLLM recomputes those blocks, "
-                        "and loads are asynchronous for a while", len(late), self.s.sync_load_timeout_ms)
-        elif us > 0:
-            assert self.registration is not None
-            self._meta.sync_bytes += (sum(len(ld.block_ids) for ld in meta.loads if ld.job_id in jobs)
-                                      * self.registration.block_bytes)
-            self._meta.sync_us += us
+                        "and loads are asynchronous for a while", len(jobs), self.s.sync_load_timeout_ms)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid_blocks = self._invalid_blocks, set()
@@ -324,6 +383,7 @@ class KvoffdWorker:
             self._req_stores.setdefault(r, set()).add(job)
 
     def get_transfer_results(self, meta: KvoffdMetadata | None) -> KVConnectorTransferResults:
+        self._settle_layers()  # first: their failures belong to this step's load errors
         if meta is not None and meta.await_stores:
             self._awaiting.update(meta.await_stores)
         self._poll()

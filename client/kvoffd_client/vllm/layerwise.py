@@ -1,0 +1,124 @@
+"""Same-step loads layer by layer (issue 32): the forward waits for each layer's KV, not the whole prefix.
+
+A same-step load (kvoffd_client.vllm.syncload) goes to the daemon as a LOAD in parts, cut at layer
+boundaries (``LayerParts``: a block's pool slot is the KV tensors' runs back to back in the order
+vLLM lists them, so each layer's bytes are one range of it). vLLM calls ``wait_for_layer_load`` at
+the start of every attention layer; it waits (on the host) until the parts holding that layer have
+landed (the daemon's LANDED, sent once its copy's event fired, so every kernel launched after it
+sees the bytes), and the GPU keeps running the layers already launched. The copy of layer k+1 thus
+overlaps the compute of layer k, and a hit costs about the load plus one layer.
+
+Rules (``StepLayers``):
+
+* the step's deadline (``sync_load_timeout_ms`` from the submit) bounds every wait; a load still
+  short then is reported failed, so vLLM drops the step's token for its request and recomputes it:
+  nothing sampled from half-loaded KV is kept. It stays in flight (its blocks stay the request's)
+  until its notice, as any late same-step load.
+* the forward must have waited for every part: a step whose layers did not call the hook (a full
+  CUDA graph replays without Python hooks) reports its layer-wise loads failed, and the worker waits
+  for whole loads from then on (logged once). The bytes are never assumed in place unasked.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvoffd_client.client import KvoffdClient
+
+if TYPE_CHECKING:
+    import torch
+
+#: Most parts a load is cut into: one per layer up to this, then groups of layers. Each part costs
+#: one LANDED message and one host wait; the copy runs as one DMA batch per part.
+DEFAULT_MAX_PARTS = 32
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """Where a block's slot is cut so that each part holds whole layers, and what each layer needs."""
+
+    cuts: tuple[int, ...]
+    need: dict[str, int]  # layer name -> leading parts that must have landed before it computes
+
+    @property
+    def parts(self) -> int:
+        return len(self.cuts) + 1
+
+    def needed(self, layer_name: str) -> int:
+        """Parts the layer needs: its own and those before it (every part for a name not known)."""
+        return self.need.get(layer_name, self.parts)
+
+    @classmethod
+    def of(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int, block_bytes: int,
+           max_parts: int = DEFAULT_MAX_PARTS) -> LayerParts | None:
+        """The parts for vLLM's per-layer KV views, or None when they cannot be told apart (one view,
+        or per-layer bytes that do not add up to the registered slot: the worker loads whole blocks)."""
+        spans: list[tuple[int, int]] = []  # per distinct view, in registration order: slot [start, end)
+        index: dict[str, int] = {}
+        seen: dict[tuple, int] = {}
+        pos = 0
+        for name, t in kv_caches.items():
+            sig = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if sig not in seen:  # an aliased layer (one view, two names) is described once
+                n = (t.shape[0] // max(1, num_blocks)) * t[0].numel() * t.element_size()
+                seen[sig] = len(spans)
+                spans.append((pos, pos + n))
+                pos += n
+            index[name] = seen[sig]
+        if len(spans) < 2 or pos != block_bytes or max_parts < 2:
+            return None
+        k = min(max_parts, len(spans))
+        first = [round(g * len(spans) / k) for g in range(k)]  # the first view of each part
+        cuts = tuple(spans[i][0] for i in first[1:])
+        part_of = [0] * len(spans)
+        for g, i in enumerate(first):
+            for j in range(i, first[g + 1] if g + 1 < k else len(spans)):
+                part_of[j] = g
+        return cls(cuts=cuts, need={name: part_of[i] + 1 for name, i in index.items()})
+
+
+@dataclass
+class StepLayers:
+    """This step's layer-wise loads: the jobs, the deadline, and how far the forward has waited."""
+
+    parts: LayerParts
+    jobs: set[int] = field(default_factory=set)
+    deadline: float = 0.0
+    waited: int = 0  # leading parts the forward confirmed before computing on them
+    #: How long the forward was held up (its host waits): what the step's loads cost it, the measure
+    #: the same-step budget learns from (a load hidden behind compute costs nothing).
+    blocked_s: float = 0.0
+
+    def begin(self, jobs: set[int], timeout_s: float) -> None:
+        self.jobs = set(jobs)
+        self.deadline = time.monotonic() + timeout_s
+        self.waited = 0
+        self.blocked_s = 0.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.jobs)
+
+    def wait(self, client: KvoffdClient, layer_name: str) -> set[int]:
+        """Wait until the parts ``layer_name`` needs landed; returns the jobs that ran out of time (dropped
+        from the step: they no longer hold up later layers)."""
+        need = self.parts.needed(layer_name)
+        if not self.jobs or need <= self.waited:
+            return set()
+        t0 = time.perf_counter()
+        short = client.wait_landed(self.jobs, need, max(0.0, self.deadline - time.monotonic()))
+        self.blocked_s += time.perf_counter() - t0
+        self.jobs -= short
+        self.waited = max(self.waited, need)
+        return short
+
+    def end(self) -> tuple[set[int], bool]:
+        """The step's forward is over: the jobs still to settle, and whether it waited for every part."""
+        jobs, complete = self.jobs, self.waited >= self.parts.parts
+        self.jobs = set()
+        return jobs, complete
+
+    def left_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
