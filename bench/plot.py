@@ -6,7 +6,9 @@ Every input is optional; each chart is drawn from its own file only, and a missi
 file leaves its line or bar out (with a note on stderr) rather than drawing a made-up one:
 
   docs/img/ttft.png       <- bench/ttft.py --out FILE        time to first token vs prompt length:
-                                                             recompute, kvoffd hit, in-process copy
+                                                             recompute, kvoffd hit, layer-wise kvoffd
+                                                             hit, in-process copy, and the bound
+                                                             max(load at the link, suffix) + 1 layer
   docs/img/transfer.png   <- bench/transfer.py --json FILE   GB/s of the backend and the daemon next to
                                                              the measured link ceiling
   docs/img/hit_ratio.png  <- bench/trace_replay.py           hit ratio vs pool capacity per policy
@@ -36,7 +38,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "docs", "img")
 
-COLORS = {"recompute": "#c0392b", "hit": "#1f6fb4", "inproc": "#27ae60", "contend": "#8e44ad",
+COLORS = {"recompute": "#c0392b", "hit": "#1f6fb4", "lw_hit": "#e67e22", "inproc": "#27ae60", "contend": "#8e44ad",
           "ceiling": "#555555"}
 
 
@@ -67,7 +69,8 @@ def _load(path: str) -> dict[str, Any]:
 
 
 def plot_ttft(data: dict[str, Any], out: str) -> str:
-    """Three lines (median, with the min-max of the repeats as error bars) on log-log axes."""
+    """A line per path (median, with the min-max of the repeats as error bars) on log-log axes, and
+    the layer-wise bound dashed (a file from before the layer-wise paths draws without them)."""
     plt = _plt()
     if "error" in data:
         raise ValueError(f"the TTFT run failed ({data['error']}); nothing to draw")
@@ -79,6 +82,8 @@ def plot_ttft(data: dict[str, Any], out: str) -> str:
     fig, ax = plt.subplots(figsize=(8, 5))
     series = (("recompute_s", "recompute (prefill of the whole prompt)", "recompute", "o"),
               ("hit_s", "kvoffd hit (LOOKUP + LOAD from the daemon, then the last tokens)", "hit", "s"),
+              ("lw_hit_s", "layer-wise kvoffd hit (LOAD in parts, each layer computed as its part lands)",
+               "lw_hit", "v"),
               ("inproc_s", "in-process copy (same DMA from the engine's own pinned buffer)", "inproc", "^"))
     for key, label, color, marker in series:
         pts = [(x, lengths_d[n][key]) for x, n in zip(xs, lengths, strict=True) if lengths_d[n].get(key)]
@@ -90,6 +95,12 @@ def plot_ttft(data: dict[str, Any], out: str) -> str:
         lo = [m - min(p[1]) * 1e3 for m, p in zip(med, pts, strict=True)]
         hi = [max(p[1]) * 1e3 - m for m, p in zip(med, pts, strict=True)]
         ax.errorbar(px, med, yerr=[lo, hi], label=label, color=COLORS[color], marker=marker, capsize=3, lw=2)
+    bound = [(x, lengths_d[n]["bound_s"] * 1e3) for x, n in zip(xs, lengths, strict=True) if lengths_d[n].get("bound_s")]
+    if bound:
+        ax.plot([b[0] for b in bound], [b[1] for b in bound], color=COLORS["ceiling"], ls="--", lw=1.5,
+                label="bound: max(load at the link speed, suffix compute) + first layer")
+    else:
+        _note("ttft: no 'bound_s' figures; bound left out")
     c = (data.get("summary") or {}).get("contention")
     if c:
         ax.scatter([c["length"]], [c["hit_median_s"] * 1e3], color=COLORS["contend"], marker="D", s=60, zorder=5,
@@ -104,10 +115,18 @@ def plot_ttft(data: dict[str, Any], out: str) -> str:
     model = "Llama-3-8B shape" if shape.get("layers") == 32 else f"{shape.get('layers', '?')}-layer test model"
     ax.set_title(f"Time to first token, {model}, bf16, {data.get('device', '?')}")
     a = (data.get("summary") or {}).get("acceptance_16k")
+    notes = []
     if a:
-        ax.text(0.02, 0.97, f"16k tokens: kvoffd hit {a['speedup_vs_recompute']:.1f}x faster than recompute, "
-                f"{a['overhead_vs_inproc'] * 100:+.1f}% vs in-process copy",
-                transform=ax.transAxes, va="top", fontsize=9, bbox={"fc": "white", "ec": "#cccccc"})
+        notes.append(f"16k tokens: kvoffd hit {a['speedup_vs_recompute']:.1f}x faster than recompute, "
+                     f"{a['overhead_vs_inproc'] * 100:+.1f}% vs in-process copy")
+    r16 = lengths_d.get("16384") or {}
+    if r16.get("lw_hit_s") and r16.get("recompute_s"):
+        lw = _median(r16["lw_hit_s"])
+        notes.append(f"layer-wise hit {_median(r16['recompute_s']) / lw:.1f}x faster"
+                     + (f", {lw / r16['bound_s']:.3f}x the bound" if r16.get("bound_s") else ""))
+    if notes:
+        ax.text(0.02, 0.97, "\n".join(notes), transform=ax.transAxes, va="top", fontsize=9,
+                bbox={"fc": "white", "ec": "#cccccc"})
     ax.grid(True, which="both", alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     order = sorted(range(len(labels)), key=lambda i: "engines loading at once" in labels[i])  # the point last

@@ -1,4 +1,5 @@
-"""Time to first token with a real forward pass: recompute vs a kvoffd hit vs an in-process copy (issue 17).
+"""Time to first token with a real forward pass: recompute vs a kvoffd hit vs an in-process copy (issue 17),
+each whole and layer by layer, against the physical bound (issue 32).
 
     python bench/ttft.py --out ttft.json                 # the H200 run (docs/benchmarks.md)
     python bench/ttft.py --quick --out ttft.json         # a short check of the same path (1k/4k, 1 repeat)
@@ -27,8 +28,28 @@ Processes (every engine is its own process; the parent only orchestrates):
        batched DMA the daemon uses (kvoffd.transfer.base.run_descriptors/coalesce and
        transfer.cuda.copy_runs: cuMemcpyBatchAsync, the daemon's batch sizes), on a copy stream the
        compute stream waits on; the vLLM-native-style baseline;
+     - layer-wise kvoffd hit: the same LOOKUP, a LOAD in parts (``cuts`` at multiples of
+       layers-per-part x one layer's bytes of a block: the daemon queues part 0 of every block,
+       then part 1, ..., and sends LANDED as each lands), then the suffix one layer at a time, each
+       layer's CUDA graph launched once the host's ``wait_landed`` says the part holding it is in
+       (the GPU keeps running what was launched); TTFT ends when the token and the job's NOTICE
+       are both in;
+     - layer-wise in-process copy: the parts on the copy stream, an event after each, the compute
+       stream waiting on the GPU for the event of each layer's part (the runs of a part are the
+       daemon's own, MappedMemory.parts);
+     - the bound: max(the prefix's bytes at the link speed measured in this process, the suffix's
+       compute with its KV in place) + the suffix's first layer;
+     first, on one prompt (16k), a sweep of layers per part: LOADs in parts against the
+     whole-block LOAD, alternating; the finest grouping that keeps >= 95% of the link is the
+     layer-wise paths' default;
   4. N *contending* engines (default 4), each with its own prompt, do kvoffd hits started together
-     behind a barrier.
+     behind a barrier;
+  5. a *stores* engine, in a namespace of its own cleared before every STORE (so each copies),
+     prefills each prompt without a store, with a STORE in parts (an event of its ring recorded
+     after each part's layers, so the daemon copies early layers while later ones compute) and
+     with today's STORE after the forward, alternating: the prefill's cost of layer-wise stores
+     and when the blocks are visible to a LOOKUP; then the blocks of a layer-wise store are loaded
+     back and compared with the prefill's.
 
 Checks: the prefix KV bytes loaded from kvoffd equal the ones this process computes itself (same
 weights, from one seed, in every process); the first token and the next --decode-tokens greedy
@@ -37,7 +58,8 @@ hit splits it (prefix, then the same suffix code: must be identical, as the inpu
 bytes) and (b) the one-shot full recompute. (b) is a bf16 numerics question, not a kvoffd one: the
 last tokens' attention runs in another kernel than inside one long flash prefill, so an argmax
 near a tie can flip; each length reports the logits' cosine and max |diff| and the top-1/top-2
-margin so a flip can be judged. The acceptance line requires (a) exact, and reports (b).
+margin so a flip can be judged. The acceptance line requires (a) exact, and reports (b). The
+layer-wise paths are held to the same exact checks.
 
 Medians of --repeats after --warmup runs, wall time around CUDA-synchronized work.
 """
@@ -46,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -66,6 +89,8 @@ sys.path.insert(0, ROOT)
 
 GiB = 1 << 30
 NAMESPACE = "ttft-bench"
+STORE_NAMESPACE = "ttft-bench-stores"  # the store phase's: cleared before every STORE, the hits' blocks stay
+DEFAULT_LAYERS_PER_PART = 4  # without a sweep (or one the daemon cannot run) and no --layers-per-part
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,13 +114,48 @@ class Shape:
     init_std: float = 0.02  # random weights; attention scores then spread about as in a trained model
 
     @property
+    def layer_bytes(self) -> int:
+        """One layer's K and V of one block; a block-contiguous slot holds the layers in order."""
+        return 2 * self.block * self.kv_heads * self.head_dim * 2
+
+    @property
     def block_bytes(self) -> int:
-        return self.layers * 2 * self.block * self.kv_heads * self.head_dim * 2
+        return self.layers * self.layer_bytes
 
 
 LLAMA3_8B = Shape()
 # std scaled up with the smaller width, so attention is far from uniform and a misplaced block shows in tokens
 TINY = Shape(layers=2, heads=4, kv_heads=2, head_dim=32, hidden=128, mlp=256, vocab=1000, init_std=0.12)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A block's slot cut into groups of ``per_part`` layers: the LOAD/STORE ``cuts`` and which part
+    holds a layer. The layout is block-contiguous (layer l at slot bytes [l, l + 1) x layer_bytes), so
+    a part of every block is one run per block of per_part x layer_bytes."""
+
+    layers: int
+    per_part: int
+    layer_bytes: int
+
+    @classmethod
+    def of(cls, shape: Shape, per_part: int) -> Parts:
+        return cls(shape.layers, max(1, min(per_part, shape.layers)), shape.layer_bytes)
+
+    @property
+    def count(self) -> int:
+        return math.ceil(self.layers / self.per_part)
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        return tuple(k * self.per_part * self.layer_bytes for k in range(1, self.count))
+
+    def of_layer(self, layer: int) -> int:
+        return layer // self.per_part
+
+    def ends_part(self, layer: int) -> bool:
+        """Whether ``layer`` is the last of its part (its part's writes are all launched after it)."""
+        return layer == self.layers - 1 or (layer + 1) % self.per_part == 0
 
 
 @dataclass(frozen=True)
@@ -140,6 +200,10 @@ class RunConfig:
     contenders: tuple[Prompt, ...]  # one per contending engine
     skip_inproc: bool = False
     barrier_timeout_s: float = 300.0
+    parts_sweep: tuple[int, ...] = (1, 2, 4, 8, 32)  # layers per part tried (point 3 of issue 32)
+    sweep_length: int = 0  # the prompt the sweep loads (one of ``prompts``); 0: no sweep
+    layers_per_part: int = 0  # the layer-wise paths' grouping; 0: the sweep's choice
+    link_bytes: int = 1 << 30  # the link ceiling's copy
 
 
 class BenchError(RuntimeError):
@@ -158,6 +222,31 @@ class _Layer:
     wd: Any
     n1: Any
     n2: Any
+
+
+@dataclass
+class _Pass:
+    """One forward's running state: the hidden states, and the positions, cache slots and mask every
+    layer reuses."""
+
+    x: Any
+    pos: Any
+    where: Any
+    mask: Any
+    start: int
+    T: int
+
+
+@dataclass
+class _LayerGraphs:
+    """A suffix captured one graph per layer into one memory pool: graph 0 also embeds, the last also
+    computes the logits (``out``). ``keep`` holds every layer's output, which the next graph reads."""
+
+    graphs: list[Any]
+    tokens: Any
+    out: Any
+    state: _Pass
+    keep: list[Any]
 
 
 class Decoder:
@@ -196,6 +285,7 @@ class Decoder:
         self.cos, self.sin = ang.cos(), ang.sin()
         self.sdpa_probe_ms = {}
         self._graphs: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
+        self._layer_graphs: dict[tuple[int, int, int], _LayerGraphs] = {}
         self.fast_backends, self.gqa_native = self._sdpa_setup()
 
     # --- attention backends ------------------------------------------------------------------------
@@ -304,40 +394,56 @@ class Decoder:
         o = torch.bmm(scores.softmax(-1).to(v.dtype), vh)  # [Hk, rep*T, D]
         return o.view(s.kv_heads, rep, T, s.head_dim).permute(2, 0, 1, 3).reshape(T, -1)
 
-    def forward(self, tokens: Any, start: int, table: Any, cache: PagedKV, logits: bool = True) -> Any:
-        """Tokens at positions start..start+T-1; returns the last position's logits (float32 [vocab])."""
+    def begin(self, tokens: Any, start: int, table: Any, cache: PagedKV) -> _Pass:
+        """A forward's state before layer 0: the embedded tokens and what every layer reuses."""
         torch = self.torch
-        F = torch.nn.functional
         s = self.s
         T = tokens.shape[0]
         pos = torch.arange(start, start + T, device=self.device)
-        x = self.embed[tokens]
-        qd, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
-        where = cache.where(pos, table)
         mask = None
         if start and T > 1:  # lower-right causal: new token i sees cached tokens 0..start+i
             mask = torch.ones(T, start + T, dtype=torch.bool, device=self.device).tril(diagonal=start)
             mask = mask.repeat(s.heads // s.kv_heads, 1)
-        for li, ly in enumerate(self.layers):
-            h = F.rms_norm(x, (s.hidden,), ly.n1, s.eps)
-            q, k, v = (h @ ly.wqkv.T).split([qd, kvd, kvd], dim=-1)
-            q = self._rope(q.view(T, s.heads, s.head_dim), pos)
-            k = self._rope(k.view(T, s.kv_heads, s.head_dim), pos)
-            v = v.view(T, s.kv_heads, s.head_dim)
-            cache.write(li, k, v, where)
-            if start == 0:
-                a = self._attend_prefill(q, k, v)
-            else:
-                kk, vv = cache.gather(li, table, start + T)
-                a = self._attend_cached(q, kk, vv, mask)
-            x = x + a @ ly.wo.T
-            h = F.rms_norm(x, (s.hidden,), ly.n2, s.eps)
-            g, u = (h @ ly.wgu.T).chunk(2, dim=-1)
-            x = x + (F.silu(g) * u) @ ly.wd.T
-        if not logits:
-            return None
-        h = F.rms_norm(x[-1:], (s.hidden,), self.norm, s.eps)
+        return _Pass(x=self.embed[tokens], pos=pos, where=cache.where(pos, table), mask=mask, start=start, T=T)
+
+    def layer(self, st: _Pass, li: int, table: Any, cache: PagedKV) -> None:
+        """Layer ``li``: writes the new tokens' K/V of that layer into the cache, attends, updates ``st.x``."""
+        F = self.torch.nn.functional
+        s, ly, T, x = self.s, self.layers[li], st.T, st.x
+        qd, kvd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        h = F.rms_norm(x, (s.hidden,), ly.n1, s.eps)
+        q, k, v = (h @ ly.wqkv.T).split([qd, kvd, kvd], dim=-1)
+        q = self._rope(q.view(T, s.heads, s.head_dim), st.pos)
+        k = self._rope(k.view(T, s.kv_heads, s.head_dim), st.pos)
+        v = v.view(T, s.kv_heads, s.head_dim)
+        cache.write(li, k, v, st.where)
+        if st.start == 0:
+            a = self._attend_prefill(q, k, v)
+        else:
+            kk, vv = cache.gather(li, table, st.start + T)
+            a = self._attend_cached(q, kk, vv, st.mask)
+        x = x + a @ ly.wo.T
+        h = F.rms_norm(x, (s.hidden,), ly.n2, s.eps)
+        g, u = (h @ ly.wgu.T).chunk(2, dim=-1)
+        st.x = x + (F.silu(g) * u) @ ly.wd.T
+
+    def finish(self, st: _Pass) -> Any:
+        """The last position's logits (float32 [vocab])."""
+        F = self.torch.nn.functional
+        h = F.rms_norm(st.x[-1:], (self.s.hidden,), self.norm, self.s.eps)
         return (h @ self.lm_head.T).float()[0]
+
+    def forward(self, tokens: Any, start: int, table: Any, cache: PagedKV, logits: bool = True,
+                after_layer: Any = None) -> Any:
+        """Tokens at positions start..start+T-1; returns the last position's logits (float32 [vocab]).
+        ``after_layer(l)`` runs on the host once layer l's kernels are launched (a layer-wise store
+        records its part's event there)."""
+        st = self.begin(tokens, start, table, cache)
+        for li in range(self.s.layers):
+            self.layer(st, li, table, cache)
+            if after_layer is not None:
+                after_layer(li)
+        return self.finish(st) if logits else None
 
     def suffix(self, tokens: Any, start: int, table: Any, cache: PagedKV) -> Any:
         """``forward`` of the tokens after a loaded prefix, replayed from a CUDA graph captured once per
@@ -369,6 +475,89 @@ class Decoder:
             out = self.forward(static, start, table, cache)
         torch.cuda.synchronize()
         return graph, static, out
+
+    def layered_suffix(self, tokens: Any, start: int, table: Any, cache: PagedKV, before_layer: Any) -> Any:
+        """``suffix`` one layer at a time: ``before_layer(l)`` runs on the host before layer l is
+        launched (a wait for the LOAD's part that holds layer l, or a GPU-side wait on a copy's
+        event), so early layers compute while later layers' KV still arrive. On CUDA each layer
+        replays its own graph, captured once per (start, length, block table), all into one memory
+        pool and in order: the same kernels as ``suffix``'s one graph, so the same bytes come out
+        (checked: the tokens equal the split recompute's). Eager on CPU."""
+        if self.device.type != "cuda" or start == 0:
+            st = self.begin(tokens, start, table, cache)
+            for li in range(self.s.layers):
+                before_layer(li)
+                self.layer(st, li, table, cache)
+            return self.finish(st)
+        lg = self._layered(tokens, start, table, cache)
+        lg.tokens.copy_(tokens)
+        for li, g in enumerate(lg.graphs):
+            before_layer(li)
+            g.replay()
+        return lg.out
+
+    def _layered(self, tokens: Any, start: int, table: Any, cache: PagedKV) -> _LayerGraphs:
+        key = (start, int(tokens.shape[0]), table.data_ptr())
+        if key not in self._layer_graphs:
+            self._layer_graphs[key] = self._capture_layers(tokens, start, table, cache)
+        return self._layer_graphs[key]
+
+    def _capture_layers(self, tokens: Any, start: int, table: Any, cache: PagedKV) -> _LayerGraphs:
+        """One graph per layer, captured in layer order into one pool (replayed in that order, never
+        at once, so the pool may hand a later graph the earlier graphs' scratch); each layer's output
+        is kept referenced, so the graph that reads it never finds it reused."""
+        torch = self.torch
+        static = tokens.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture: kernel choices, workspaces
+            self.forward(static, start, table, cache)
+        torch.cuda.current_stream().wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        graphs: list[Any] = []
+        keep: list[Any] = []
+        st: _Pass | None = None
+        out = None
+        last = self.s.layers - 1
+        for li in range(self.s.layers):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                if st is None:
+                    st = self.begin(static, start, table, cache)
+                self.layer(st, li, table, cache)
+                if li == last:
+                    out = self.finish(st)
+            keep.append(st.x)
+            graphs.append(g)
+        torch.cuda.synchronize()
+        assert st is not None
+        return _LayerGraphs(graphs, static, out, st, keep)
+
+    def first_layer_s(self, tokens: Any, start: int, table: Any, cache: PagedKV, iters: int = 10) -> float:
+        """Median time of the suffix's first layer alone (with the embedding: graph 0 of
+        ``layered_suffix``), synchronized each time: what a pipeline by layer adds to the longer of
+        load and compute. It rewrites layer 0's K/V of the suffix tokens with the same bytes."""
+        times = []
+        for _ in range(iters + 1):
+            if self.device.type == "cuda":
+                lg = self._layered(tokens, start, table, cache)
+                lg.tokens.copy_(tokens)
+                self.torch.cuda.synchronize()
+                t = time.perf_counter()
+                lg.graphs[0].replay()
+                self.torch.cuda.synchronize()
+            else:
+                t = time.perf_counter()
+                self.layer(self.begin(tokens, start, table, cache), 0, table, cache)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:])
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs (a prompt's are not replayed after it was measured)."""
+        self._graphs.clear()
+        self._layer_graphs.clear()
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()
 
     def greedy(self, first: int, length: int, table: Any, cache: PagedKV, n: int) -> list[int]:
         """``first`` and the next ``n`` greedy tokens, each decode step reading the paged KV."""
@@ -460,7 +649,7 @@ class PagedKV:
 class Worker:
     """A model, a paged cache registered with the daemon, and the measured paths for one prompt."""
 
-    def __init__(self, cfg: RunConfig, role: str, max_len: int):
+    def __init__(self, cfg: RunConfig, role: str, max_len: int, namespace: str = NAMESPACE):
         import torch
 
         from kvoffd_client.client import KvoffdClient
@@ -483,10 +672,12 @@ class Worker:
                                    job_deadline_s=cfg.job_timeout_s)
         if not self.client.connect(30):
             raise BenchError(f"{role}: no daemon answering at {cfg.address}")
-        reg = self.client.register(self.engine_id, NAMESPACE, 0, 1, self.cache.memory, self.cache.layout,
+        self.namespace = namespace
+        reg = self.client.register(self.engine_id, namespace, 0, 1, self.cache.memory, self.cache.layout,
                                    timeout_s=60)
         if reg.slot_bytes != self.s.block_bytes:
             raise BenchError(f"daemon slot {reg.slot_bytes} bytes != block {self.s.block_bytes}")
+        self.parts_ok = self.client.supports_parts  # the daemon takes STORE/LOAD in parts (LANDED)
         self.rng = np.random.default_rng(os.getpid())
         self._jobs = 0
 
@@ -552,7 +743,7 @@ class Worker:
         store_s = time.perf_counter() - t_store
         if self.cache.export is not None:
             self.cache.export.ring.release(event)
-        hits = self.client.lookup(NAMESPACE, keys).hits
+        hits = self.client.lookup(self.namespace, keys).hits
         if hits != n:
             raise BenchError(f"{p.name}: stored {n} blocks but LOOKUP finds {hits}")
         return {"blocks": n, "first_token": first, "prefill_and_store_s": time.perf_counter() - t,
@@ -577,7 +768,7 @@ class Worker:
         n = p.hit_blocks(self.s.block)
         self.sync()
         t0 = time.perf_counter()
-        r = self.client.lookup(NAMESPACE, keys, lease_ms=self.cfg.lease_ms)
+        r = self.client.lookup(self.namespace, keys, lease_ms=self.cfg.lease_ms)
         t1 = time.perf_counter()
         if r.hits != n:
             self.client.release(r.lease_id)
@@ -590,6 +781,113 @@ class Worker:
         tok = int(logits.argmax())
         t3 = time.perf_counter()
         return {"total": t3 - t0, "lookup": t1 - t0, "load": t2 - t1, "suffix": t3 - t2}, tok, logits
+
+    def hit_layered(self, tokens: Any, p: Prompt, table: Any, keys: bytes, ids: bytes, parts: Parts
+                    ) -> tuple[dict[str, float], int, Any]:
+        """LOOKUP + LOAD in parts, the suffix layer by layer as the parts land, then the first token.
+
+        Before layer l is launched the host waits (``wait_landed``) for the part that holds it; what
+        was launched before keeps the GPU busy meanwhile. ``total`` ends when both the token and the
+        job's NOTICE are in (the engine knows the whole load succeeded: a job that fails after some
+        parts landed fails as a whole); ``token`` ends at the token alone."""
+        n = p.hit_blocks(self.s.block)
+        start = n * self.s.block
+        self.sync()
+        t0 = time.perf_counter()
+        r = self.client.lookup(self.namespace, keys, lease_ms=self.cfg.lease_ms)
+        t1 = time.perf_counter()
+        if r.hits != n:
+            self.client.release(r.lease_id)
+            raise BenchError(f"{p.name}: LOOKUP found {r.hits} of {n} blocks (the store was lost?)")
+        job = self.job_id()
+        self.client.submit_load(self.engine_id, job, keys, ids, lease_id=r.lease_id, cuts=parts.cuts)
+        landed: list[float] = []
+
+        def before(li: int) -> None:
+            if li % parts.per_part:
+                return
+            want = parts.of_layer(li) + 1
+            if self.client.wait_landed({job}, want, self.cfg.job_timeout_s):
+                raise BenchError(f"layer-wise LOAD of {p.name}: part {want - 1} did not land within "
+                                 f"{self.cfg.job_timeout_s} s (computing on half-loaded KV is never an option)")
+            landed.append(time.perf_counter())
+
+        logits = self.model.layered_suffix(tokens[start:], start, table, self.cache, before)
+        tok = int(logits.argmax())
+        t2 = time.perf_counter()
+        self.wait_job(job, f"layer-wise LOAD of {p.name}")
+        t3 = time.perf_counter()
+        return {"total": t3 - t0, "token": t2 - t0, "lookup": t1 - t0, "first_part": landed[0] - t1,
+                "all_parts": landed[-1] - t1, "notice_after_token": t3 - t2}, tok, logits.clone()
+
+    def load_only(self, keys: bytes, ids: bytes, n: int, parts: Parts | None, what: str) -> float:
+        """A LOAD alone (LOOKUP with a lease first, untimed): submit to NOTICE, whole or in parts."""
+        r = self.client.lookup(self.namespace, keys, lease_ms=self.cfg.lease_ms)
+        if r.hits != n:
+            self.client.release(r.lease_id)
+            raise BenchError(f"{what}: LOOKUP found {r.hits} of {n} blocks")
+        job = self.job_id()
+        self.sync()
+        t = time.perf_counter()
+        self.client.submit_load(self.engine_id, job, keys, ids, lease_id=r.lease_id,
+                                cuts=parts.cuts if parts else ())
+        self.wait_job(job, what)
+        return time.perf_counter() - t
+
+    def layered_compute(self, tokens: Any, p: Prompt, table: Any) -> float:
+        """The layered suffix with the prefix already in place (nothing waited for): the bound's compute."""
+        start = p.hit_blocks(self.s.block) * self.s.block
+        self.sync()
+        t = time.perf_counter()
+        logits = self.model.layered_suffix(tokens[start:], start, table, self.cache, lambda li: None)
+        int(logits.argmax())
+        return time.perf_counter() - t
+
+    def prefill_store(self, tokens: Any, table: Any, keys: bytes, ids: bytes, n: int, how: str, parts: Parts
+                      ) -> dict[str, float]:
+        """A prefill of the whole prompt to its first token, and (``how``) its full blocks stored:
+        "none"; "layered": an event recorded after each part's layers are launched and one STORE in
+        parts, each part's copy gated on its event, so the daemon copies early layers while later ones
+        compute; "after": one event after the forward and a whole STORE (today's path). The STORE is
+        submitted once the forward is launched (its events recorded), before the host waits for the
+        token. ``visible``: start to the NOTICE, a LOOKUP then finding every block (the NOTICE is read
+        after the token, so when it came before, the figure is an upper bound)."""
+        ring = self.cache.export.ring if self.cache.export is not None else None
+        events: list[int] = []
+
+        def after_layer(li: int) -> None:
+            if parts.ends_part(li):
+                events.append(ring.record())
+
+        self.sync()
+        t0 = time.perf_counter()
+        hook = after_layer if how == "layered" and ring is not None else None
+        logits = self.model.forward(tokens, 0, table, self.cache, after_layer=hook)
+        job = 0
+        t_sub = time.perf_counter()
+        if how == "layered":
+            job = self.job_id()
+            self.client.submit_store(self.engine_id, job, keys, ids, cuts=parts.cuts, events=events)
+        elif how == "after":
+            if ring is not None:
+                events.append(ring.record())
+            job = self.job_id()
+            self.client.submit_store(self.engine_id, job, keys, ids, event=events[0] if events else -1)
+        tok = int(logits.argmax())
+        t_tok = time.perf_counter()
+        out = {"prefill": t_tok - t0, "token": float(tok)}
+        if job:
+            try:
+                self.wait_job(job, f"STORE ({how})")
+            finally:
+                for e in events:
+                    ring.release(e)
+            t_notice = time.perf_counter()
+            hits = self.client.lookup(self.namespace, keys).hits
+            if hits != n:
+                raise BenchError(f"STORE ({how}) of {n} blocks noticed, but LOOKUP finds {hits}")
+            out.update(submitted=t_sub - t0, visible=t_notice - t0, visible_after_token=t_notice - t_tok)
+        return out
 
     def zero(self, p: Prompt, table: Any) -> None:
         """Forget the prompt's blocks (and the decode block after them) before a timed run."""
@@ -605,7 +903,8 @@ class InProcessCopy:
     kvoffd.transfer.base.run_descriptors/coalesce and go to the copy engines through the daemon's own
     transfer.cuda.copy_runs (cuMemcpyBatchAsync, cut by batch_cuts at the daemon's defaults), on a
     high-priority stream the compute stream then waits on (no host round trip). On CPU (smoke):
-    torch index copies.
+    torch index copies for a whole load; a load in parts moves the same descriptors as on CUDA, one
+    memmove each, so the smoke checks the parts' runs too.
     """
 
     def __init__(self, w: Worker, max_blocks: int):
@@ -620,15 +919,16 @@ class InProcessCopy:
         self.stage2d = self.stage.view(max_blocks, bb)
         self.slots = np.random.default_rng(3).permutation(max_blocks).astype(np.int64)
         self.method = "torch index copy (CPU)"
+        from kvoffd.transfer.base import MappedMemory
+        from kvoffd_client.protocol import parse_layout
+
+        num_blocks, segs = parse_layout(w.cache.layout)
+        self.mapped = MappedMemory(engine_id="inproc", kind=w.cfg.device, size=w.cache.buf.numel(),
+                                   num_blocks=num_blocks, segments=segs, slot_bytes=sum(x.length for x in segs))
         if cuda:
             from kvoffd.transfer import cuda_driver as cudart
-            from kvoffd.transfer.base import MappedMemory
             from kvoffd.transfer.cuda import CudaTuning
-            from kvoffd_client.protocol import parse_layout
 
-            num_blocks, segs = parse_layout(w.cache.layout)
-            self.mapped = MappedMemory(engine_id="inproc", kind="cuda", size=w.cache.buf.numel(),
-                                       num_blocks=num_blocks, segments=segs, slot_bytes=sum(x.length for x in segs))
             self.drv = cudart.driver()
             dev = torch.cuda.current_device()
             self.drv.use_device(dev)
@@ -651,12 +951,24 @@ class InProcessCopy:
             t = self.torch
             self.w.cache.blocks[t.from_numpy(table_np[:n])] = self.stage2d[t.from_numpy(self.slots[:n])]
             return
-        from kvoffd.transfer.base import coalesce, run_descriptors
+        from kvoffd.transfer.base import run_descriptors
+
+        self._copy(run_descriptors(self.mapped, table_np[:n], self.slots[:n] * self.bb, self.stage.data_ptr()))
+        if overlap:
+            self.torch.cuda.current_stream().wait_stream(self.stream)
+        else:
+            done = self.torch.cuda.Event()
+            done.record(self.stream)
+            done.synchronize()
+
+    def _copy(self, desc: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """Queue one batch of (engine offsets, host addresses, lengths) on the copy stream, cut into
+        batch calls as the daemon cuts a job's."""
+        from kvoffd.transfer.base import coalesce
         from kvoffd.transfer.cuda import batch_cuts, copy_runs
 
-        eng, host, lens = run_descriptors(self.mapped, table_np[:n], self.slots[:n] * self.bb,
-                                          self.stage.data_ptr())
-        eng += self.w.cache.buf.data_ptr()
+        eng, host, lens = desc
+        eng = eng + self.w.cache.buf.data_ptr()
         src, dst, lens = (np.ascontiguousarray(x, dtype=np.uint64) for x in coalesce(host, eng, lens))
         stream = self.stream.cuda_stream
         self.drv.use_device(self.torch.cuda.current_device())
@@ -671,12 +983,50 @@ class InProcessCopy:
         if not self.use_batch:
             for s_, d_, n_ in zip(src.tolist(), dst.tolist(), lens.tolist(), strict=True):
                 self.drv.memcpy_async(d_, s_, n_, stream)
-        if overlap:
-            self.torch.cuda.current_stream().wait_stream(self.stream)
-        else:
-            done = self.torch.cuda.Event()
-            done.record(self.stream)
-            done.synchronize()
+
+    def load_parts(self, table_np: np.ndarray, n: int, parts: Parts) -> list[Any]:
+        """Queue the copy part by part (part 0 of every block, then part 1, ..., as the daemon orders a
+        LOAD in parts), an event recorded on the copy stream after each part; returns the events. The
+        runs of a part are the daemon's own (``MappedMemory.parts``). CPU: the parts copied in order
+        now, no events."""
+        import ctypes
+
+        from kvoffd.transfer.base import run_descriptors
+
+        torch = self.torch
+        cuda = self.w.cfg.device == "cuda"
+        events = []
+        for runs in self.mapped.parts(list(parts.cuts)) if parts.cuts else [self.mapped.runs]:
+            desc = run_descriptors(self.mapped, table_np[:n], self.slots[:n] * self.bb, self.stage.data_ptr(), runs=runs)
+            if not cuda:
+                base = self.w.cache.buf.data_ptr()
+                for e, h, k in zip(*(x.tolist() for x in desc), strict=True):
+                    ctypes.memmove(base + e, h, k)
+                continue
+            self._copy(desc)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            events.append(ev)
+        return events
+
+    def ttft_layered(self, tokens: Any, p: Prompt, table: Any, table_np: np.ndarray, parts: Parts
+                     ) -> tuple[float, int, Any]:
+        """The vLLM-native-style layer-wise load: the parts on the copy stream, the compute stream
+        waiting (on the GPU, no host round trip) for the event of the part that holds each layer."""
+        w = self.w
+        n = p.hit_blocks(w.s.block)
+        w.sync()
+        t = time.perf_counter()
+        events = self.load_parts(table_np, n, parts)
+        compute = self.torch.cuda.current_stream() if events else None
+
+        def before(li: int) -> None:
+            if compute is not None and li % parts.per_part == 0:
+                compute.wait_event(events[parts.of_layer(li)])
+
+        logits = w.model.layered_suffix(tokens[n * w.s.block:], n * w.s.block, table, w.cache, before)
+        tok = int(logits.argmax())
+        return time.perf_counter() - t, tok, logits
 
     def ttft(self, tokens: Any, p: Prompt, table: Any, table_np: np.ndarray, overlap: bool = False
              ) -> tuple[float, int, Any]:
@@ -714,8 +1064,10 @@ def _timed(fn: Any, warmup: int, repeats: int, before: Any) -> tuple[list[Any], 
     return out, last
 
 
-def measure_prompt(w: Worker, inproc: InProcessCopy | None, p: Prompt) -> dict[str, Any]:
-    """All three paths for one prompt, plus the checks."""
+def measure_prompt(w: Worker, inproc: InProcessCopy | None, p: Prompt, parts: Parts | None = None,
+                   link_GBps: float | None = None) -> dict[str, Any]:
+    """All the paths for one prompt, plus the checks; the layer-wise ones (``parts``: the groups of
+    layers) beside today's, and the bound they are held to (``link_GBps``: measured in this run)."""
     cfg, s, torch = w.cfg, w.s, w.torch
     tokens = w.tokens(p)
     table = w.table()
@@ -767,6 +1119,8 @@ def measure_prompt(w: Worker, inproc: InProcessCopy | None, p: Prompt) -> dict[s
                                       cfg.repeats, clear)
         res["inproc_overlap_s"] = [r[0] for r in runs]
         res["first_token_inproc_overlap_equal"] = tok_ov == tok_in
+    if parts is not None:
+        measure_layered(w, inproc, p, parts, link_GBps, res, ref, logits_split, tokens, table, table_np, keys, ids)
     del ref
     res["tokens_hit_equal_split"] = res["tokens_hit"] == res["tokens_split"]
     res["tokens_hit_equal_full"] = res["tokens_hit"] == res["tokens_full"]
@@ -777,7 +1131,143 @@ def measure_prompt(w: Worker, inproc: InProcessCopy | None, p: Prompt) -> dict[s
         if f"{k}_s" in res:
             res[f"{k}_median_s"] = _median(res[f"{k}_s"])
     res["hit_load_GBps"] = res["hit_bytes"] / res["hit_load_median_s"] / 1e9
+    w.model.drop_graphs()
     return res
+
+
+def measure_layered(w: Worker, inproc: InProcessCopy | None, p: Prompt, parts: Parts, link_GBps: float | None,
+                    res: dict[str, Any], ref: Any, logits_split: Any, tokens: Any, table: Any, table_np: np.ndarray,
+                    keys: bytes, ids: bytes) -> None:
+    """The layer-wise paths of one prompt into ``res``: the kvoffd hit with a LOAD in parts (when the
+    daemon takes parts), the in-process copy in parts, the suffix's own compute and first layer, and
+    the bound max(load at the link, suffix compute) + first layer."""
+    cfg, s, torch = w.cfg, w.s, w.torch
+    n = p.hit_blocks(s.block)
+    prefix = table[:n]
+    start = n * s.block
+
+    def clear() -> None:
+        w.zero(p, table)
+
+    res["layers_per_part"], res["parts"] = parts.per_part, parts.count
+    if w.parts_ok:
+        runs, (_, tok_lw, logits_lw) = _timed(lambda: w.hit_layered(tokens, p, table, keys, ids, parts), cfg.warmup,
+                                              cfg.repeats, clear)
+        res["lw_hit_s"] = [r[0]["total"] for r in runs]
+        for k in ("token", "lookup", "first_part", "all_parts", "notice_after_token"):
+            res[f"lw_hit_{k}_s"] = [r[0][k] for r in runs]
+        res["prefix_kv_lw_equals_computed"] = bool(torch.equal(w.cache.snapshot(prefix), ref))
+        res["tokens_lw_hit"] = w.model.greedy(tok_lw, p.length, table, w.cache, cfg.decode_tokens)
+        res["tokens_lw_hit_equal_split"] = res["tokens_lw_hit"] == res["tokens_split"]
+        res["logits_lw_hit_vs_split"] = _compare_logits(logits_lw, logits_split)
+    else:
+        res["lw_hit_skipped"] = "the daemon does not take LOADs in parts (no 'parts' in its HELLO_OK)"
+    if inproc is not None:
+        runs, (_, tok_lwi, _) = _timed(lambda: inproc.ttft_layered(tokens, p, table, table_np, parts), cfg.warmup,
+                                       cfg.repeats, clear)
+        res["lw_inproc_s"] = [r[0] for r in runs]
+        res["prefix_kv_lw_inproc_equals_computed"] = bool(torch.equal(w.cache.snapshot(prefix), ref))
+        res["tokens_lw_inproc"] = w.model.greedy(tok_lwi, p.length, table, w.cache, cfg.decode_tokens)
+        res["tokens_lw_inproc_equal_split"] = res["tokens_lw_inproc"] == res["tokens_split"]
+    # the bound's terms, with the prefix in place (what the last run left there)
+    runs, _ = _timed(lambda: w.layered_compute(tokens, p, table), cfg.warmup, cfg.repeats, lambda: None)
+    res["suffix_compute_s"] = runs
+    res["first_layer_s"] = w.model.first_layer_s(tokens[start:], start, table, w.cache)
+    for k in ("lw_hit", "lw_inproc", "suffix_compute", *(f"lw_hit_{x}" for x in
+                                                          ("token", "lookup", "first_part", "all_parts",
+                                                           "notice_after_token"))):
+        if f"{k}_s" in res:
+            res[f"{k}_median_s"] = _median(res[f"{k}_s"])
+    if link_GBps:
+        res["load_at_link_s"] = res["hit_bytes"] / (link_GBps * 1e9)
+        res["bound_s"] = max(res["load_at_link_s"], res["suffix_compute_median_s"]) + res["first_layer_s"]
+        if "lw_hit_median_s" in res:
+            res["lw_hit_over_bound"] = res["lw_hit_median_s"] / res["bound_s"]
+
+
+def link_ceiling(device: str, nbytes: int, iters: int = 5) -> dict[str, float]:
+    """The host-to-GPU link's speed: one contiguous pinned copy of ``nbytes`` (median of ``iters``),
+    what a perfect LOAD of a prefix's bytes could reach here. CPU (smoke): a memcpy's."""
+    import torch
+
+    cuda = device == "cuda"
+    host = torch.empty(nbytes, dtype=torch.int8, pin_memory=cuda)
+    dev = torch.empty(nbytes, dtype=torch.int8, device=device)
+    stream = torch.cuda.Stream() if cuda else None
+    times = []
+    for _ in range(iters + 1):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            dev.copy_(host, non_blocking=cuda)
+        if cuda:
+            stream.synchronize()
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times[1:])
+    del host, dev
+    return {"bytes": nbytes, "median_s": med, "GBps": nbytes / med / 1e9}
+
+
+def sweep_parts(w: Worker, p: Prompt, sweep: tuple[int, ...], link_GBps: float) -> dict[str, Any]:
+    """Point 3 of issue 32: LOADs of one prompt's prefix cut into groups of ``sweep`` layers each,
+    against the whole-block LOAD, alternating in one run; each a LOAD alone (submit to NOTICE) and a
+    layer-wise hit. The default is the finest grouping whose LOAD keeps >= 95% of the link (else of
+    the whole-block LOAD's speed, and the criterion says so): the smallest DMA batch that costs no
+    bandwidth, so the pipeline by layer starts soonest."""
+    cfg, s, torch = w.cfg, w.s, w.torch
+    tokens, table = w.tokens(p), w.table()
+    n = p.hit_blocks(s.block)
+    prefix = table[:n]
+    keys = p.keys(s.vocab, s.block)[:n * 32]
+    ids = table[:n].cpu().numpy().astype("<i4").tobytes()
+    nbytes = n * s.block_bytes
+    w.zero(p, table)
+    _, tok_split, _ = w.split(tokens, p, table)
+    ref = w.cache.snapshot(prefix)
+    options: list[tuple[str, Parts | None]] = [("whole", None)]
+    options += [(str(k), Parts.of(s, k)) for k in sorted(set(sweep)) if 0 < k < s.layers]
+    loads: dict[str, list[float]] = {name: [] for name, _ in options}
+    hits: dict[str, list[float]] = {name: [] for name, _ in options}
+    exact = {name: True for name, _ in options}
+    tokens_ok = {name: True for name, _ in options}
+    for i in range(cfg.warmup + cfg.repeats):
+        for name, parts in options:
+            w.zero(p, table)
+            t = w.load_only(keys, ids, n, parts, f"LOAD of {p.name} ({name} layers per part)")
+            exact[name] &= bool(torch.equal(w.cache.snapshot(prefix), ref))
+            w.zero(p, table)
+            if parts is None:
+                r, tok, _ = w.hit(tokens, p, table, keys, ids)
+            else:
+                r, tok, _ = w.hit_layered(tokens, p, table, keys, ids, parts)
+            tokens_ok[name] &= tok == tok_split
+            exact[name] &= bool(torch.equal(w.cache.snapshot(prefix), ref))
+            if i >= cfg.warmup:
+                loads[name].append(t)
+                hits[name].append(r["total"])
+    del ref
+    w.model.drop_graphs()
+    whole_GBps = nbytes / _median(loads["whole"]) / 1e9
+    rows = {}
+    for name, parts in options:
+        gbps = nbytes / _median(loads[name]) / 1e9
+        rows[name] = {"layers_per_part": parts.per_part if parts else s.layers, "parts": parts.count if parts else 1,
+                      "load_s": loads[name], "load_GBps": gbps, "of_link": gbps / link_GBps,
+                      "of_whole_block": gbps / whole_GBps, "hit_s": hits[name], "hit_median_s": _median(hits[name]),
+                      "prefix_kv_exact": exact[name], "first_token_equal_split": tokens_ok[name]}
+    cand = [(name, parts) for name, parts in options if parts is not None]
+    chosen, criterion = None, ""
+    for key, what in (("of_link", "link"), ("of_whole_block", "whole-block LOAD")):
+        ok = [parts.per_part for name, parts in cand if rows[name][key] >= 0.95]
+        if ok:
+            chosen, criterion = min(ok), f">= 95% of the {what}"
+            break
+    if chosen is None:
+        chosen = max((parts.per_part for _, parts in cand), default=s.layers)
+        criterion = "no grouping kept 95% of the link or of the whole-block LOAD: the coarsest tried"
+    return {"length": p.length, "hit_blocks": n, "bytes": nbytes, "link_GBps": link_GBps, "rows": rows,
+            "chosen_layers_per_part": chosen, "criterion": criterion}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -805,14 +1295,35 @@ def role_engine(cfg: RunConfig, index: int, barrier: Any, part: Any) -> dict[str
                                "inproc_method": inproc.method if inproc else None, "lengths": {}}
         if cfg.device == "cuda":
             out["device"] = w.torch.cuda.get_device_name(0)
+        out["parts_supported"] = w.parts_ok
+        link = link_ceiling(cfg.device, cfg.link_bytes)
+        out["link"] = link
+        print(f"  [engine] link ceiling (one contiguous pinned copy of {cfg.link_bytes >> 20} MiB): "
+              f"{link['GBps']:.1f} GB/s", flush=True)
+        lpp = cfg.layers_per_part
+        sweep_p = next((p for p in cfg.prompts if p.length == cfg.sweep_length), None)
+        if sweep_p is not None and w.parts_ok:
+            sw = sweep_parts(w, sweep_p, cfg.parts_sweep, link["GBps"])
+            out["parts_sweep"] = sw
+            lpp = lpp or sw["chosen_layers_per_part"]
+            part({**out, "lengths": {}})
+            print(f"  [engine] layers per part at {sweep_p.length} tokens: " + ", ".join(
+                f"{k}: {r['load_GBps']:.1f} GB/s ({r['of_link'] * 100:.0f}% of link)" for k, r in sw["rows"].items())
+                + f"; chosen {sw['chosen_layers_per_part']} ({sw['criterion']})", flush=True)
+        parts = Parts.of(w.s, lpp or DEFAULT_LAYERS_PER_PART)
+        out["layers_per_part"] = parts.per_part
         for p in cfg.prompts:
-            r = measure_prompt(w, inproc, p)
+            r = measure_prompt(w, inproc, p, parts, link["GBps"])
             out["lengths"][str(p.length)] = r
             part({**out, "lengths": dict(out["lengths"])})  # what is done survives a later timeout
             print(f"  [engine] {p.length:>6} tokens: recompute {r['recompute_median_s'] * 1e3:8.1f} ms, "
-                  f"kvoffd hit {r['hit_median_s'] * 1e3:7.1f} ms, in-process "
-                  f"{r.get('inproc_median_s', float('nan')) * 1e3:7.1f} ms, tokens ok "
-                  f"{r['tokens_hit_equal_split']}/{r['tokens_hit_equal_full']}", flush=True)
+                  f"kvoffd hit {r['hit_median_s'] * 1e3:7.1f} ms, layer-wise "
+                  f"{r.get('lw_hit_median_s', float('nan')) * 1e3:7.1f} ms (bound "
+                  f"{r.get('bound_s', float('nan')) * 1e3:.1f}), in-process "
+                  f"{r.get('inproc_median_s', float('nan')) * 1e3:7.1f} / layer-wise "
+                  f"{r.get('lw_inproc_median_s', float('nan')) * 1e3:.1f} ms, tokens ok "
+                  f"{r['tokens_hit_equal_split']}/{r['tokens_hit_equal_full']}"
+                  f"/{r.get('tokens_lw_hit_equal_split', '-')}", flush=True)
         out["inproc_method"] = inproc.method if inproc else None  # after: a failed batch call switches it
     finally:
         w.close()
@@ -851,7 +1362,76 @@ def role_contend(cfg: RunConfig, index: int, barrier: Any, part: Any) -> dict[st
         w.close()
 
 
-ROLES = {"store": role_store, "engine": role_engine, "contend": role_contend}
+def measure_stores(w: Worker, p: Prompt, parts: Parts) -> dict[str, Any]:
+    """One prompt's prefill without a store, with layer-wise stores and with today's store after the
+    forward, alternating, each STORE into a cleared namespace (so it really copies); then one more
+    layer-wise store whose blocks are loaded back and compared with what the prefill wrote."""
+    cfg, s, torch = w.cfg, w.s, w.torch
+    tokens, table = w.tokens(p), w.table()
+    n = p.length // s.block  # every full block of the prefill
+    keys = p.keys(s.vocab, s.block)[:n * 32]
+    ids = table[:n].cpu().numpy().astype("<i4").tobytes()
+    hows = ("none", "layered", "after")
+    runs: dict[str, list[dict[str, float]]] = {h: [] for h in hows}
+    firsts = set()
+    for i in range(cfg.warmup + cfg.repeats):
+        for how in hows:
+            w.client.clear(w.namespace)
+            w.zero(p, table)
+            r = w.prefill_store(tokens, table, keys, ids, n, how, parts)
+            firsts.add(r.pop("token"))
+            if i >= cfg.warmup:
+                runs[how].append(r)
+    # the bytes a layer-wise store put in the pool are the prefill's
+    w.client.clear(w.namespace)
+    w.zero(p, table)
+    w.prefill_store(tokens, table, keys, ids, n, "layered", parts)
+    wrote = w.cache.snapshot(table[:n])
+    w.zero(p, table)
+    w.load_only(keys, ids, n, None, f"LOAD back of {p.name}'s layer-wise store")
+    exact = bool(torch.equal(w.cache.snapshot(table[:n]), wrote))
+    del wrote
+    w.client.clear(w.namespace)
+    res: dict[str, Any] = {"length": p.length, "blocks": n, "bytes": n * s.block_bytes,
+                           "layers_per_part": parts.per_part, "parts": parts.count,
+                           "stored_bytes_exact": exact, "first_token_same": len(firsts) == 1}
+    for how in hows:
+        for k in ("prefill", "submitted", "visible", "visible_after_token"):
+            xs = [r[k] for r in runs[how] if k in r]
+            if xs:
+                res[f"{how}_{k}_s"] = xs
+                res[f"{how}_{k}_median_s"] = _median(xs)
+    res["layered_prefill_overhead"] = res["layered_prefill_median_s"] / res["none_prefill_median_s"] - 1
+    res["after_prefill_overhead"] = res["after_prefill_median_s"] / res["none_prefill_median_s"] - 1
+    w.model.drop_graphs()
+    return res
+
+
+def role_stores(cfg: RunConfig, index: int, barrier: Any, part: Any) -> dict[str, Any]:
+    """Layer-wise stores against none and today's, per prompt, in a namespace of this phase's own."""
+    w = Worker(cfg, "stores", max(p.length for p in cfg.prompts), namespace=STORE_NAMESPACE)
+    try:
+        parts = Parts.of(w.s, cfg.layers_per_part or DEFAULT_LAYERS_PER_PART)
+        out: dict[str, Any] = {"fingerprint": w.model.fingerprint(), "parts_supported": w.parts_ok,
+                               "layers_per_part": parts.per_part, "lengths": {}}
+        if not w.parts_ok:
+            out["skipped"] = "the daemon does not take STOREs in parts (no 'parts' in its HELLO_OK)"
+            return out
+        for p in cfg.prompts:
+            r = measure_stores(w, p, parts)
+            out["lengths"][str(p.length)] = r
+            part({**out, "lengths": dict(out["lengths"])})
+            print(f"  [stores] {p.length:>6} tokens: prefill {r['none_prefill_median_s'] * 1e3:8.1f} ms, with "
+                  f"layer-wise stores {r['layered_prefill_median_s'] * 1e3:8.1f} ms "
+                  f"({r['layered_prefill_overhead'] * 100:+.1f}%), visible at "
+                  f"{r['layered_visible_median_s'] * 1e3:.1f} ms (store after: "
+                  f"{r['after_visible_median_s'] * 1e3:.1f}), bytes exact {r['stored_bytes_exact']}", flush=True)
+    finally:
+        w.close()
+    return out
+
+
+ROLES = {"store": role_store, "engine": role_engine, "contend": role_contend, "stores": role_stores}
 
 
 def worker_main(role: str, cfg: RunConfig, index: int, conn: Any, barrier: Any) -> None:
@@ -951,13 +1531,20 @@ def build_config(args: argparse.Namespace, address: str) -> RunConfig:
             raise SystemExit(f"prompt lengths must exceed one block ({shape.block} tokens): {n}")
     prompts = tuple(Prompt(f"len{n}", n, 1000 + n) for n in args.lengths)
     contenders = tuple(Prompt(f"contend{i}", args.contention_length, 5000 + i) for i in range(args.engines))
+    sweep_length = args.sweep_length if args.sweep_length is not None else \
+        (16384 if 16384 in args.lengths else max(args.lengths))
+    if sweep_length and sweep_length not in args.lengths:
+        raise SystemExit(f"--sweep-length {sweep_length} must be one of --lengths {args.lengths} (0: no sweep)")
     return RunConfig(shape=shape, device="cpu" if args.cpu_smoke else "cuda", address=address,
                      weight_seed=args.seed, repeats=args.repeats, warmup=args.warmup,
                      decode_tokens=args.decode_tokens, lease_ms=30_000, job_timeout_s=60.0, prompts=prompts,
-                     contenders=contenders, skip_inproc=args.skip_inproc)
+                     contenders=contenders, skip_inproc=args.skip_inproc, parts_sweep=tuple(args.parts_sweep),
+                     sweep_length=sweep_length, layers_per_part=args.layers_per_part,
+                     link_bytes=(1 << 20) if args.cpu_smoke else GiB)
 
 
-def summarize(cfg: RunConfig, engine: dict[str, Any], contend: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(cfg: RunConfig, engine: dict[str, Any], contend: list[dict[str, Any]],
+              stores: dict[str, Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if contend:
         single = engine["lengths"].get(str(cfg.contenders[0].length)) if engine else None
@@ -985,11 +1572,116 @@ def summarize(cfg: RunConfig, engine: dict[str, Any], contend: list[dict[str, An
                 "tokens_identical": out["tokens_hit_equal_split_all"] and out["prefix_kv_exact_all"],
                 "tokens_identical_to_full_recompute": out["tokens_hit_equal_full_all"],
             }
+        out.update(summarize_layered(ls, stores))
     return out
+
+
+def _bar(value: float | None, ok: Any) -> dict[str, Any]:
+    return {"value": value, "ok": None if value is None else bool(ok(value))}
+
+
+def summarize_layered(ls: dict[str, Any], stores: dict[str, Any] | None) -> dict[str, Any]:
+    """Issue 32's acceptance: at 16k a layer-wise hit >= 13x recompute and <= 1.05x the bound, at 32k
+    >= 15x; the prefix KV byte-exact and the tokens equal to the split recompute's at every length;
+    a prefill with layer-wise stores <= 2% slower than without (16k, else the longest measured)."""
+    out: dict[str, Any] = {}
+    lw = {n: r for n, r in ls.items() if "lw_hit_median_s" in r}
+    if not lw:
+        return out
+    out["lw_prefix_kv_exact_all"] = all(r["prefix_kv_lw_equals_computed"] for r in lw.values())
+    out["lw_tokens_equal_split_all"] = all(r["tokens_lw_hit_equal_split"] for r in lw.values())
+    acc: dict[str, Any] = {"tokens_identical": out["lw_prefix_kv_exact_all"] and out["lw_tokens_equal_split_all"]}
+    r16, r32 = lw.get("16384"), lw.get("32768")
+    if r16 is not None:
+        acc["speedup_16k"] = _bar(r16["recompute_median_s"] / r16["lw_hit_median_s"], lambda v: v >= 13)
+        acc["over_bound_16k"] = _bar(r16.get("lw_hit_over_bound"), lambda v: v <= 1.05)
+    if r32 is not None:
+        acc["speedup_32k"] = _bar(r32["recompute_median_s"] / r32["lw_hit_median_s"], lambda v: v >= 15)
+    st = (stores or {}).get("lengths") or {}
+    if st:
+        key = "16384" if "16384" in st else max(st, key=int)
+        acc["store_overhead"] = {**_bar(st[key]["layered_prefill_overhead"], lambda v: v <= 0.02), "length": int(key)}
+        acc["stored_bytes_exact"] = all(r["stored_bytes_exact"] for r in st.values())
+    out["acceptance_layerwise"] = acc
+    return out
+
+
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 1e3:.1f}"
 
 
 def print_table(result: dict[str, Any]) -> None:
     engine = result.get("engine") or {}
+    print_today(result, engine)
+    print_layered(result, engine)
+
+
+def print_layered(result: dict[str, Any], engine: dict[str, Any]) -> None:
+    """The layer-wise tables: the sweep (point 3), TTFT against the bound (point 5), stores, acceptance."""
+    sw = engine.get("parts_sweep")
+    if sw:
+        print(f"\nlayers per part at {sw['length']} tokens ({sw['bytes'] / 1e9:.2f} GB; link "
+              f"{sw['link_GBps']:.1f} GB/s):")
+        print("| layers per part | parts | LOAD GB/s | of link | of whole-block LOAD | hit ms | exact |")
+        print("|---|---|---|---|---|---|---|")
+        for name, r in sw["rows"].items():
+            label = f"{r['layers_per_part']} (whole block)" if name == "whole" else name
+            print(f"| {label} | {r['parts']} | {r['load_GBps']:.1f} | {r['of_link'] * 100:.1f}% | "
+                  f"{r['of_whole_block'] * 100:.1f}% | {_ms(r['hit_median_s'])} | "
+                  f"{r['prefix_kv_exact'] and r['first_token_equal_split']} |")
+        print(f"chosen: {sw['chosen_layers_per_part']} layers per part ({sw['criterion']})")
+    ls = {n: r for n, r in engine.get("lengths", {}).items() if "suffix_compute_median_s" in r}
+    if ls:
+        lpp = engine.get("layers_per_part")
+        link = (engine.get("link") or {}).get("GBps")
+        print(f"\nlayer-wise ({lpp} layers per part; link {link or float('nan'):.1f} GB/s), ms:")
+        print("| prompt tokens | recompute | hit | layer-wise hit (lookup/first part/all parts/token) | "
+              "in-process | in-process layer-wise | bound (load at link/suffix compute/first layer) | "
+              "layer-wise / bound | layer-wise speedup | exact, tokens = split |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for n, r in ls.items():
+            lw = r.get("lw_hit_median_s")
+            parts = "/".join(_ms(r.get(f"lw_hit_{k}_median_s")) for k in ("lookup", "first_part", "all_parts", "token"))
+            bound = f"{_ms(r.get('bound_s'))} ({_ms(r.get('load_at_link_s'))}/{_ms(r['suffix_compute_median_s'])}/" \
+                    f"{_ms(r['first_layer_s'])})"
+            over = f"{r['lw_hit_over_bound']:.3f}" if "lw_hit_over_bound" in r else "-"
+            speed = f"{r['recompute_median_s'] / lw:.1f}x" if lw else "-"
+            ok = f"{r.get('prefix_kv_lw_equals_computed', '-')}, {r.get('tokens_lw_hit_equal_split', '-')}"
+            print(f"| {n} | {_ms(r['recompute_median_s'])} | {_ms(r['hit_median_s'])} | {_ms(lw)} ({parts}) | "
+                  f"{_ms(r.get('inproc_median_s'))} | {_ms(r.get('lw_inproc_median_s'))} | {bound} | {over} | "
+                  f"{speed} | {ok} |")
+    st = (result.get("stores") or {}).get("lengths") or {}
+    if st:
+        print(f"\nlayer-wise stores ({result['stores']['layers_per_part']} layers per part), ms:")
+        print("| prompt tokens | prefill | with layer-wise stores | STORE submitted at | visible at (layer-wise) | "
+              "with today's store after | visible at (store after) | stored bytes exact |")
+        print("|---|---|---|---|---|---|---|---|")
+        for n, r in st.items():
+            print(f"| {n} | {_ms(r['none_prefill_median_s'])} | {_ms(r['layered_prefill_median_s'])} "
+                  f"({r['layered_prefill_overhead'] * 100:+.1f}%) | {_ms(r['layered_submitted_median_s'])} | "
+                  f"{_ms(r['layered_visible_median_s'])} | {_ms(r['after_prefill_median_s'])} "
+                  f"({r['after_prefill_overhead'] * 100:+.1f}%) | {_ms(r['after_visible_median_s'])} | "
+                  f"{r['stored_bytes_exact']} |")
+    elif result.get("stores", {}).get("skipped"):
+        print(f"\nlayer-wise stores skipped: {result['stores']['skipped']}")
+    a = (result.get("summary") or {}).get("acceptance_layerwise")
+    if a:
+        def bar(k: str, fmt: str) -> str:
+            v = a.get(k)
+            return "-" if not v or v["value"] is None else f"{fmt.format(v['value'])} ({'ok' if v['ok'] else 'FAIL'})"
+
+        so = a.get("store_overhead")
+        print(f"acceptance (issue 32): 16k layer-wise hit {bar('speedup_16k', '{:.1f}x')} recompute (>= 13), "
+              f"{bar('over_bound_16k', '{:.3f}x')} the bound (<= 1.05); 32k {bar('speedup_32k', '{:.1f}x')} (>= 15); "
+              f"prefix KV exact and tokens = split {a['tokens_identical']}; prefill with layer-wise stores "
+              + (f"{so['value'] * 100:+.1f}% at {so['length']} ({'ok' if so['ok'] else 'FAIL'}; <= 2%), stored bytes "
+                 f"exact {a.get('stored_bytes_exact')}" if so else "-"))
+
+
+def print_today(result: dict[str, Any], engine: dict[str, Any]) -> None:
+    """Today's table: recompute, the whole-block hit and the in-process copy."""
     print("\n| prompt tokens | recompute ms | kvoffd hit ms (lookup/load/suffix) | in-process ms | "
           "hit speedup | hit / in-process | load GB/s | prefix KV exact | tokens = split / = full | cosine vs full |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -1030,6 +1722,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backend", help="daemon backend (default cuda; cpu with --cpu-smoke)")
     ap.add_argument("--seed", type=int, default=17, help="weight seed (every process draws the same weights)")
     ap.add_argument("--skip-inproc", action="store_true", help="no in-process copy baseline")
+    ap.add_argument("--layers-per-part", type=int, default=0,
+                    help="layers per part of the layer-wise LOADs and STOREs (default: the sweep's choice)")
+    ap.add_argument("--parts-sweep", type=int, nargs="*", default=[1, 2, 4, 8, 32],
+                    help="layers per part the sweep tries against the whole-block LOAD (default 1 2 4 8 32)")
+    ap.add_argument("--sweep-length", type=int,
+                    help="the prompt the sweep loads (default 16k when measured, else the longest; 0: no sweep)")
+    ap.add_argument("--skip-stores", action="store_true", help="no layer-wise store phase")
     ap.add_argument("--timeout", type=float, default=420.0, help="most seconds one phase may take")
     ap.add_argument("--deadline", type=float, default=450.0,
                     help="most seconds for the whole run; a phase past it is killed and what finished is kept")
@@ -1051,6 +1750,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, k, v)
     if args.repeats < 1 or args.warmup < 0 or args.decode_tokens < 0 or args.engines < 0:
         raise SystemExit("--repeats must be >= 1; --warmup, --decode-tokens and --engines >= 0")
+    if args.layers_per_part < 0 or any(k < 1 for k in args.parts_sweep):
+        raise SystemExit("--layers-per-part must be >= 0 (0: the sweep's choice) and --parts-sweep values >= 1")
     return args
 
 
@@ -1072,7 +1773,8 @@ def main(argv: list[str] | None = None) -> int:
     def budget() -> float:
         return max(5.0, min(args.timeout, deadline - time.perf_counter()))
 
-    sock = os.path.join(tempfile.mkdtemp(prefix="kvoffd-ttft-"), "kvoffd.sock")  # a private (0700) directory
+    sock_dir = tempfile.mkdtemp(prefix="kvoffd-ttft-")  # a private (0700) directory, removed at the end
+    sock = os.path.join(sock_dir, "kvoffd.sock")
     address = f"ipc://{sock}"
     cfg = build_config(args, address)
     print(f"kvoffd TTFT benchmark: {'tiny model, CPU' if args.cpu_smoke else 'Llama-3-8B shape, CUDA'}; "
@@ -1081,7 +1783,11 @@ def main(argv: list[str] | None = None) -> int:
                                          "block_bytes": cfg.shape.block_bytes}}
     phases: dict[str, float] = {}
     t = time.perf_counter()
-    daemon = start_daemon(args, address)
+    try:
+        daemon = start_daemon(args, address)
+    except BaseException:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        raise
     phases["daemon_ready_s"] = time.perf_counter() - t
     print(f"  daemon ready, pool usable after {phases['daemon_ready_s']:.1f} s", flush=True)
     failure = None
@@ -1105,7 +1811,13 @@ def main(argv: list[str] | None = None) -> int:
             contend = _phase("contend", cfg, args.engines, budget(), result)
             phases["contention_s"] = time.perf_counter() - t
             result["contention"] = contend
-        result["summary"] = summarize(cfg, engine, contend)
+        if not args.skip_stores:
+            t = time.perf_counter()
+            lpp = cfg.layers_per_part or engine.get("layers_per_part", 0)
+            stores = _phase("stores", dataclasses.replace(cfg, layers_per_part=lpp), 1, budget(), result)[0]
+            phases["stores_s"] = time.perf_counter() - t
+            result["stores"] = stores
+        result["summary"] = summarize(cfg, engine, contend, result.get("stores"))
     except BaseException as e:
         failure = e
         result["error"] = f"{type(e).__name__}: {e}"
@@ -1117,14 +1829,15 @@ def main(argv: list[str] | None = None) -> int:
                 result["summary"] = summarize(cfg, partial, [])
     finally:
         daemon.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
         phases["total_s"] = time.perf_counter() - t_start
         result["phases"] = phases
         result["daemon_log_tail"] = daemon.log()[-3000:] if failure else ""
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1, default=str)
-            with contextlib.suppress(OSError):
-                shutil.copyfile(daemon.log_path, args.out + ".daemon.log")
+            with open(args.out + ".daemon.log", "w") as f:  # the daemon's file went with its stop; its text stayed
+                f.write(daemon.log(0))
     if result.get("engine"):
         print_table(result)
     print(f"\ntotal {phases['total_s']:.0f} s ({', '.join(f'{k} {v:.1f}' for k, v in phases.items())})")
