@@ -108,6 +108,16 @@ class EventRing:
         self._lock = threading.Lock()
 
     def record(self, stream: Any = None) -> int:
+        i = self.try_record(stream)
+        if i < 0:
+            import torch
+
+            (stream or torch.cuda.current_stream(self.device)).synchronize()
+        return i
+
+    def try_record(self, stream: Any = None) -> int:
+        """``record`` without the fallback: -1 when every slot is busy, and nothing waited for (the
+        caller names another event, e.g. a later one, instead: a layer-wise store mid-forward)."""
         import torch
 
         stream = stream or torch.cuda.current_stream(self.device)
@@ -120,10 +130,7 @@ class EventRing:
                     self._next = (i + 1) % n
                     break
             else:
-                i = -1
-        if i < 0:
-            stream.synchronize()
-            return -1
+                return -1
         self.events[i].record(stream)
         return i
 

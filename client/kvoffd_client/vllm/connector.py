@@ -118,7 +118,11 @@ class KvoffdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        """Stores are per step (one message after the forward), not per layer."""
+        """One STORE per step still (sent in ``wait_for_save``), but on CUDA cut in parts, each copied
+        once its layers are written (an event per part, recorded here), behind the forward."""
+        meta = self._connector_metadata
+        if self._worker is not None and isinstance(meta, KvoffdMetadata) and meta.store_job_id:
+            self._worker.save_kv_layer(layer_name, meta.store_job_id)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata

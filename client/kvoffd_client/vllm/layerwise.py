@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvoffd_client.client import KvoffdClient
 
@@ -122,3 +122,73 @@ class StepLayers:
 
     def left_s(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
+
+
+#: Parts a layer-wise store is cut into: each takes one event of the engine's ring (64 by default)
+#: while its job is in flight, so a few per step; the copy of the first starts a quarter into the forward.
+STORE_PARTS = 4
+
+
+class StepSaves:
+    """This step's store in parts (CUDA): as the forward finishes each part's layers
+    (``save_kv_layer``), an event of the engine's ring is recorded on its stream, and the STORE names
+    one event per part, so the daemon copies a part once its layers are written, while the later
+    layers still compute. A part whose layers did not all report (a full CUDA graph runs no hooks)
+    waits for the step's final event, as a whole store does. Recording never waits: with the ring
+    full, the part waits for the final event instead."""
+
+    def __init__(self, parts: LayerParts, store_parts: int = STORE_PARTS):
+        k = max(1, min(store_parts, parts.parts))
+        # every (parts/k)-th load cut: whole layer groups again
+        idx = sorted({round(g * parts.parts / k) for g in range(1, k)})
+        self.cuts = tuple(parts.cuts[i - 1] for i in idx)
+        bounds = [0, *idx, parts.parts]
+        group = {}
+        for g in range(len(bounds) - 1):
+            for p in range(bounds[g], bounds[g + 1]):
+                group[p] = g
+        self.part_of = {name: group[need - 1] for name, need in parts.need.items()}
+        self.members = [0] * (len(self.cuts) + 1)
+        for g in self.part_of.values():
+            self.members[g] += 1
+        self.seen = [0] * len(self.members)
+        self.events = [-1] * len(self.members)
+        self.job = 0  # the store job the events are for: events of another step are never used
+
+    def begin(self, job: int = 0) -> None:
+        self.seen = [0] * len(self.members)
+        self.events = [-1] * len(self.members)
+        self.job = job
+
+    def saved(self, layer_name: str, ring: Any, job: int) -> None:
+        """A layer's forward was launched in the step of store ``job``: record the part's event once
+        its last layer was."""
+        g = self.part_of.get(layer_name)
+        if g is None:
+            return
+        if job != self.job:  # a step whose store was never sent: its events are given back
+            self.drop(ring)
+            self.begin(job)
+        self.seen[g] += 1
+        if self.seen[g] == self.members[g] and self.events[g] < 0 and g + 1 < len(self.members):
+            self.events[g] = ring.try_record()
+
+    def finish(self, ring: Any, job: int) -> tuple[tuple[int, ...], list[int], list[int]]:
+        """After the forward: (cuts, the STORE's per-part events, every ring slot the job holds). No
+        part recorded early for ``job``: no cuts, one event (a whole store)."""
+        if job != self.job:
+            self.drop(ring)
+        final = ring.record()
+        early = [e for e in self.events[:-1] if e >= 0]
+        if not early:
+            self.begin()
+            return (), [final], [final]
+        events = [e if e >= 0 else final for e in self.events[:-1]] + [final]
+        self.begin()
+        return self.cuts, events, [*early, final]
+
+    def drop(self, ring: Any) -> None:
+        """The step's store is not sent: give back the events recorded for it."""
+        for e in self.events:
+            ring.release(e)
+        self.begin()

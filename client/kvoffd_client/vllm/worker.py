@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvoffd_client.client import DaemonUnavailable, KvoffdClient, KvoffdError
 from kvoffd_client.protocol import Notice
 from kvoffd_client.vllm.identity import CacheIdentity
-from kvoffd_client.vllm.layerwise import LayerParts, StepLayers
+from kvoffd_client.vllm.layerwise import LayerParts, StepLayers, StepSaves
 from kvoffd_client.vllm.logs import log
 from kvoffd_client.vllm.metadata import KvoffdMetadata, KvoffdWorkerMeta
 from kvoffd_client.vllm.registration import KvRegistration
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 class _StoreJob:
     req_ids: list[str]
     n: int
-    event: int = -1
+    events: list[int]  # the ring slots it holds until its notice
 
 
 @dataclass
@@ -81,6 +81,7 @@ class KvoffdWorker:
         self.fencing: frozenset[int] = frozenset()
         #: Same-step loads layer by layer (None: whole loads; kvoffd_client.vllm.layerwise).
         self.layers: StepLayers | None = None
+        self.saves: StepSaves | None = None
         if identity is not None:
             self.client = KvoffdClient(settings.address, name=f"vllm-worker:{engine_id}",
                                        timeout_s=max(settings.connect_timeout_s, 0.1),
@@ -111,6 +112,8 @@ class KvoffdWorker:
         parts = (LayerParts.of(kv_caches, reg.num_blocks, reg.block_bytes, self.s.layer_parts)
                  if self.s.layerwise and single else None)
         self.layers = StepLayers(parts) if parts is not None else None
+        #: Stores in parts behind the forward (CUDA: the ring's events mark each part written).
+        self.saves = StepSaves(parts) if parts is not None and reg.cuda is not None and self.sends_stores else None
 
     def unregister_kv_caches(self) -> None:
         """Drain this worker's jobs, then UNREGISTER (``KvRegistration.unregister``), before vLLM
@@ -155,7 +158,8 @@ class KvoffdWorker:
                         if not jobs:
                             del self._req_stores[r]
                 if self._cuda is not None:
-                    self._cuda.ring.release(sj.event)
+                    for e in sj.events:
+                        self._cuda.ring.release(e)
                 continue
             lj = self._loads.pop(nt.job_id, None)
             if lj is not None and lj.block_ids is not None:
@@ -360,27 +364,42 @@ class KvoffdWorker:
         n = len(meta.store_keys)
         self.stats.add("store_jobs")
         self.stats.add("store_blocks", n)
-        event = -1
+        cuts: tuple[int, ...] = ()
+        events: list[int] = []
+        holds: list[int] = []
         try:
             if not self.active or self.client is None or not self.client.connected:
                 raise DaemonUnavailable()
             if self._cuda is not None:
-                event = self._cuda.ring.record()
+                if self.saves is not None and self.client.supports_parts:
+                    cuts, events, holds = self.saves.finish(self._cuda.ring, job)
+                else:
+                    events = holds = [self._cuda.ring.record()]
             described = self.rank == 0 and meta.store_tokens  # one rank describes blocks for KV events
-            self.client.submit_store(self.engine_id, job, meta.store_keys, meta.store_block_ids, event=event,
+            self.client.submit_store(self.engine_id, job, meta.store_keys, meta.store_block_ids,
+                                     event=events[-1] if events else -1,
                                      tokens=meta.store_tokens if described else b"",
-                                     parents=meta.store_parents if described else b"")
+                                     parents=meta.store_parents if described else b"",
+                                     cuts=cuts, events=events if cuts else ())
         except (DaemonUnavailable, KvoffdError):
             if self._cuda is not None:
-                self._cuda.ring.release(event)
+                for e in holds:
+                    self._cuda.ring.release(e)
+                if self.saves is not None and not holds:
+                    self.saves.drop(self._cuda.ring)
             # Nothing reads the blocks: done (and failed) at once, so nobody waits for it.
             self._meta.stores_done[job] = self._meta.stores_done.get(job, 0) + 1
             self._meta.stores_failed[job] = self._meta.stores_failed.get(job, 0) + 1
             self.stats.add("store_dropped_jobs")
             return
-        self._stores[job] = _StoreJob(list(meta.store_req_ids), n, event)
+        self._stores[job] = _StoreJob(list(meta.store_req_ids), n, holds)
         for r in meta.store_req_ids:
             self._req_stores.setdefault(r, set()).add(job)
+
+    def save_kv_layer(self, layer_name: str, job: int) -> None:
+        """A layer's forward was launched in the step of store ``job`` (CUDA): mark its part's end."""
+        if self.saves is not None and self._cuda is not None:
+            self.saves.saved(layer_name, self._cuda.ring, job)
 
     def get_transfer_results(self, meta: KvoffdMetadata | None) -> KVConnectorTransferResults:
         self._settle_layers()  # first: their failures belong to this step's load errors
