@@ -248,7 +248,8 @@ class Config:
         "at 0). Default: clock2-ghost (docs/benchmarks.md, disk tier)", default=DiskPolicy.CLOCK2_GHOST)
     remote: str = _setting(  # kvoffd/cache/tiers/remote/
         "--remote", str, "A Valkey/Redis cluster (or one server) shared by the nodes' daemons as the tier under "
-        "the pool: redis://[user@]host:port[,host:port...] (seeds), rediss:// for TLS. Default: none",
+        "the pool (under the disk tier with --disk-path): redis://[user@]host:port[,host:port...] (seeds), "
+        "rediss:// for TLS. Default: none",
         default="")
     remote_password_file: str = _setting(
         "--remote-password-file", str, "File whose first line is the --remote password (0600; the user is "
@@ -344,8 +345,6 @@ def _check(cfg: Config, raw: dict[str, object]) -> None:
         raise ConfigError("--disk-size needs --disk-path (the directory of the disk tier)")
     if cfg.remote and not cfg.remote.startswith(("redis://", "rediss://", "valkey://", "valkeys://")):
         raise ConfigError(f"--remote must be redis://host:port[,host:port...] or rediss://..., got {cfg.remote!r}")
-    if cfg.remote and cfg.disk_path:
-        raise ConfigError("--remote and --disk-path: one tier under the pool for now; choose one")
     if not cfg.remote and (cfg.remote_password_file or cfg.remote_key_file or cfg.remote_write_budget):
         raise ConfigError("--remote-password-file, --remote-key-file and --remote-write-budget need --remote")
     if cfg.pool_size < (1 << 20):

@@ -167,14 +167,12 @@ class Keyspace:
             kept = keeper(pool_file, pool, index)  # adopts the previous daemon's blocks
             t_adopt = time.monotonic()
             remote = None
-            if settings.remote:  # the cluster tier (kvoffd/cache/tiers/remote/): one tier under the pool
+            if settings.remote:  # the cluster tier (kvoffd/cache/tiers/remote/), below the disk tier if any
                 from kvoffd.cache.tiers.remote.factory import make_remote_tier
                 remote = make_remote_tier(settings.remote, settings.remote_password_file, settings.remote_key_file,
                                           settings.remote_write_budget)
-                tiers = Tiers(index, [remote], settings.verify, keeper=kept)
-            else:
-                tiers = make_tiers(index, settings.disk_path, settings.disk_size, settings.verify,
-                                   settings.disk_policy, keeper=kept)  # below the pool
+            tiers = make_tiers(index, settings.disk_path, settings.disk_size, settings.verify,
+                               settings.disk_policy, keeper=kept, remote=remote)  # below the pool, local first
         except BaseException:
             abandon_pool(pool_file)
             raise

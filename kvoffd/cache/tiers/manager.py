@@ -1,4 +1,21 @@
-"""``Tiers``: what sits between the index and the tiers below the pool (today: the disk tier).
+"""``Tiers``: what sits between the index and the tiers below the pool: the disk tier (``--disk-path``),
+the cluster tier (``--remote``), or both, local first (kvoffd/cache/tiers/stack.py).
+
+The rules with both (docs/architecture.md, *Tiers below the pool*):
+
+* a LOOKUP counts the pool's hits, then the disk's (its probe alone, as without the cluster: a run the
+  disk covers never reaches the cluster tier), then what the cluster tier knows (``Known``: published
+  by this node, or found by a probe). Keys no local tier holds are asked of the cluster by the
+  keyspace (``Answer.asked``, bounded by ``ASK_WAIT_S``); a leading run may mix pool, disk and
+  cluster blocks;
+* a key on the disk and in the cluster is read from the disk, once; every promotion, from either,
+  lands in a pending pool slot before the LOAD that waits for it, under each tier's deadline and the
+  late-copy rule (``Tier.read``);
+* the pool's evictions spill to the disk, and to the cluster only what this node does not know it
+  holds (the cluster is written at admission, kvoffd/cache/tiers/remote/publisher.py; the spill is
+  the second chance for what the publisher could not take);
+* the disk's own evictions touch nothing else (the cluster may still hold the block: a later LOOKUP
+  finds it there); a CLEAR clears each tier.
 
 With KV events on, ``publish`` connects each tier to the stream: what it writes and drops is
 published under its medium, and what it found at start is announced (kvoffd/events/announce.py).
@@ -34,6 +51,7 @@ from kvoffd.cache.deferral import AHEAD_SHARE
 from kvoffd.cache.index import Entry, Hits, Index, StorePlan, Table
 from kvoffd.cache.tiers.base import Held, SpillResult, TableRef, Tier, TierEvents, TierStats
 from kvoffd.cache.tiers.spill import SPILL_BUFFER_BYTES, Spill, Spills, views
+from kvoffd.cache.tiers.stack import NOWHERE, Stack
 from kvoffd.runtime import UnsafePath
 from kvoffd_client.protocol import KEY_SIZE, split_keys
 
@@ -55,6 +73,7 @@ class _Walk:
     keys: list[bytes]  # the leading keys walked
     lead: list[Entry | None]
     wanted: list[int]
+    source: list[int]  # per wanted position: the tier (``Stack``'s position) it is read from
 
 
 @dataclass
@@ -82,7 +101,8 @@ class Tiers:
         self.verify = verify
         self._refs: dict[Table, TableRef] = {}
         self._promoting: dict[Entry, asyncio.Future] = {}
-        self.spills = Spills(index, self.tiers[0], self._ref, spill_buffer_bytes, keeper) if self.tiers else None
+        self.stack = Stack(self.tiers)  # the order a LOOKUP asks them in: local first
+        self.spills = Spills(index, self.tiers, self._ref, spill_buffer_bytes, keeper) if self.tiers else None
         self.staged_hits = 0
         self.no_room = 0  # blocks a LOOKUP answered before their promotion that no pool slot was found for
         self.hits: dict[str, int] = {t.name: 0 for t in self.tiers}
@@ -257,30 +277,32 @@ class Tiers:
 
     def _count(self, t: Table, rest: bytes, limit: int) -> int:
         """How many leading keys of ``rest`` (at most ``limit``) this rank can serve: each a pool entry
-        that is ready or being promoted, or else a block the tier may hold or a spill still in flight
+        that is ready or being promoted, or else a block some tier may hold or a spill still in flight
         (``find_below`` says why "may"). The first key is asked exactly, alone: the usual miss (a new
-        prompt) costs one lookup of one key."""
+        prompt) costs one lookup of one key. The tiers are asked local first (``Stack.run``): a run the
+        disk covers never reaches the cluster tier; past the end of one tier's run the next key is asked
+        of every tier again, so a run may mix tiers."""
         get = t.entries.get
         staged = self.spills.staged
         promoting = self._promoting
-        tier, ref = self.tiers[0], self._ref(t)
+        stack, ref = self.stack, self._ref(t)
         first = rest[:_K]
         e = get(first)
         if e is not None:
             if not (e.ready or e in promoting):
                 return 0  # being stored by a STORE: not readable yet
-        elif (t, first) not in staged and not tier.contains(ref, first)[0]:
+        elif (t, first) not in staged and not stack.holds(ref, first):
             return 0
         if limit == 1:
             return 1
-        lead = 1 + tier.probe(ref, rest[_K:limit * _K])
+        lead = 1 + stack.run(ref, rest[_K:limit * _K])
         if lead == limit and len(t.entries) == len(t.visible):
-            return limit  # the usual disk hit: all below, and every pool entry ready (a hit either way)
+            return limit  # the usual tier hit: all below, and every pool entry ready (a hit either way)
         # Some key is not below, or a key may be in the pool but not ready: the pool's entries decide,
-        # a spill in flight serves, and past a key the tier lacks it is asked again from the next one.
+        # a spill in flight serves, and past a key the tiers lack they are asked again from the next one.
         keys = split_keys(rest[:limit * _K])
         ents = list(map(get, keys))
-        below = lead  # keys [i, below) may be held by the tier
+        below = lead  # keys [i, below) may be held by a tier
         i = 1
         while i < limit:
             e = ents[i]
@@ -288,7 +310,7 @@ class Tiers:
                 if not (e.ready or e in promoting):
                     break  # being stored by a STORE: not readable yet
             elif i >= below and (t, keys[i]) not in staged:
-                below = i + tier.probe(ref, rest[i * _K:limit * _K])
+                below = i + stack.run(ref, rest[i * _K:limit * _K])
                 if below == i:
                     break
             i += 1
@@ -296,35 +318,43 @@ class Tiers:
 
     def _walk(self, t: Table, rest: bytes, limit: int) -> _Walk:
         """The leading keys of ``rest`` (at most ``limit``) this rank serves, exactly: its entry (pool or
-        promotion under way) or None for a tier block, and the positions of the tier blocks to promote."""
+        promotion under way) or None for a tier block, the positions of the tier blocks to promote and,
+        for each, the tier it is read from (the first that holds it, ``Stack.sources``; ``NOWHERE`` for
+        a spill still in flight that no tier holds yet: copied back from its slot)."""
         get = t.entries.get
         staged = self.spills.staged
         keys = split_keys(rest[:limit * _K])
-        on = self.tiers[0].contains(self._ref(t), rest[:limit * _K]).tolist()
+        src = self.stack.sources(self._ref(t), rest[:limit * _K])
         ents = list(map(get, keys))
-        if all(on) and ents.count(None) == limit:  # the usual disk hit: all on disk, none in the pool
-            return _Walk(t, keys, [None] * limit, list(range(limit)))
+        if ents.count(None) == limit and not (src == NOWHERE).any():  # the usual tier hit: none in the pool
+            return _Walk(t, keys, [None] * limit, list(range(limit)), src.tolist())
         lead: list[Entry | None] = []
         wanted: list[int] = []
+        on = src.tolist()
         for i, (k, e) in enumerate(zip(keys, ents, strict=True)):
             if e is not None:
                 if e.ready or e in self._promoting:
                     lead.append(e)
                     continue
                 break  # being stored by a STORE: not readable yet
-            if not on[i] and (t, k) not in staged:
+            if on[i] == NOWHERE and (t, k) not in staged:
                 break
             lead.append(None)
             wanted.append(i)
-        return _Walk(t, keys, lead, wanted)
+        return _Walk(t, keys, lead, wanted, [on[i] for i in wanted])
 
     def _promote(self, w: _Walk, limit: int, writes: list[Spill]) -> int:
         """Pool slots and reads for this rank's tier blocks among the first ``limit``; returns how many
-        leading keys stay hits (fewer when the pool had no room for all)."""
+        leading keys stay hits (fewer when the pool had no room for all). One plan takes the slots of
+        them all; then blocks still in a spill's slot are copied back, and the rest are read, one batch
+        per tier (disk and cluster reads run at once), each batch its own future: a LOAD waits for the
+        batches its blocks are in."""
         t, lead = w.table, w.lead
-        wanted = [i for i in w.wanted if i < limit]
-        if not wanted:
+        pos = [j for j, i in enumerate(w.wanted) if i < limit]
+        if not pos:
             return limit
+        wanted = [w.wanted[j] for j in pos]
+        source = [w.source[j] for j in pos]
         keys = [w.keys[i] for i in wanted]
         plan = self.index.prepare_store(t, keys, admit=False, hand_over=True)
         self.after_store(plan, writes)  # before any byte lands in the slots it reused
@@ -335,16 +365,32 @@ class Tiers:
         entries = self.index.add_pending(plan)
         for j, e in zip(plan.copy_idx, entries, strict=True):
             lead[wanted[j]] = e
-        tier = self.tiers[0]
-        self.hits[tier.name] += len(entries)
-        entries = self._from_staging(plan, entries)
-        if not entries:
+        src = np.asarray(source, dtype=np.int64)[plan.copy_idx]
+        # hits by tier; a spill in flight counts as the first tier's (it was being spilled there)
+        per_tier = np.bincount(np.maximum(src, 0), minlength=len(self.stack)).tolist()
+        for tier, k in zip(self.stack.tiers, per_tier, strict=False):
+            self.hits[tier.name] += k
+        rest = self._from_staging(plan, entries)
+        if not rest:
             return limit
-        dest = views(self.index.pool.buffer, [e.slot for e in entries], t.slot_bytes)
-        fut = tier.read(self._ref(t), b"".join([e.key for e in entries]), dest)
-        for e in entries:
-            self._promoting[e] = fut
-        fut.add_done_callback(lambda f: self._promoted(plan, entries, f))
+        if src.min() == src.max():  # the usual case: every block from one tier
+            by_tier = {int(src[0]): rest}
+        else:  # a mixed run: each block to the first tier that holds it
+            tier_of = {id(e): i for e, i in zip(entries, src.tolist(), strict=True)}
+            by_tier = {}
+            for e in rest:
+                by_tier.setdefault(tier_of[id(e)], []).append(e)
+        lost = by_tier.pop(NOWHERE, [])  # a spill in flight that landed nowhere since the walk: a miss
+        if lost:
+            self._complete(plan, lost, False)
+        dest_of = self.index.pool.buffer
+        for i, es in by_tier.items():
+            tier = self.stack.tiers[i]
+            dest = views(dest_of, [e.slot for e in es], t.slot_bytes)
+            fut = tier.read(self._ref(t), b"".join([e.key for e in es]), dest)
+            for e in es:
+                self._promoting[e] = fut
+            fut.add_done_callback(lambda f, es=es: self._promoted(plan, es, f))
         return limit
 
     def _complete(self, plan: StorePlan, entries: list[Entry], ok: bool) -> None:
@@ -403,35 +449,42 @@ class Tiers:
 
     # --- figures --------------------------------------------------------------------------------
     def stats(self) -> list[TierStats]:
+        """Each tier's own figures, and its hits. The spill path's (spills dropped for the budget, the
+        loop's copies, deferred bytes, spills in flight, blocks served from one, answered hits that got
+        no slot) belong to the pool's evictions, not to one tier: the first tier shows them (the disk
+        tier when there is one; the cluster tier keeps its own queue's figures)."""
         out = []
-        for t in self.tiers:
-            sp = self.spills
+        sp = self.spills
+        for i, t in enumerate(self.tiers):
             assert sp is not None
             st = t.stats()
             st = replace(st, spills_dropped=dict(st.spills_dropped), notes=dict(st.notes))  # not the tier's own
             st.hits = self.hits[t.name]
-            st.promotions += self.staged_hits  # served from a spill still in flight
-            if sp.busy:
-                st.spills_dropped[SpillResult.BUSY.value] = sp.busy
-            if sp.errors:  # the tier raised (its own I/O errors are in its count already)
-                st.spills_dropped[SpillResult.ERROR.value] = st.spills_dropped.get(SpillResult.ERROR.value, 0) \
-                    + sp.errors
-            if sp.corrupt:
-                st.spills_dropped[SpillResult.CORRUPT.value] = sp.corrupt
-            st.staged_hits = self.staged_hits
-            st.spill_copies = sp.copies  # the fallback that copies on the loop
-            st.promotions_no_room = self.no_room
-            st.spill_deferred_bytes = self.index.deferral.deferred_bytes  # pool slots spills still read
-            st.spills_in_flight = len(sp.staged)
+            raised = sp.errors.get(t.name, 0)
+            if raised:  # the tier raised (its own I/O errors are in its count already)
+                st.spills_dropped[SpillResult.ERROR.value] = st.spills_dropped.get(SpillResult.ERROR.value, 0) + raised
+            if i == 0:
+                st.promotions += self.staged_hits  # served from a spill still in flight
+                if sp.busy:
+                    st.spills_dropped[SpillResult.BUSY.value] = st.spills_dropped.get(SpillResult.BUSY.value, 0) \
+                        + sp.busy
+                if sp.corrupt:
+                    st.spills_dropped[SpillResult.CORRUPT.value] = sp.corrupt
+                st.staged_hits = self.staged_hits
+                st.spill_copies = sp.copies  # the fallback that copies on the loop
+                st.promotions_no_room = self.no_room
+                st.spill_deferred_bytes = self.index.deferral.deferred_bytes  # pool slots spills still read
+                st.spills_in_flight = len(sp.staged)
             out.append(st)
         return out
 
 
 def make_tiers(index: Index, disk_path: str, disk_size: int, verify: bool, disk_policy: str = "clock2-ghost",
-               keeper: Keeper | None = None) -> Tiers:
-    """The tiers the configuration asks for. A tier that cannot start (an unusable ``--disk-path``, or
-    one another user could write) is logged and left out: the daemon serves from the pool alone rather
-    than not at all."""
+               keeper: Keeper | None = None, remote: Tier | None = None) -> Tiers:
+    """The tiers the configuration asks for, local first: the disk tier (``--disk-path``), then the
+    cluster tier (``remote``, made from ``--remote`` by the keyspace). A disk tier that cannot start (an
+    unusable ``--disk-path``, or one another user could write) is logged and left out: the daemon
+    serves from the pool (and the cluster) rather than not at all."""
     tiers: list[Tier] = []
     disabled = ""
     if disk_path:
@@ -440,7 +493,9 @@ def make_tiers(index: Index, disk_path: str, disk_size: int, verify: bool, disk_
             tiers.append(DiskTier(disk_path, disk_size, policy=disk_policy))
         except (OSError, UnsafePath) as e:
             disabled = f"disk tier disabled: {e}"
-            log.error("%s; serving from the pool alone", disabled)
+            log.error("%s; serving from the pool%s", disabled, " and the cluster" if remote is not None else " alone")
+    if remote is not None:
+        tiers.append(remote)
     out = Tiers(index, tiers, verify, keeper=keeper)
     out.disabled = disabled
     return out

@@ -1,8 +1,13 @@
-"""``Spills``: the blocks the pool evicts, written to the tier below it (held by ``Tiers``).
+"""``Spills``: the blocks the pool evicts, written to the tiers below it (held by ``Tiers``).
 
 The index returns what it evicts (``StorePlan.victims``, ``Index.take_victims``); ``settle`` spills
-the visible blocks the tier does not hold yet and gives every victim back to the index
-(``Index.free_victims``), keeping out of the pool the slots a write still reads.
+the visible blocks and gives every victim back to the index (``Index.free_victims``), keeping out of
+the pool the slots a write still reads. Each tier is given the victims it does not hold yet: with a
+disk tier and the cluster tier, a block goes to the disk unless the disk holds it, and to the cluster
+unless this node knows the cluster holds it (the cluster is normally written at admission,
+kvoffd/cache/tiers/remote/publisher.py; what the publisher could not take, its held share or its queue
+full, is published here, as with the cluster tier alone). One slot serves every tier's write and
+goes back to the pool once the last of them has read it.
 
 Spilled bytes are never copied on the loop: the tier's I/O threads write them straight from the pool
 slot, which stays out of the pool meanwhile (a deferred free, kvoffd/cache/deferral.py) and which the
@@ -49,9 +54,10 @@ FAULT_LOG_S = 60.0  # a tier that keeps raising: its traceback once, then a line
 
 @dataclass
 class Spill:
-    """One write to a tier of blocks evicted together: ``src`` are views of their deferred pool slots."""
+    """The writes of blocks evicted together: ``src`` are views of their deferred pool slots, ``parts``
+    each tier's share (positions in ``keys``)."""
 
-    tier: Tier
+    parts: list[tuple[Tier, list[int]]]
     table: Table
     slot_bytes: int
     keys: list[bytes]
@@ -59,17 +65,26 @@ class Spill:
     src: list[memoryview] = field(default_factory=list)
     copied: int = 0  # bytes in a staging copy (the fallback), counted against the budget
     unchecked: list[tuple[int, int]] = field(default_factory=list)  # (position, checksum): adopted, not verified yet
+    pending: int = 0  # tiers' writes not resolved yet (the slots go back after the last)
+
+    def keep(self, good: list[int]) -> None:
+        """Only the blocks at positions ``good`` (ascending) are written."""
+        at = {p: i for i, p in enumerate(good)}
+        self.keys = [self.keys[p] for p in good]
+        self.src = [self.src[p] for p in good]
+        self.parts = [(tier, [at[p] for p in pos if p in at]) for tier, pos in self.parts]
 
 
 class Spills:
-    """Writes of evicted blocks to ``tier``. ``ref``: the tier's name for an index table. ``keeper``:
-    the pool file's keeper, asked which evicted blocks are adopted and not verified yet
-    (``must_check``) and whether their bytes still match (``intact``); None: nothing adopted."""
+    """Writes of evicted blocks to ``tiers`` (local first; the figures here are the first one's).
+    ``ref``: the tiers' name for an index table. ``keeper``: the pool file's keeper, asked which evicted
+    blocks are adopted and not verified yet (``must_check``) and whether their bytes still match
+    (``intact``); None: nothing adopted."""
 
-    def __init__(self, index: Index, tier: Tier, ref: Callable[[Table], TableRef], budget: int = SPILL_BUFFER_BYTES,
-                 keeper: Keeper | None = None):
+    def __init__(self, index: Index, tiers: Sequence[Tier], ref: Callable[[Table], TableRef],
+                 budget: int = SPILL_BUFFER_BYTES, keeper: Keeper | None = None):
         self.index = index
-        self.tier = tier
+        self.tiers = list(tiers)
         self.ref = ref
         self.budget = budget  # bytes of pool slots (deferred) and staging copies spills may hold
         self.keeper = keeper
@@ -78,7 +93,7 @@ class Spills:
         self.copied_bytes = 0  # staging copies in flight (the fallback when a STORE needs the slots now)
         self.copies = 0  # blocks copied on the loop by that fallback
         self.busy = 0  # spills dropped: past the budget
-        self.errors = 0  # blocks not spilled because the tier raised (a bug: logged)
+        self.errors: dict[str, int] = {}  # by tier name: blocks not spilled because the tier raised (a bug: logged)
         self.corrupt = 0  # adopted blocks not spilled: their bytes failed the checksum they were adopted with
         self._fault_logged = -FAULT_LOG_S
 
@@ -103,9 +118,10 @@ class Spills:
             self.settle([index.take_victims(slot_bytes, missing)], writes)
 
     def _spill_victims(self, v: Victims, writes: list[Spill] | None) -> list[Entry]:
-        """Spill the visible victims (admitted once) no tier holds already; returns those spilled from
-        their slots (to keep out of the pool). Victims whose slots a STORE reuses are copied out."""
-        tier = self.tier
+        """Spill the visible victims (admitted once) to each tier that does not hold them already;
+        returns those spilled from their slots (to keep out of the pool). Victims whose slots a STORE
+        reuses are copied out."""
+        tiers = self.tiers
         slot_bytes = v.slot_bytes
         groups: dict[Table, list[Entry]] = {}
         for e in v.entries:
@@ -116,23 +132,29 @@ class Spills:
             sp: Spill | None = None
             try:
                 keys = b"".join([e.key for e in es])
-                have_it = tier.contains(self.ref(t), keys, touch=True).tolist()  # used in the pool since
-                todo = [e for e, have in zip(es, have_it, strict=True)
-                        if not have and (t, e.key) not in self.staged]
+                ref = self.ref(t)
+                have = np.stack([np.asarray(tier.contains(ref, keys, touch=True), dtype=bool)  # touch: used in the pool since
+                                 for tier in tiers])
+                want = (~have).any(axis=0).tolist()
+                pick = [i for i, (e, w) in enumerate(zip(es, want, strict=True))
+                        if w and (t, e.key) not in self.staged]
                 room = max(0, self.budget - self.index.deferral.deferred_bytes - self.copied_bytes
                            - len(kept) * slot_bytes) // slot_bytes
-                if len(todo) > room:
-                    self.busy += len(todo) - room
-                    todo = todo[:room]
-                if not todo:
+                if len(pick) > room:
+                    self.busy += len(pick) - room
+                    pick = pick[:room]
+                if not pick:
                     continue
-                sp = Spill(tier, t, slot_bytes, [e.key for e in todo], [e.slot for e in todo],
+                todo = [es[i] for i in pick]
+                lacks = ~have[:, pick]
+                parts = [(tier, np.flatnonzero(lacks[j]).tolist()) for j, tier in enumerate(tiers)]
+                sp = Spill(parts, t, slot_bytes, [e.key for e in todo], [e.slot for e in todo],
                            unchecked=self._unchecked(todo))
                 if not v.held:  # the STORE reuses these slots: the one case the loop still copies (bounded)
                     self._copy_out(sp)
                 self._spill(sp, writes)
             except Exception:  # the index must stay whole whatever a tier does: these blocks are just not spilled
-                self._fault("a spill", len(es))
+                self._fault(tiers[0], "a spill", len(es))
                 if sp is not None:
                     sp.slots = []  # not deferred: the index frees them itself
                     self._spilled(sp)
@@ -149,15 +171,15 @@ class Spills:
             return []
         return [(i, e.checksum) for i, e in enumerate(entries) if k.must_check((e,))]
 
-    def _fault(self, what: str, blocks: int) -> None:
+    def _fault(self, tier: Tier, what: str, blocks: int) -> None:
         """A tier raised: ``blocks`` dropped (counted ``error``); the traceback once, then a line a minute."""
-        self.errors += blocks
+        self.errors[tier.name] = self.errors.get(tier.name, 0) + blocks
         now = time.monotonic()
         if now - self._fault_logged >= FAULT_LOG_S:
             first = self._fault_logged < 0
             self._fault_logged = now
-            log.error("disk tier: %s failed (%d blocks dropped, %d in all); the daemon goes on without them",
-                      what, blocks, self.errors, exc_info=first)
+            log.error("%s tier: %s failed (%d blocks dropped, %d in all); the daemon goes on without them",
+                      tier.name, what, blocks, self.errors[tier.name], exc_info=first)
 
     def _copy_out(self, sp: Spill) -> None:
         """Copy the blocks out of their slots into a page-aligned staging buffer (O_DIRECT writes
@@ -210,8 +232,7 @@ class Spills:
                 self.corrupt += len(bad)
                 log.warning("%d blocks adopted at the restart failed their checksum as they left the pool: "
                             "not spilled", len(bad))
-                sp.keys = [k for i, k in enumerate(sp.keys) if i not in bad]
-                sp.src = [v for i, v in enumerate(sp.src) if i not in bad]
+                sp.keep([i for i in range(len(sp.keys)) if i not in bad])
             sp.unchecked = []
             if sp.keys:
                 self._spill(sp)
@@ -221,19 +242,36 @@ class Spills:
         fut.add_done_callback(checked)
 
     def write(self, sp: Spill) -> None:
-        try:
-            fut = sp.tier.write(self.ref(sp.table), b"".join(sp.keys), sp.src)
-        except Exception:  # a tier that raises: the spill is dropped, its slots given back as if written
-            self._fault("a spill", len(sp.keys))
-            asyncio.get_running_loop().call_soon(self._spilled, sp)  # (after ``settle`` deferred them)
+        """Each tier's share of ``sp`` written (at once, in parallel); its slots go back to the pool when
+        the last write resolved (``_spilled``, never before ``settle`` deferred them: a loop turn later)."""
+        loop = asyncio.get_running_loop()
+        parts = [(tier, pos) for tier, pos in sp.parts if pos]
+        sp.pending = len(parts)
+        if not parts:
+            loop.call_soon(self._spilled, sp)
             return
-        self.in_flight.add(fut)
+        ref = self.ref(sp.table)
+        for tier, pos in parts:
+            whole = len(pos) == len(sp.keys)
+            try:
+                fut = tier.write(ref, b"".join(sp.keys if whole else [sp.keys[p] for p in pos]),
+                                 sp.src if whole else [sp.src[p] for p in pos])
+            except Exception:  # a tier that raises: its share is dropped, the slots given back as if written
+                self._fault(tier, "a spill", len(pos))
+                loop.call_soon(self._part_done, sp)
+                continue
+            self.in_flight.add(fut)
 
-        def done(f: asyncio.Future) -> None:  # every task of the write has read its slots
-            self.in_flight.discard(f)
+            def done(f: asyncio.Future) -> None:  # every task of this tier's write has read its slots
+                self.in_flight.discard(f)
+                self._part_done(sp)
+
+            fut.add_done_callback(done)
+
+    def _part_done(self, sp: Spill) -> None:
+        sp.pending -= 1
+        if sp.pending <= 0:
             self._spilled(sp)
-
-        fut.add_done_callback(done)
 
     def _spilled(self, sp: Spill) -> None:
         """The spill's bytes are read (written, or dropped): unstaged, its slots back to the pool."""
