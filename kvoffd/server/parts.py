@@ -49,15 +49,8 @@ def submit_parts(backend: TransferBackend, direction: Direction, mapped: MappedM
     """Queue every part now, in order, and return what completes once all are done (raising the
     first failure, an expiry last). ``landed(n)``: parts 0..n-1 are in place (a LOAD's LANDED); not
     called for the last part, whose news is the job's notice."""
-    events = list(getattr(msg, "ready_events", None) or [])
-    futures: list[Awaitable[None]] = []
-    for p, runs in enumerate(parts):
-        event = events[p] if events else msg.ready_event
-        try:
-            futures.append(backend.submit(direction, mapped, block_ids, slots, event, msg.expires_ns, runs))
-        except Exception as e:  # noqa: BLE001 - the job fails once what was queued is done
-            futures.append(_failed(e))
-            break  # the later parts are not started
+    events = list(getattr(msg, "ready_events", None) or []) or [msg.ready_event] * len(parts)
+    futures = backend.submit_parts(direction, mapped, block_ids, slots, parts, events, msg.expires_ns)
     return asyncio.ensure_future(_in_order(futures, landed, len(parts)))
 
 
@@ -74,8 +67,3 @@ async def _in_order(futures: list[Awaitable[None]], landed: Callable[[int], None
     if errors:
         raise next((e for e in errors if not isinstance(e, JobExpired)), errors[0])
 
-
-def _failed(exc: BaseException) -> asyncio.Future:
-    fut = asyncio.get_running_loop().create_future()
-    fut.set_exception(exc)
-    return fut

@@ -6,6 +6,7 @@ engine's memory and copies batches between it and the pool. One call moves a who
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import functools
 import time
@@ -205,6 +206,21 @@ class TransferBackend(ABC):
         nothing of it is still moving: its notice tells the client that the blocks are free again.
         """
 
+    def submit_parts(self, direction: Direction, mapped: MappedMemory, block_ids: np.ndarray, slots: np.ndarray,
+                     parts: list[Runs], events: list[int], expires_ns: int = 0) -> list[Awaitable[None]]:
+        """A job in parts: ``parts[p]`` of every block, gated on ``events[p]`` (-1: none), each with its
+        own awaitable, queued in part order (a part that cannot be queued fails, and the later ones
+        are not started: the list ends there). Called on the event loop. This default submits each
+        part as a job of its own; a backend whose own queueing could reorder them overrides it."""
+        out: list[Awaitable[None]] = []
+        for runs, event in zip(parts, events, strict=True):
+            try:
+                out.append(self.submit(direction, mapped, block_ids, slots, event, expires_ns, runs))
+            except Exception as e:  # noqa: BLE001 - the job fails once what was queued is done
+                out.append(_failed(e))
+                break
+        return out
+
     def abort(self, mapped: MappedMemory) -> int:
         """The engine died: fail its jobs that have not started (e.g. waiting on an event its GPU will
         never reach). Jobs already moving bytes finish. Returns how many were failed."""
@@ -215,6 +231,12 @@ class TransferBackend(ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name}
+
+
+def _failed(exc: BaseException) -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_exception(exc)
+    return fut
 
 
 def run_descriptors(mapped: MappedMemory, block_ids: np.ndarray, slots: np.ndarray, pool_base: int,

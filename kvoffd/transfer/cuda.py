@@ -216,6 +216,60 @@ class CudaBackend(TransferBackend):
         self._start(job)
         return job.future
 
+    def submit_parts(self, direction: Direction, mapped: CudaMapping,  # type: ignore[override]
+                     block_ids: np.ndarray, slots: np.ndarray, parts: list[Runs], events: list[int],
+                     expires_ns: int = 0) -> list[Awaitable[None]]:
+        """Parts of an ungated job (a LOAD) go on the stream in part order, each with its own
+        completion event, so part 0 lands first and the engine computes behind it: the head of part 0
+        from this thread, then the rest of it and every later part from one submit thread. (As jobs
+        of their own, each part's tail would be queued by any of the submit pool's threads, in any
+        order behind every part's head.) Gated parts (a STORE behind the forward) start as their
+        events fire, each on its own."""
+        if len(parts) < 2 or any(e >= 0 for e in events) or len(block_ids) == 0:
+            return super().submit_parts(direction, mapped, block_ids, slots, parts, events, expires_ns)
+        if mapped.detached:
+            raise RuntimeError(f"engine {mapped.engine_id} is not mapped")
+        loop = asyncio.get_running_loop()
+        jobs = [CudaJob(direction=direction, mapped=mapped, block_ids=block_ids, slots=slots, expires_ns=expires_ns,
+                        future=loop.create_future(), loop=loop, runs=runs) for runs in parts]
+        first = jobs[0]
+        if mapped.closed or first.expired():
+            err = RuntimeError("the engine was detached") if mapped.closed else JobExpired(
+                "deadline passed before the copy could start; not started")
+            for j in jobs:
+                j.resolve(err)
+            return [j.future for j in jobs]
+        head = min(len(block_ids), self.tuning.head_blocks(len(first.runs), first.runs.nbytes))
+        try:
+            self._enqueue(first, 0, head)
+        except Exception as e:  # noqa: BLE001 - the job fails, never the daemon
+            self._fail_chain(jobs, e)
+            return [j.future for j in jobs]
+        try:
+            self._submit.submit(self._submit_chain, jobs, head)
+        except RuntimeError as e:  # the pool is shut down: the daemon is stopping
+            self._fail_chain(jobs, e)
+        return [j.future for j in jobs]
+
+    def _submit_chain(self, jobs: list[CudaJob], first: int) -> None:
+        """Enqueue the rest of part 0 (from block ``first``) and every later part, in order, each part's
+        event recorded behind it. After a part that could not be queued the rest are not started."""
+        for i, job in enumerate(jobs):
+            try:
+                self._enqueue(job, first if i == 0 else 0, len(job.block_ids))
+            except Exception as e:  # noqa: BLE001 - any failure fails the job, never the daemon
+                self._fail_chain(jobs[i:], e)
+                return
+            self._finish_on_stream(job, None)
+
+    def _fail_chain(self, jobs: list[CudaJob], error: BaseException) -> None:
+        """The first of ``jobs`` may have copies on the stream: it fails once they are done; the others
+        never started and fail now."""
+        self._finish_on_stream(jobs[0], error)
+        for j in jobs[1:]:
+            j.resolve(JobExpired("an earlier part was not started; not started") if isinstance(error, JobExpired)
+                      else RuntimeError(f"an earlier part failed: {error}"))
+
     def _start(self, job: CudaJob) -> None:
         """Put a job on its stream: on the loop thread, or the poller's once its gate opened.
 
