@@ -132,30 +132,48 @@ TINY = Shape(layers=2, heads=4, kv_heads=2, head_dim=32, hidden=128, mlp=256, vo
 class Parts:
     """A block's slot cut into groups of ``per_part`` layers: the LOAD/STORE ``cuts`` and which part
     holds a layer. The layout is block-contiguous (layer l at slot bytes [l, l + 1) x layer_bytes), so
-    a part of every block is one run per block of per_part x layer_bytes."""
+    a part of every block is one run per block of per_part x layer_bytes. With ``tail`` the last layer
+    is a part of its own (what is computed after the last byte lands is one layer, not a group) and
+    the others are grouped by ``per_part`` from the first."""
 
     layers: int
     per_part: int
     layer_bytes: int
+    tail: bool = False
 
     @classmethod
-    def of(cls, shape: Shape, per_part: int) -> Parts:
-        return cls(shape.layers, max(1, min(per_part, shape.layers)), shape.layer_bytes)
+    def of(cls, shape: Shape, per_part: int, tail: bool = False) -> Parts:
+        per = max(1, min(per_part, shape.layers))
+        return cls(shape.layers, per, shape.layer_bytes, tail and 1 < per < shape.layers)
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """The first layer of each part."""
+        body = self.layers - 1 if self.tail else self.layers
+        out = tuple(range(0, body, self.per_part))
+        return (*out, self.layers - 1) if self.tail else out
 
     @property
     def count(self) -> int:
-        return math.ceil(self.layers / self.per_part)
+        return len(self.starts)
 
     @property
     def cuts(self) -> tuple[int, ...]:
-        return tuple(k * self.per_part * self.layer_bytes for k in range(1, self.count))
+        return tuple(li * self.layer_bytes for li in self.starts[1:])
+
+    @property
+    def label(self) -> str:
+        return f"{self.per_part}+1" if self.tail else str(self.per_part)
 
     def of_layer(self, layer: int) -> int:
-        return layer // self.per_part
+        return sum(1 for st in self.starts if st <= layer) - 1
+
+    def starts_part(self, layer: int) -> bool:
+        return layer in self.starts
 
     def ends_part(self, layer: int) -> bool:
         """Whether ``layer`` is the last of its part (its part's writes are all launched after it)."""
-        return layer == self.layers - 1 or (layer + 1) % self.per_part == 0
+        return layer == self.layers - 1 or (layer + 1) in self.starts
 
 
 @dataclass(frozen=True)
@@ -804,7 +822,7 @@ class Worker:
         landed: list[float] = []
 
         def before(li: int) -> None:
-            if li % parts.per_part:
+            if not parts.starts_part(li):
                 return
             want = parts.of_layer(li) + 1
             if self.client.wait_landed({job}, want, self.cfg.job_timeout_s):
@@ -1021,7 +1039,7 @@ class InProcessCopy:
         compute = self.torch.cuda.current_stream() if events else None
 
         def before(li: int) -> None:
-            if compute is not None and li % parts.per_part == 0:
+            if compute is not None and parts.starts_part(li):
                 compute.wait_event(events[parts.of_layer(li)])
 
         logits = w.model.layered_suffix(tokens[n * w.s.block:], n * w.s.block, table, w.cache, before)
@@ -1226,7 +1244,11 @@ def sweep_parts(w: Worker, p: Prompt, sweep: tuple[int, ...], link_GBps: float) 
     _, tok_split, _ = w.split(tokens, p, table)
     ref = w.cache.snapshot(prefix)
     options: list[tuple[str, Parts | None]] = [("whole", None)]
-    options += [(str(k), Parts.of(s, k)) for k in sorted(set(sweep)) if 0 < k < s.layers]
+    for k in sorted(set(sweep)):
+        if 0 < k < s.layers:
+            options.append((str(k), Parts.of(s, k)))
+            if k > 1:  # the same groups with the last layer alone (a one-layer tail after the last byte)
+                options.append((f"{k}+1", Parts.of(s, k, tail=True)))
     loads: dict[str, list[float]] = {name: [] for name, _ in options}
     hits: dict[str, list[float]] = {name: [] for name, _ in options}
     exact = {name: True for name, _ in options}
@@ -1256,18 +1278,16 @@ def sweep_parts(w: Worker, p: Prompt, sweep: tuple[int, ...], link_GBps: float) 
                       "load_s": loads[name], "load_GBps": gbps, "of_link": gbps / link_GBps,
                       "of_whole_block": gbps / whole_GBps, "hit_s": hits[name], "hit_median_s": _median(hits[name]),
                       "prefix_kv_exact": exact[name], "first_token_equal_split": tokens_ok[name]}
+    # The grouping is for the hit's time: the fastest layer-wise hit among the groupings whose LOAD
+    # keeps >= 95% of the whole-block LOAD's speed (the DMA batches stay large), else the fastest.
     cand = [(name, parts) for name, parts in options if parts is not None]
-    chosen, criterion = None, ""
-    for key, what in (("of_link", "link"), ("of_whole_block", "whole-block LOAD")):
-        ok = [parts.per_part for name, parts in cand if rows[name][key] >= 0.95]
-        if ok:
-            chosen, criterion = min(ok), f">= 95% of the {what}"
-            break
-    if chosen is None:
-        chosen = max((parts.per_part for _, parts in cand), default=s.layers)
-        criterion = "no grouping kept 95% of the link or of the whole-block LOAD: the coarsest tried"
+    keep = [(name, parts) for name, parts in cand if rows[name]["of_whole_block"] >= 0.95]
+    pool, criterion = (keep, "the fastest hit of those >= 95% of the whole-block LOAD") if keep else (
+        cand, "the fastest hit (none kept 95% of the whole-block LOAD)")
+    best = min(pool, key=lambda c: rows[c[0]]["hit_median_s"]) if pool else None
     return {"length": p.length, "hit_blocks": n, "bytes": nbytes, "link_GBps": link_GBps, "rows": rows,
-            "chosen_layers_per_part": chosen, "criterion": criterion}
+            "chosen_layers_per_part": best[1].per_part if best else s.layers,
+            "chosen_tail": bool(best and best[1].tail), "chosen": best[0] if best else "whole", "criterion": criterion}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1300,18 +1320,19 @@ def role_engine(cfg: RunConfig, index: int, barrier: Any, part: Any) -> dict[str
         out["link"] = link
         print(f"  [engine] link ceiling (one contiguous pinned copy of {cfg.link_bytes >> 20} MiB): "
               f"{link['GBps']:.1f} GB/s", flush=True)
-        lpp = cfg.layers_per_part
+        lpp, tail = cfg.layers_per_part, True
         sweep_p = next((p for p in cfg.prompts if p.length == cfg.sweep_length), None)
         if sweep_p is not None and w.parts_ok:
             sw = sweep_parts(w, sweep_p, cfg.parts_sweep, link["GBps"])
             out["parts_sweep"] = sw
-            lpp = lpp or sw["chosen_layers_per_part"]
+            if not lpp:
+                lpp, tail = sw["chosen_layers_per_part"], sw["chosen_tail"]
             part({**out, "lengths": {}})
             print(f"  [engine] layers per part at {sweep_p.length} tokens: " + ", ".join(
                 f"{k}: {r['load_GBps']:.1f} GB/s ({r['of_link'] * 100:.0f}% of link)" for k, r in sw["rows"].items())
-                + f"; chosen {sw['chosen_layers_per_part']} ({sw['criterion']})", flush=True)
-        parts = Parts.of(w.s, lpp or DEFAULT_LAYERS_PER_PART)
-        out["layers_per_part"] = parts.per_part
+                + f"; chosen {sw['chosen']} ({sw['criterion']})", flush=True)
+        parts = Parts.of(w.s, lpp or DEFAULT_LAYERS_PER_PART, tail=tail)
+        out["layers_per_part"], out["layer_parts"] = parts.per_part, parts.label
         for p in cfg.prompts:
             r = measure_prompt(w, inproc, p, parts, link["GBps"])
             out["lengths"][str(p.length)] = r
@@ -1631,10 +1652,11 @@ def print_layered(result: dict[str, Any], engine: dict[str, Any]) -> None:
             print(f"| {label} | {r['parts']} | {r['load_GBps']:.1f} | {r['of_link'] * 100:.1f}% | "
                   f"{r['of_whole_block'] * 100:.1f}% | {_ms(r['hit_median_s'])} | "
                   f"{r['prefix_kv_exact'] and r['first_token_equal_split']} |")
-        print(f"chosen: {sw['chosen_layers_per_part']} layers per part ({sw['criterion']})")
+        print(f"chosen: {sw.get('chosen', sw['chosen_layers_per_part'])} layers per part ({sw['criterion']}; "
+              "k+1: groups of k, the last layer alone)")
     ls = {n: r for n, r in engine.get("lengths", {}).items() if "suffix_compute_median_s" in r}
     if ls:
-        lpp = engine.get("layers_per_part")
+        lpp = engine.get("layer_parts", engine.get("layers_per_part"))
         link = (engine.get("link") or {}).get("GBps")
         print(f"\nlayer-wise ({lpp} layers per part; link {link or float('nan'):.1f} GB/s), ms:")
         print("| prompt tokens | recompute | hit | layer-wise hit (lookup/first part/all parts/token) | "

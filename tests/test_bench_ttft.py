@@ -38,6 +38,11 @@ def test_parts_cut_a_block_contiguous_slot_at_layer_groups() -> None:
     assert t.Parts.of(s, 32).cuts == () and t.Parts.of(s, 64).count == 1  # one part: a whole-block job
     five = t.Parts.of(s, 5)  # a grouping that does not divide the layers: the last part is shorter
     assert five.count == 7 and five.cuts[-1] == 30 * s.layer_bytes and five.ends_part(31) and five.ends_part(29)
+    tail = t.Parts.of(s, 4, tail=True)  # groups of 4 for layers 0-30, layer 31 alone
+    assert tail.count == 9 and tail.cuts[-1] == 31 * s.layer_bytes and tail.cuts[-2] == 28 * s.layer_bytes
+    assert [tail.of_layer(li) for li in (0, 27, 28, 30, 31)] == [0, 6, 7, 7, 8] and tail.label == "4+1"
+    assert [li for li in range(s.layers) if tail.starts_part(li)] == [0, 4, 8, 12, 16, 20, 24, 28, 31]
+    assert [li for li in range(s.layers) if tail.ends_part(li)] == [3, 7, 11, 15, 19, 23, 27, 30, 31]
 
 
 @pytest.mark.slow

@@ -30,9 +30,10 @@ from kvoffd_client.client import KvoffdClient
 if TYPE_CHECKING:
     import torch
 
-#: Most parts a load is cut into: one per layer up to this, then groups of layers. Each part costs
-#: one LANDED message and one host wait; the copy runs as one DMA batch per part.
-DEFAULT_MAX_PARTS = 32
+#: Most parts a load is cut into: the last layer alone, the others in groups. Each part costs one
+#: LANDED message and one host wait, and on a block-contiguous layout one run per block (the H200's
+#: sweep, docs/benchmarks.md: groups of 4 of 32 layers beat single layers, whose 64 KiB runs slow the DMA).
+DEFAULT_MAX_PARTS = 8
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,12 @@ class LayerParts:
             index[name] = seen[sig]
         if len(spans) < 2 or pos != block_bytes or max_parts < 2:
             return None
+        # The last layer is a part of its own: what is computed after the last byte lands is one layer.
+        # The others are grouped evenly: fewer, larger parts keep each DMA batch large (a block-contiguous
+        # layout has one run per block and part), and each costs a LANDED and a host wait.
         k = min(max_parts, len(spans))
-        first = [round(g * len(spans) / k) for g in range(k)]  # the first view of each part
+        body = len(spans) - 1
+        first = [round(g * body / (k - 1)) for g in range(k - 1)] + [body]  # the first view of each part
         cuts = tuple(spans[i][0] for i in first[1:])
         part_of = [0] * len(spans)
         for g, i in enumerate(first):

@@ -35,7 +35,7 @@ class Settings:
     sync_load_timeout_ms: int = 200  # a same-step load not done by then is recomputed (vLLM's load-error path)
     # Same-step loads layer by layer (kvoffd_client.vllm.layerwise): the forward waits per layer group.
     layerwise: bool = True
-    layer_parts: int = 32  # most parts a layer-wise load is cut into (layers grouped evenly)
+    layer_parts: int = 8  # most parts a layer-wise load is cut into (the last layer alone, the rest grouped)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
