@@ -144,30 +144,13 @@ class KvoffdClient:
         if restarted or not self._register_seqs:
             for reg, memory in self._registrations.values():
                 try:
-                    wire = self._wire_register(reg, memory, self.timeout_s)
+                    wire = _wire_register(reg, memory, self.hello, self.timeout_s)
                 except KvoffdError as e:
                     log.error("kvoffd: cannot re-register engine %s: %s", reg.engine_id, e)
                     continue
                 wire.seq = next(self._seq)
                 if self._link.send(wire):
                     self._register_seqs[wire.seq] = reg.engine_id
-
-    def _wire_register(self, reg: P.Register, memory: LocalMemory, timeout_s: float) -> P.Register:
-        """REGISTER as it travels. Memory that comes as this process's descriptors (``cpu_fd``,
-        ``cuda_vmm``): hand them to the daemon's fd socket now (each REGISTER needs a fresh one-time
-        token) and send the token."""
-        if not memory.fds:
-            return msgspec.structs.replace(reg)
-        path = self.hello.fd_socket if self.hello is not None else ""
-        if not path:
-            raise KvoffdError(P.ErrorCode.MEMORY_UNREACHABLE.value, f"the daemon takes no {memory.spec.KIND} memory")
-        try:
-            wire = wire_memory(path, memory, timeout_s=max(min(timeout_s, 5.0), 0.5))
-        except FdRefused as e:
-            raise KvoffdError(e.code, f"the daemon refused the memory descriptor: {e.message}") from None
-        except OSError as e:
-            raise KvoffdError(P.ErrorCode.MEMORY_UNREACHABLE.value, f"cannot hand memory to {path}: {e}") from None
-        return msgspec.structs.replace(reg, memory=wire)
 
     def _lost(self, why: str) -> None:
         """The daemon does not know this client (restarted, or dropped the connection as silent): say
@@ -332,7 +315,7 @@ class KvoffdClient:
             self._registrations[engine_id] = (msg, local)
             if not self._link.ready and not self.connect(timeout):
                 raise self._unreachable()
-            reply = self.request(self._wire_register(msg, local, timeout), timeout_s)
+            reply = self.request(_wire_register(msg, local, self.hello, timeout), timeout_s)
         assert isinstance(reply, P.Registered)
         return reply
 
@@ -439,3 +422,21 @@ class KvoffdClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _wire_register(reg: P.Register, memory: LocalMemory, hello: P.HelloOk | None, timeout_s: float) -> P.Register:
+    """REGISTER as it travels. Memory that comes as this process's descriptors (``cpu_fd``,
+    ``cuda_vmm``): hand them to the daemon's fd socket (``hello.fd_socket``) now (each REGISTER needs
+    a fresh one-time token) and send the token."""
+    if not memory.fds:
+        return msgspec.structs.replace(reg)
+    path = hello.fd_socket if hello is not None else ""
+    if not path:
+        raise KvoffdError(P.ErrorCode.MEMORY_UNREACHABLE.value, f"the daemon takes no {memory.spec.KIND} memory")
+    try:
+        wire = wire_memory(path, memory, timeout_s=max(min(timeout_s, 5.0), 0.5))
+    except FdRefused as e:
+        raise KvoffdError(e.code, f"the daemon refused the memory descriptor: {e.message}") from None
+    except OSError as e:
+        raise KvoffdError(P.ErrorCode.MEMORY_UNREACHABLE.value, f"cannot hand memory to {path}: {e}") from None
+    return msgspec.structs.replace(reg, memory=wire)
