@@ -90,6 +90,9 @@ sys.path.insert(0, ROOT)
 GiB = 1 << 30
 NAMESPACE = "ttft-bench"
 STORE_NAMESPACE = "ttft-bench-stores"  # the store phase's: cleared before every STORE, the hits' blocks stay
+#: What the connector cuts a layer-wise store into (kvoffd_client.vllm.layerwise.STORE_PARTS; not imported:
+#: that package needs vLLM, which the device has not).
+CONNECTOR_STORE_PARTS = 4
 DEFAULT_LAYERS_PER_PART = 4  # without a sweep (or one the daemon cannot run) and no --layers-per-part
 
 
@@ -221,6 +224,7 @@ class RunConfig:
     parts_sweep: tuple[int, ...] = (1, 2, 4, 8, 32)  # layers per part tried (point 3 of issue 32)
     sweep_length: int = 0  # the prompt the sweep loads (one of ``prompts``); 0: no sweep
     layers_per_part: int = 0  # the layer-wise paths' grouping; 0: the sweep's choice
+    store_layers_per_part: int = 0  # the layer-wise stores' grouping; 0: the connector's (STORE_PARTS parts)
     link_bytes: int = 1 << 30  # the link ceiling's copy
 
 
@@ -1432,7 +1436,8 @@ def role_stores(cfg: RunConfig, index: int, barrier: Any, part: Any) -> dict[str
     """Layer-wise stores against none and today's, per prompt, in a namespace of this phase's own."""
     w = Worker(cfg, "stores", max(p.length for p in cfg.prompts), namespace=STORE_NAMESPACE)
     try:
-        parts = Parts.of(w.s, cfg.layers_per_part or DEFAULT_LAYERS_PER_PART)
+        per = cfg.store_layers_per_part or max(1, w.s.layers // CONNECTOR_STORE_PARTS)
+        parts = Parts.of(w.s, per)
         out: dict[str, Any] = {"fingerprint": w.model.fingerprint(), "parts_supported": w.parts_ok,
                                "layers_per_part": parts.per_part, "lengths": {}}
         if not w.parts_ok:
@@ -1561,6 +1566,7 @@ def build_config(args: argparse.Namespace, address: str) -> RunConfig:
                      decode_tokens=args.decode_tokens, lease_ms=30_000, job_timeout_s=60.0, prompts=prompts,
                      contenders=contenders, skip_inproc=args.skip_inproc, parts_sweep=tuple(args.parts_sweep),
                      sweep_length=sweep_length, layers_per_part=args.layers_per_part,
+                     store_layers_per_part=args.store_layers_per_part,
                      link_bytes=(1 << 20) if args.cpu_smoke else GiB)
 
 
@@ -1753,6 +1759,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sweep-length", type=int,
                     help="the prompt the sweep loads (default 16k when measured, else the longest; 0: no sweep)")
     ap.add_argument("--skip-stores", action="store_true", help="no layer-wise store phase")
+    ap.add_argument("--store-layers-per-part", type=int, default=0,
+                    help="layers per part of the layer-wise stores (0: as the connector cuts them, "
+                         f"{CONNECTOR_STORE_PARTS} parts)")
     ap.add_argument("--timeout", type=float, default=420.0, help="most seconds one phase may take")
     ap.add_argument("--deadline", type=float, default=450.0,
                     help="most seconds for the whole run; a phase past it is killed and what finished is kept")
