@@ -25,6 +25,8 @@ class LoadPlanner:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self.state
         st = state.reqs.get(request.request_id)
+        if num_external_tokens <= 0 or (st is not None and st.offer_sync):
+            state.running.add(request.request_id)  # vLLM computes it in this step: the step is not idle
         if st is None:
             return
         if num_external_tokens <= 0 or not state.enabled:

@@ -1,6 +1,7 @@
-"""The scheduler's lookups: sent without waiting, answered "not yet" until the reply is in; what the
-daemon confirmed and what failed to load (``SchedulerState.known``) cut what is asked; orphaned
-lookups reaped and their leases released."""
+"""The scheduler's lookups: sent without waiting, answered "not yet" until the reply is in (unless
+the engine has nothing else to run: then the reply is waited for, briefly, instead of an empty
+step); what the daemon confirmed and what failed to load (``SchedulerState.known``) cut what is
+asked; orphaned lookups reaped and their leases released."""
 
 from __future__ import annotations
 
@@ -134,12 +135,35 @@ class LookupPlanner:
                 lk = None
         return lk
 
+    def _wait_idle(self, lk: PendingLookup) -> P.Message | None:
+        """Wait for the reply while the engine has nothing else to run: answering "not yet" would
+        cost the request a whole empty step (the workers run the connector's hooks, then vLLM's
+        engine loop sleeps 1 ms) where the daemon answers a lookup in a fraction of that. Bounded
+        by what is left of the step's ``lookup_wait_ms``, shared by every request it schedules."""
+        state = self.state
+        client = state.client
+        assert client is not None
+        t0 = time.monotonic()
+        deadline = t0 + state.wait_left_s
+        while (reply := client.take_reply(lk.seq)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            client.poll(max(1, int(left * 1000)))  # wakes when any frame arrives
+        spent = time.monotonic() - t0
+        state.wait_left_s = max(0.0, state.wait_left_s - spent)
+        state.stats.add("lookup_waits")
+        state.stats.add("lookup_wait_us", int(spent * 1e6))
+        return reply
+
     def _answered(self, st: RequestState, lk: PendingLookup, start: int, limit: int, now: float) -> bool:
         """Take the lookup's reply if it is in. False: no answer (yet: ``st.lookup`` is still ``lk``;
         or never: timed out or refused, and ``st.lookup`` is gone)."""
         state = self.state
         assert state.client is not None
         reply = state.client.take_reply(lk.seq)
+        if reply is None and state.wait_left_s > 0 and state.idle_except(st.request.request_id):
+            reply = self._wait_idle(lk)
         if reply is None:
             if (now - lk.sent_at) * 1000 > state.s.lookup_timeout_ms:
                 state.stats.add("lookup_timeouts")

@@ -168,12 +168,26 @@ class SchedulerState:
         self.describable = identity is not None and bool(kv_events_layout(identity))
         self.orphans: dict[int, float] = {}  # lookups abandoned in flight: seq -> give-up time
         self.prefetched = 0  # lookups sent at arrival and not yet used or dropped
+        # Requests vLLM scheduled in the last step and has not finished since: while none is, a
+        # request that waits for its lookup's reply would leave the engine an empty step.
+        self.running: set[str] = set()
+        self.wait_left_s = settings.lookup_wait_ms / 1000  # of the idle wait for replies, this step
         self._job_ids = iter(range(1, 1 << 62))
 
     @property
     def block_size(self) -> int:
         assert self.identity is not None
         return self.identity.block_size
+
+    def new_step(self, scheduled: dict[str, int]) -> None:
+        """A step's schedule is complete: its requests are the ones running; the idle wait is fresh."""
+        self.running = set(scheduled)
+        self.wait_left_s = self.s.lookup_wait_ms / 1000
+
+    def idle_except(self, req_id: str) -> bool:
+        """Whether the step being scheduled would run nothing but ``req_id`` (as far as this half
+        knows: vLLM may still schedule another waiting request after it)."""
+        return not self.running or self.running == {req_id}
 
     def next_job(self) -> int:
         return next(self._job_ids)

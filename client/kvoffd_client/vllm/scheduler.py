@@ -2,8 +2,10 @@
 (``sched_state.SchedulerState``: each request's keys among it) and the three planners that hold it:
 lookups (``sched_lookup``), loads (``sched_load``), stores (``sched_store``).
 
-The engine loop calls in here every step, so nothing here waits on the daemon: a lookup is sent and
-answered "not yet" (``(None, False)``) until its reply is in; an unreachable daemon is a miss.
+The engine loop calls in here every step, so nothing here waits on the daemon while other requests
+could run: a lookup is sent and answered "not yet" (``(None, False)``) until its reply is in; an
+unreachable daemon is a miss. Only an engine with nothing else to run waits for a reply, at most
+``kvoffd_lookup_wait_ms`` per step: "not yet" would cost it an empty step, longer than the reply.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class KvoffdScheduler:
                               preempted=sorted(so.preempted_req_ids or ()))
         state.pending_loads, state.await_stores = [], []
         state.sync_budget.new_step()  # this step's schedule is complete
+        state.new_step(so.num_scheduled_tokens)
         self.stores.fence_freed_windows(so, meta)
         self.lookups.reap_orphans()
         client = state.client
@@ -99,6 +102,7 @@ class KvoffdScheduler:
                          ) -> tuple[bool, dict[str, Any] | None]:
         """``block_ids``: the blocks vLLM frees unless we hold them (one list, or one per group with HMA)."""
         state = self.state
+        state.running.discard(request.request_id)
         st = state.reqs.get(request.request_id)
         if st is None:
             return False, None

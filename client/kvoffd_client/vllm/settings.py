@@ -16,6 +16,9 @@ class Settings:
     address: str
     lease_ms: int = 30_000  # how long a lookup's hits stay pinned waiting for their LOAD
     lookup_timeout_ms: int = 500  # an unanswered lookup becomes a miss after this
+    # An engine with nothing else to run waits up to this long (per step) for a lookup's reply rather
+    # than run an empty step for it (kvoffd_client.vllm.sched_lookup); 0: never waits.
+    lookup_wait_ms: float = 2.0
     job_timeout_s: float = 10.0  # the daemon never starts a LOAD/STORE (or its rest) later than this
     fence_timeout_s: float = 10.0  # a preemption fence still waiting logs an error this often
     connect_timeout_s: float = 0.5  # handshake wait at engine start (absent daemon: serve without)

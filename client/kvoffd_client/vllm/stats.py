@@ -13,6 +13,8 @@ STAT_KEYS = (
     # scheduler side
     "lookups",  # LOOKUP messages sent
     "lookup_timeouts",  # lookups that became misses because no answer came in time
+    "lookup_waits",  # lookup replies an idle engine waited for instead of running an empty step
+    "lookup_wait_us",  # time those waits took, summed
     "lookup_hit_blocks",  # blocks offered to vLLM as external hits
     "sync_offers",  # hits offered to be loaded within the step (the rest: asynchronously)
     "lookup_miss_blocks",  # blocks asked about that were not offered
