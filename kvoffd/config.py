@@ -249,7 +249,7 @@ class Config:
     remote: str = _setting(  # kvoffd/cache/tiers/remote/
         "--remote", str, "A Valkey/Redis cluster (or one server) shared by the nodes' daemons as the tier under "
         "the pool (under the disk tier with --disk-path): redis://[user@]host:port[,host:port...] (seeds), "
-        "rediss:// for TLS. Default: none",
+        "rediss:// for TLS (--remote-tls-*: a private CA, a client certificate). Default: none",
         default="")
     remote_password_file: str = _setting(
         "--remote-password-file", str, "File whose first line is the --remote password (0600; the user is "
@@ -261,6 +261,20 @@ class Config:
     remote_write_budget: int = _setting(
         "--remote-write-budget", _size, "Bytes per second the daemon writes to --remote at most (e.g. "
         "2GiB), so that publishing never fills the NIC. Default: 0 (no limit)", default=0)
+    remote_tls_ca: str = _setting(  # kvoffd/cache/tiers/remote/tls.py
+        "--remote-tls-ca", str, "With a rediss:// --remote: PEM bundle of the CA(s) the shards' certificates "
+        "must chain to (a private cluster CA; it replaces the system's CAs). Default: the system's CAs",
+        default="")
+    remote_tls_cert: str = _setting(
+        "--remote-tls-cert", str, "With rediss://: PEM client certificate for shards that require one "
+        "(--tls-auth-clients yes); needs --remote-tls-key. Default: none", default="")
+    remote_tls_key: str = _setting(
+        "--remote-tls-key", str, "With rediss://: the client certificate's unencrypted PEM private key (0600). "
+        "Not --remote-key-file, the values' MAC secret. Default: none", default="")
+    remote_tls_server_name: str = _setting(
+        "--remote-tls-server-name", str, "With rediss://: the name every shard's certificate must hold (and the "
+        "SNI sent), for clusters that announce IPs while their certificates name a DNS name. Default: "
+        "each shard's host as the URL or the slot map names it", default="")
 
     @property
     def metrics_host_port(self) -> tuple[str, int] | None:
@@ -347,6 +361,7 @@ def _check(cfg: Config, raw: dict[str, object]) -> None:
         raise ConfigError(f"--remote must be redis://host:port[,host:port...] or rediss://..., got {cfg.remote!r}")
     if not cfg.remote and (cfg.remote_password_file or cfg.remote_key_file or cfg.remote_write_budget):
         raise ConfigError("--remote-password-file, --remote-key-file and --remote-write-budget need --remote")
+    _check_remote_tls(cfg)
     if cfg.pool_size < (1 << 20):
         raise ConfigError("--pool-size must be at least 1MiB")
     if cfg.pool_path and cfg.pool_path != "none" and not os.path.isabs(cfg.pool_path):
@@ -358,6 +373,23 @@ def _check(cfg: Config, raw: dict[str, object]) -> None:
         parse_numa_map(cfg.numa_map)
     except NumaMapError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_remote_tls(cfg: Config) -> None:
+    """The TLS flags need a rediss:// --remote (a plain connection would ignore them: the operator meant
+    TLS), and the client certificate its key; the files are read when the tier is made (factory.py)."""
+    given = [f for f in ("remote_tls_ca", "remote_tls_cert", "remote_tls_key", "remote_tls_server_name")
+             if getattr(cfg, f)]
+    if not given:
+        return
+    flags = ", ".join("--" + f.replace("_", "-") for f in given)
+    if not cfg.remote:
+        raise ConfigError(f"{flags} need --remote rediss://... (TLS to the cluster)")
+    if not cfg.remote.startswith(("rediss://", "valkeys://")):
+        raise ConfigError(f"{flags} need a rediss:// --remote (TLS); {cfg.remote.split('://', 1)[0]}:// is "
+                          "plain TCP: write rediss://host:port[,host:port...]")
+    if bool(cfg.remote_tls_cert) != bool(cfg.remote_tls_key):
+        raise ConfigError("--remote-tls-cert and --remote-tls-key go together (the client certificate and its key)")
 
 
 def _check_kv_events(cfg: Config) -> None:

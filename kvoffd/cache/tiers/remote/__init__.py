@@ -5,6 +5,7 @@ kernel copy (``sendmsg`` of the slot, ``recv_into`` the slot), on per-shard thre
 * ``resp``: one connection (timeouts on every call, AUTH, optional TLS);
 * ``slots``: CRC16 hash slots;
 * ``address``: ``redis://`` / ``rediss://`` URLs and the password file;
+* ``tls``: the one TLS context of ``rediss://`` (``--remote-tls-ca``, client certificate, checked name);
 * ``breaker``: the per-shard circuit breaker;
 * ``cluster``: the slot map, MOVED/ASK, refresh, per-shard lanes (a thread and a connection each);
 * ``valueformat``: the value's header (magic, version, length, namespace identity, key, checksum, MAC);

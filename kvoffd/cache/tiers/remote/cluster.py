@@ -8,6 +8,10 @@
   reply says MOVED or a shard it never saw appears, and falls back to one plain server when the server
   says cluster support is disabled (every slot is that server's).
 
+TLS (``rediss://``): one :class:`Tls` (context and checked name) for the whole cluster, made before the
+first connection and handed to every shard this map ever names (seeds, ``CLUSTER SLOTS`` rows, MOVED and
+ASK targets), so that every lane, every slot-map read and every reconnect uses the same one.
+
 Nothing here runs on the event loop; the caller is a tier's worker thread, and every call takes a
 deadline.
 """
@@ -16,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +29,7 @@ from kvoffd.cache.tiers.remote.address import Address
 from kvoffd.cache.tiers.remote.breaker import Breaker
 from kvoffd.cache.tiers.remote.resp import Broken, Connection, RespError
 from kvoffd.cache.tiers.remote.slots import SLOTS
+from kvoffd.cache.tiers.remote.tls import Tls
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +70,7 @@ class Lane:
 
 
 class Shard:
-    def __init__(self, addr: Addr, address: Address, tls: ssl.SSLContext | None, read_lanes: int,
+    def __init__(self, addr: Addr, address: Address, tls: Tls | None, read_lanes: int,
                  write_lanes: int, connect_timeout: float, breaker: Breaker):
         self.addr = addr
         self._address = address
@@ -98,9 +102,12 @@ class Cluster:
 
     def __init__(self, address: Address, read_lanes: int = 1, write_lanes: int = 1,
                  connect_timeout: float = 0.5, breaker_max_cooldown: float = 0.5,
-                 on_error: Callable[[str, Addr, str], None] | None = None):
+                 on_error: Callable[[str, Addr, str], None] | None = None, tls: Tls | None = None):
+        if tls is not None and not address.tls:
+            raise ValueError("TLS settings with a redis:// address (rediss:// for TLS)")
         self.address = address
-        self._tls = ssl.create_default_context() if address.tls else None
+        #: rediss:// is always TLS: without settings, the system's CAs and each shard's own host name
+        self.tls = (tls or Tls.system()) if address.tls else None
         self._read_lanes, self._write_lanes = read_lanes, write_lanes
         self._connect_timeout = connect_timeout
         self._max_cool = breaker_max_cooldown
@@ -113,15 +120,11 @@ class Cluster:
         self._refresh_lock = threading.Lock()
         self.refreshes = 0
 
-    def tls_context(self, ctx: ssl.SSLContext) -> None:
-        """Use ``ctx`` for TLS (a private CA, client certificates); before the first call."""
-        self._tls = ctx
-
     def shard(self, addr: Addr) -> Shard:
         with self._lock:
             s = self._shards.get(addr)
             if s is None:
-                s = Shard(addr, self.address, self._tls, self._read_lanes, self._write_lanes,
+                s = Shard(addr, self.address, self.tls, self._read_lanes, self._write_lanes,
                           self._connect_timeout, Breaker(max_cooldown=self._max_cool))
                 self._shards[addr] = s
             return s
@@ -161,7 +164,7 @@ class Cluster:
 
     def _refresh_from(self, addr: Addr, deadline: float) -> bool:
         a = self.address
-        c = Connection(addr[0], addr[1], self._tls, a.user, a.password)
+        c = Connection(addr[0], addr[1], self.tls, a.user, a.password)
         try:
             c.connect(min(deadline, time.monotonic() + self._connect_timeout))
             r = c.call(min(deadline, time.monotonic() + 2 * self._connect_timeout), "CLUSTER", "SLOTS")

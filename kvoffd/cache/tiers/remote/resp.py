@@ -8,6 +8,9 @@ Rules:
 * A large value is sent with ``sendmsg([header, slot, CRLF])`` and received with ``recv_into`` the
   destination slot: the kernel's copy is the only one. Only the bytes that arrived with a reply's
   header in the 16 KiB line buffer are copied in Python (one C-level slice assignment).
+* TLS: the cluster's one :class:`~kvoffd.cache.tiers.remote.tls.Tls` wraps the socket at every
+  (re)connect; a failed handshake is :class:`Broken` with the reason and what to do about it (a CA,
+  a host name, a client certificate), so that it is logged once per shard like any failed connect.
 * Error replies are values (:class:`RespError`), not raised, so that a pipeline reads every reply;
   ``kind`` is the first word (MOVED, ASK, OOM, NOAUTH, WRONGPASS, CLUSTERDOWN, TRYAGAIN, ERR...).
 """
@@ -17,6 +20,8 @@ from __future__ import annotations
 import socket
 import ssl
 import time
+
+from kvoffd.cache.tiers.remote.tls import Tls
 
 CRLF = b"\r\n"
 _BUF = 16 << 10
@@ -47,7 +52,7 @@ def pack(*args: bytes | str | int) -> bytes:
 
 
 class Connection:
-    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None,
+    def __init__(self, host: str, port: int, tls: Tls | None = None,
                  user: str | None = None, password: str | None = None):
         self.host, self.port = host, port
         self._tls = tls
@@ -56,6 +61,7 @@ class Connection:
         self._rb = bytearray(_BUF)
         self._rv = memoryview(self._rb)
         self._r0 = self._r1 = 0
+        self._fresh = False  # connected over TLS and nothing received yet (a refusal shows up there)
 
     @property
     def connected(self) -> bool:
@@ -70,12 +76,17 @@ class Connection:
         try:
             s = socket.create_connection((self.host, self.port), timeout=left)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._tls is not None:
-                s = self._tls.wrap_socket(s, server_hostname=self.host)
-        except (OSError, ssl.SSLError) as e:
+        except OSError as e:
             raise Broken(f"connect {self.host}:{self.port}: {e}") from e
+        if self._tls is not None:
+            try:
+                s = self._tls.wrap(s, self.host)  # the handshake, within the connect's timeout
+            except (OSError, ssl.SSLError, ValueError) as e:
+                s.close()
+                raise Broken(f"TLS handshake with {self.host}:{self.port} failed: {self._tls.explain(e, self.host)}") from e
         self._sock = s
         self._r0 = self._r1 = 0
+        self._fresh = self._tls is not None
         if self._password is not None:
             args = ("AUTH", self._user, self._password) if self._user else ("AUTH", self._password)
             self.send(pack(*args), deadline)
@@ -94,13 +105,23 @@ class Connection:
         self._r0 = self._r1 = 0
 
     def abort(self) -> None:
-        """From another thread: make a call blocked in this connection return now (it then fails)."""
+        """From another thread: make a call blocked in this connection return now (it then fails). The
+        TCP socket is shut down under a TLS one (``SSLSocket.shutdown`` would drop its TLS state while
+        the owning thread may be inside a read)."""
         s = self._sock
         if s is not None:
             try:
-                s.shutdown(socket.SHUT_RDWR)
+                socket.socket.shutdown(s, socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def _broken(self, what: str, e: BaseException) -> Broken:
+        """The connection is closed; before a TLS connection's first reply, the error says what a
+        refusal by the shard means (``Tls.explain_refusal``)."""
+        self.close()
+        text = self._tls.explain_refusal(e) if self._fresh and self._tls is not None else str(e)
+        self._fresh = False
+        return Broken(f"{what}: {text}")
 
     def _timeout(self, deadline: float) -> socket.socket:
         s = self._sock
@@ -119,8 +140,7 @@ class Connection:
         except Broken:
             raise
         except (OSError, ssl.SSLError) as e:
-            self.close()
-            raise Broken(f"send: {e}") from e
+            raise self._broken("send", e) from e
 
     def send_parts(self, parts: list, deadline: float) -> None:
         """Send the buffers in order (a header, a pool slot's memoryview, CRLF) without joining them."""
@@ -144,8 +164,7 @@ class Connection:
         except Broken:
             raise
         except (OSError, ssl.SSLError) as e:
-            self.close()
-            raise Broken(f"send: {e}") from e
+            raise self._broken("send", e) from e
 
     def _fill(self, deadline: float) -> None:
         if self._r0 == self._r1:
@@ -159,12 +178,11 @@ class Connection:
         except Broken:
             raise
         except (OSError, ssl.SSLError) as e:
-            self.close()
-            raise Broken(f"recv: {e}") from e
+            raise self._broken("recv", e) from e
         if not n:
-            self.close()
-            raise Broken("connection closed by the server")
+            raise self._broken("recv", ConnectionError("connection closed by the server"))
         self._r1 += n
+        self._fresh = False
 
     def _line(self, deadline: float) -> bytes:
         while True:
@@ -191,11 +209,9 @@ class Connection:
             except Broken:
                 raise
             except (OSError, ssl.SSLError) as e:
-                self.close()
-                raise Broken(f"recv: {e}") from e
+                raise self._broken("recv", e) from e
             if not k:
-                self.close()
-                raise Broken("connection closed by the server")
+                raise self._broken("recv", ConnectionError("connection closed by the server"))
             got += k
 
     def skip(self, n: int, deadline: float) -> None:

@@ -34,6 +34,7 @@ from kvoffd.cache.tiers.remote.address import Address
 from kvoffd.cache.tiers.remote.cluster import Addr, Cluster, Lane, Shard, parse_redirect
 from kvoffd.cache.tiers.remote.resp import Broken, RespError, pack
 from kvoffd.cache.tiers.remote.slots import key_slot
+from kvoffd.cache.tiers.remote.tls import Tls
 from kvoffd.cache.tiers.remote.valueformat import HEADER, Codec, store_key
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ _GRACE = 0.25  # how long past the deadline a lane may take to notice it (one sy
 class RemoteConfig:
     address: Address
     secret: bytes | None = None
+    #: rediss:// only: the CA, client certificate and checked name every connection uses (tls.py's
+    #: ``client_tls``); None: the system's CAs and each shard's own host
+    tls: Tls | None = None
     read_lanes: int = 1  # connections (threads) per shard for probes and fetches
     write_lanes: int = 1  # ... for publishing (1-2 large SETs in flight each)
     connect_timeout: float = 0.5
@@ -75,7 +79,7 @@ class RemoteStore:
         self.cfg = cfg
         self.codec = Codec(cfg.secret)
         self.cluster = Cluster(cfg.address, cfg.read_lanes, cfg.write_lanes, cfg.connect_timeout,
-                               cfg.breaker_max_cooldown, on_error=self._error)
+                               cfg.breaker_max_cooldown, on_error=self._error, tls=cfg.tls)
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._logged: set[tuple[str, Addr]] = set()
