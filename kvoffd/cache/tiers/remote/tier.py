@@ -33,6 +33,7 @@ import numpy as np
 from kvoffd.cache.identity import MEDIUM_REMOTE
 from kvoffd.cache.tiers.base import Held, SpillResult, TableRef, TierStats
 from kvoffd.cache.tiers.iopool import READ, WRITE, IoPool
+from kvoffd.cache.tiers.remote.known import Known
 from kvoffd.cache.tiers.remote.store import OK, PRESENT, RemoteStore
 from kvoffd.cache.tiers.remote.valueformat import namespace_id
 from kvoffd.metrics import REMOTE_OPS, LatencyTally
@@ -44,6 +45,11 @@ _KEY = 32
 
 def split_keys(keys: bytes) -> list[bytes]:
     return [keys[i:i + _KEY] for i in range(0, len(keys), _KEY)]
+
+
+def pick_keys(keys: bytes, where: np.ndarray) -> bytes:
+    """The binary of the keys of ``keys`` (a binary of 32-byte keys) that the bool mask ``where`` picks."""
+    return np.frombuffer(keys, dtype=np.uint8).reshape(-1, _KEY)[np.asarray(where, dtype=bool)].tobytes()
 
 
 class Budget:
@@ -70,57 +76,6 @@ class Budget:
                 return None
             self._tokens -= n
             return wait
-
-
-class Known:
-    """(namespace identity, key) pairs the cluster held when last seen, at most ``cap`` (oldest go)."""
-
-    def __init__(self, cap: int = 1 << 20):
-        self.cap = cap
-        self._d: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def add(self, ns_id: bytes, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            d = self._d
-            for k in keys:
-                key = ns_id + k
-                d[key] = None
-                d.move_to_end(key)
-            while len(self._d) > self.cap:
-                self._d.popitem(last=False)
-
-    def discard(self, ns_id: bytes, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            for k in keys:
-                self._d.pop(ns_id + k, None)
-
-    def has(self, ns_id: bytes, keys: Sequence[bytes]) -> np.ndarray:
-        d = self._d
-        return np.fromiter(((ns_id + k) in d for k in keys), dtype=bool, count=len(keys))
-
-    def leading(self, ns_id: bytes, keys: Sequence[bytes]) -> int:
-        d = self._d
-        n = 0
-        for k in keys:
-            if ns_id + k not in d:
-                break
-            n += 1
-        return n
-
-    def drop_namespace(self, ns_ids: set[bytes]) -> int:
-        with self._lock:
-            gone = [k for k in self._d if k[:16] in ns_ids]
-            for k in gone:
-                del self._d[k]
-            return len(gone)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._d.clear()
-
-    def __len__(self) -> int:
-        return len(self._d)
 
 
 @dataclass
@@ -210,10 +165,10 @@ class RemoteTier:
         return self.known
 
     def contains(self, table: TableRef, keys: bytes, touch: bool = False) -> np.ndarray:
-        return self._fresh().has(self._ns_id(table), split_keys(keys))
+        return self._fresh().has(self._ns_id(table), keys)
 
     def probe(self, table: TableRef, keys: bytes) -> int:
-        return self._fresh().leading(self._ns_id(table), split_keys(keys))
+        return self._fresh().leading(self._ns_id(table), keys)
 
     def _future(self) -> asyncio.Future:
         assert self._loop is not None, "RemoteTier.start first"
@@ -222,18 +177,18 @@ class RemoteTier:
     def lookup(self, table: TableRef, keys: bytes) -> asyncio.Future:
         """Ask the cluster which of ``keys`` it holds; resolves to a bool array (a dead shard: False)."""
         fut = self._future()
-        ns, ks = self._ns_id(table), split_keys(keys)
+        ns, n = self._ns_id(table), len(keys) // _KEY
 
         def run():
             t0 = time.monotonic()
-            hit = self.store.exists(ns, ks, self.probe_timeout)
+            hit = self.store.exists(ns, split_keys(keys), self.probe_timeout)
             self.latency["probe"].observe(time.monotonic() - t0)
-            self.known.add(ns, [k for k, h in zip(ks, hit.tolist(), strict=True) if h])
+            self.known.add(ns, keys, hit)
             return hit
 
         def done(res):
             if isinstance(res, Exception):
-                res = np.zeros(len(ks), dtype=bool)
+                res = np.zeros(n, dtype=bool)
             self.st.hits += int(res.sum())
             if not fut.done():
                 fut.set_result(res)
@@ -250,20 +205,21 @@ class RemoteTier:
             self.probes_dropped += 1
             return None
         keys = keys[:self.probe_keys * _KEY]
-        ks = split_keys(keys)
-        todo = [(t, self._ns_id(t)) for t in tables]
-        todo = [(t, ns) for t, ns in todo if self._fresh().leading(ns, ks) < len(ks)]
+        n = len(keys) // _KEY
+        known = self._fresh()
+        todo = [ns for ns in map(self._ns_id, tables) if known.leading(ns, keys) < n]
         if not todo:
             return None
         self._probing += 1
         fut = self._future()
 
         def run():
-            for _, ns in todo:
+            ks = split_keys(keys)
+            for ns in todo:
                 t0 = time.monotonic()
                 hit = self.store.exists(ns, ks, self.probe_timeout)
                 self.latency["probe"].observe(time.monotonic() - t0)
-                self.known.add(ns, [k for k, h in zip(ks, hit.tolist(), strict=True) if h])
+                self.known.add(ns, keys, hit)
 
         def done(_res):
             self._probing -= 1
@@ -275,23 +231,23 @@ class RemoteTier:
 
     def read(self, table: TableRef, keys: bytes, dest: Sequence[memoryview]) -> asyncio.Future:
         fut = self._future()
-        ns, ks = self._ns_id(table), split_keys(keys)
+        ns, n = self._ns_id(table), len(keys) // _KEY
 
         def run():
             t0 = time.monotonic()
-            ok = self.store.fetch(ns, ks, dest, self.read_timeout)
+            ok = self.store.fetch(ns, split_keys(keys), dest, self.read_timeout)
             self.latency["fetch"].observe(time.monotonic() - t0)
-            self.known.discard(ns, [k for k, o in zip(ks, ok.tolist(), strict=True) if not o])
+            self.known.discard(ns, keys, ~ok)
             return ok
 
         def done(res):
             if isinstance(res, Exception):
-                res = np.zeros(len(ks), dtype=bool)
+                res = np.zeros(n, dtype=bool)
             got = int(res.sum())
-            if got < len(ks):  # not there (evicted), unreadable or refused: forgotten, so announced gone
-                self._announce(table, [], [k for k, o in zip(ks, res.tolist(), strict=True) if not o])
+            if got < n:  # not there (evicted), unreadable or refused: forgotten, so announced gone
+                self._announce(table, b"", pick_keys(keys, ~res))
             self.st.promotions += got
-            self.st.promotion_failures += len(ks) - got
+            self.st.promotion_failures += n - got
             self.st.read_bytes += got * table.slot_bytes
             if not fut.done():
                 fut.set_result(res)
@@ -305,7 +261,7 @@ class RemoteTier:
         dropped, BUSY), publish the rest."""
         ns, ks = self._ns_id(table), split_keys(keys)
         out = [SpillResult.PRESENT] * len(ks)
-        have = self._fresh().has(ns, ks)
+        have = self._fresh().has(ns, keys)
         todo = np.flatnonzero(~have).tolist()
         self.skipped_known += len(ks) - len(todo)
         if not todo:
@@ -320,7 +276,9 @@ class RemoteTier:
         t0 = time.monotonic()
         res = self.store.publish(ns, [ks[i] for i in todo], [src[i] for i in todo], self.write_timeout)
         self.latency["publish"].observe(time.monotonic() - t0)
-        self.known.add(ns, [ks[i] for i, r in zip(todo, res, strict=True) if r in (OK, PRESENT)])
+        there = np.zeros(len(ks), dtype=bool)
+        there[todo] = [r in (OK, PRESENT) for r in res]
+        self.known.add(ns, keys, there)
         for i, r in zip(todo, res, strict=True):
             out[i] = SpillResult.WRITTEN if r == OK else SpillResult.PRESENT if r == PRESENT else SpillResult.ERROR
         return out
@@ -337,23 +295,28 @@ class RemoteTier:
         self._io.submit(WRITE, lambda: self._publish_now(table, keys, src, may_wait=False), done)
         return fut
 
-    def _announce(self, table: TableRef, stored: list[bytes], removed: list[bytes]) -> None:
+    def _announce(self, table: TableRef, stored: bytes, removed: bytes) -> None:
         """KV events (--kv-events-address; ``changed`` is set by Tiers.publish): what the cluster now holds
-        from this node (published, or found already there) and what this node found gone. On the loop."""
+        from this node (published, or found already there) and what this node found gone (binaries of
+        keys). On the loop."""
         if self.changed is not None and (stored or removed):
-            self.changed(table, b"".join(stored), b"".join(removed))
+            self.changed(table, stored, removed)
 
     def _count(self, table: TableRef, res: list[SpillResult], keys: bytes = b"") -> None:
-        if keys:
-            ks = split_keys(keys)
-            self._announce(table, [k for k, r in zip(ks, res, strict=True)
-                                   if r is SpillResult.WRITTEN or r is SpillResult.PRESENT], [])
-        for r in res:
-            if r is SpillResult.WRITTEN:
-                self.st.spills += 1
-                self.st.write_bytes += table.slot_bytes
-            elif r is not SpillResult.PRESENT:
-                self.st.spills_dropped[r.value] = self.st.spills_dropped.get(r.value, 0) + 1
+        """Count a batch's results by kind (``list.count``: no Python step per block on the loop) and announce
+        ``keys``' published or present ones."""
+        if keys and self.changed is not None:
+            arr = np.array(res, dtype=object)
+            self._announce(table, pick_keys(keys, (arr == SpillResult.WRITTEN) | (arr == SpillResult.PRESENT)), b"")
+        for kind in SpillResult:
+            k = res.count(kind)
+            if not k or kind is SpillResult.PRESENT:
+                continue
+            if kind is SpillResult.WRITTEN:
+                self.st.spills += k
+                self.st.write_bytes += k * table.slot_bytes
+            else:
+                self.st.spills_dropped[kind.value] = self.st.spills_dropped.get(kind.value, 0) + k
 
     # -- write-behind ------------------------------------------------------------------------------
 
@@ -428,7 +391,7 @@ class RemoteTier:
 
     def remove(self, table: TableRef, keys: bytes) -> None:
         """Forget locally; the cluster's copy stays (other nodes may use it; same key, same bytes)."""
-        self.known.discard(self._ns_id(table), split_keys(keys))
+        self.known.discard(self._ns_id(table), keys)
 
     def clear(self, namespace: str) -> int:
         ids = {v for t, v in self._ns.items() if not namespace or t.namespace == namespace}
