@@ -250,7 +250,7 @@ class Tiers:
         held = [e for w in walks for e in w.lead if e is not None and id(e) not in keep]
         held += self._lead_entries(by_rank)
         # what this answer promises must survive the evictions the promotions cause
-        self.index.hold(Hits(len(held), {0: held}, None, ns.world_size))
+        self.index.hold_entries(held)
         # The promotions evict pool blocks, whose spills would take tier slots: one of them could be a
         # block about to be read. So the spills wait until every read is submitted (a read in flight
         # keeps its slot from reuse).
