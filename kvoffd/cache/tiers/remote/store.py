@@ -20,7 +20,6 @@ Rules:
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import threading
@@ -330,13 +329,7 @@ class RemoteStore:
                         todo.append(i)
             inflight: list[int] = []
             nbytes = 0
-            # Headers (each a block checksum) are computed a few values ahead, not all at once: the
-            # checksum threads are shared by every shard's lane, and a lane that queued all of its
-            # headers first would hold the others' behind them (a 3-shard publish ran at one shard's
-            # speed: bench/remote_tier.py on the H200, 1,024 values, 3.6 of 8.2 GB/s).
-            ahead = depth + 2
-            heads: collections.deque = collections.deque(
-                self._checks.submit(codec.header, ns_id, keys[i], srcs[i]) for i in todo[:ahead])
+            heads = [self._checks.submit(codec.header, ns_id, keys[i], srcs[i]) for i in todo]
 
             def land() -> None:
                 nonlocal nbytes
@@ -352,11 +345,7 @@ class RemoteStore:
                     res[j] = OK
                     nbytes += HEADER + len(srcs[j])
 
-            for n, i in enumerate(todo):
-                head = heads.popleft()
-                if n + ahead < len(todo):
-                    j = todo[n + ahead]
-                    heads.append(self._checks.submit(codec.header, ns_id, keys[j], srcs[j]))
+            for i, head in zip(todo, heads, strict=True):
                 src = srcs[i]
                 k = skeys[i]
                 cmd = b"*4\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, HEADER + len(src))
