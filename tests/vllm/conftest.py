@@ -6,6 +6,9 @@ halves reachable from the test. The whole directory skips when vllm is not insta
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +23,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.vllm)
             if not HAVE_VLLM:
                 item.add_marker(pytest.mark.skip(reason="vllm is not installed (make install-vllm)"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_sockets_in_a_directory_of_their_own() -> Iterator[None]:
+    """vLLM makes a ZeroMQ socket file per engine in its RPC base path (/tmp by default) and leaves it
+    there when the engine stops: the tests' go in a directory of their own (inherited by the engines'
+    child processes and ``vllm serve``), removed when the session ends."""
+    d = tempfile.mkdtemp(prefix="kvoffd-vllm-rpc-")
+    old = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = d
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        else:
+            os.environ["VLLM_RPC_BASE_PATH"] = old
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
