@@ -4,9 +4,11 @@ degradation drills."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,33 @@ from support.vllm_engines import (  # noqa: F401 - the vLLM tests import these f
 
 # A child process (bench/support/engine_child.py) runs an engine of these in a process of its own.
 ENGINE_CHILD = Path(__file__).resolve().parents[2] / "bench" / "support" / "engine_child.py"
+
+
+class ThawWatchdog:
+    """Thaws the SIGSTOPped daemon (the pid in ``frozen``, once the test has frozen it) after ``after_s``
+    should the code under test wait for it after all: a hang then fails the test rather than holding
+    CI for its whole limit. ``stop()`` says whether it had to."""
+
+    def __init__(self, frozen: list[int], after_s: float = 60.0):
+        self.frozen = frozen
+        self.fired = threading.Event()
+        self._timer = threading.Timer(after_s, self._thaw)
+
+    def _thaw(self) -> None:
+        if self.frozen:
+            self.fired.set()
+            os.kill(self.frozen[0], signal.SIGCONT)
+
+    def __enter__(self) -> ThawWatchdog:
+        self._timer.start()
+        return self
+
+    def stop(self) -> bool:
+        self._timer.cancel()
+        return self.fired.is_set()
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
 
 
 class Daemon:

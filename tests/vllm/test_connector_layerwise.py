@@ -21,7 +21,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ import pytest
 from engine_helpers import (
     ENGINE_CHILD,
     Daemon,
+    ThawWatchdog,
     build_tiny_gemma3,
     build_tiny_llama,
     build_tiny_mistral,
@@ -174,22 +174,12 @@ def test_daemon_frozen_after_the_first_layer_recomputes(tiny_model: str, referen
                     frozen.append(d.proc.pid)
 
         worker.wait_for_layer_load = wait_then_freeze
-        thawed = threading.Event()
-
-        def thaw() -> None:
-            if frozen:
-                thawed.set()
-                os.kill(frozen[0], signal.SIGCONT)
-
-        watchdog = threading.Timer(60.0, thaw)
-        watchdog.start()
         try:
-            assert llm.reset_prefix_cache()
-            out = generate(llm, SMALL)  # returns while the daemon is still frozen
-            watchdog.cancel()
-            assert not thawed.is_set(), "generate waited for the frozen daemon (thawed after 60 s)"
+            with ThawWatchdog(frozen) as watchdog:
+                assert llm.reset_prefix_cache()
+                out = generate(llm, SMALL)  # returns while the daemon is still frozen
+                assert not watchdog.stop(), "generate waited for the frozen daemon (thawed after 60 s)"
         finally:
-            watchdog.cancel()
             worker.wait_for_layer_load = real_wait
             if frozen:
                 os.kill(frozen[0], signal.SIGCONT)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from engine_helpers import (
     BLOCK,
     PROMPTS,
     Daemon,
+    ThawWatchdog,
     close_llm,
     connector_of,
     core_of,
@@ -201,19 +201,10 @@ def test_frozen_daemon_recomputes_without_hanging(tiny_model: str, reference: li
         # that hangs holds CI for its whole limit. (Seen twice in ~10 full runs on the 2-core VM: the
         # thawed daemon then dropped the engine as silent, and vLLM never got the late load's answer;
         # kvoffd.server.sessions now credits its own stall, so vLLM carries on once the daemon runs.)
-        thawed = threading.Event()
-
-        def thaw() -> None:
-            if frozen:
-                thawed.set()
-                os.kill(frozen[0], signal.SIGCONT)
-
-        watchdog = threading.Timer(60.0, thaw)
-        watchdog.start()
         try:
-            out = generate(llm, PROMPTS)  # returns while the daemon is still frozen
-            watchdog.cancel()
-            assert not thawed.is_set(), "generate waited for the frozen daemon (thawed after 60 s)"
+            with ThawWatchdog(frozen) as watchdog:
+                out = generate(llm, PROMPTS)  # returns while the daemon is still frozen
+                assert not watchdog.stop(), "generate waited for the frozen daemon (thawed after 60 s)"
             assert frozen, "no same-step load was submitted"
             assert worker.stats.lifetime.get("sync_load_timeouts", 0) >= 1
             # by default the forward waits layer by layer: the first layer's wait is the one that ran out
@@ -223,7 +214,6 @@ def test_frozen_daemon_recomputes_without_hanging(tiny_model: str, reference: li
             sched = core_of(llm).scheduler
             assert set(held) <= set(sched.requests), "a request was freed under a late load"
         finally:
-            watchdog.cancel()
             worker.start_load_kv = real_start
             if frozen:
                 os.kill(frozen[0], signal.SIGCONT)
