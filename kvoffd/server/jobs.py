@@ -41,19 +41,13 @@ from kvoffd.server.limits import MAX_JOBS_PER_CONN, MAX_RUNS_PER_JOB
 from kvoffd.server.parts import check_parts, submit_parts
 from kvoffd.server.sessions import Conn, Engine, Lease, Reply, Sessions
 from kvoffd.server.verify import Verifier
-from kvoffd.transfer.base import Direction, JobExpired
+from kvoffd.transfer.base import Direction, JobExpired, failed_future
 from kvoffd_client import protocol as P
 from kvoffd_client.protocol import DropReason, ErrorCode, MissReason, NoticeCode, ProtocolError
 
 log = logging.getLogger(__name__)
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
-
-
-def _failed_future(exc: BaseException) -> asyncio.Future:
-    fut = asyncio.get_running_loop().create_future()
-    fut.set_exception(exc)
-    return fut
 
 
 class Jobs:
@@ -171,7 +165,7 @@ class Jobs:
                 return submit_parts(eng.backend, d, eng.mapped, ids, slots, msg, eng.mapped.parts(msg.cuts), landed)
             return eng.backend.submit(d, eng.mapped, ids, slots, msg.ready_event, msg.expires_ns)
         except Exception as e:
-            return _failed_future(e)
+            return failed_future(e)
 
     # --- a job's answer, whatever fails ------------------------------------------------------------------
     @staticmethod

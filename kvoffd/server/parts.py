@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from kvoffd.transfer.base import Direction, JobExpired, MappedMemory, Runs, TransferBackend
+from kvoffd.transfer.base import Direction, MappedMemory, Runs, TransferBackend, first_failure
 from kvoffd_client import protocol as P
 
 
@@ -65,5 +65,5 @@ async def _in_order(futures: list[Awaitable[None]], landed: Callable[[int], None
         if not errors and landed is not None and p + 1 < total:
             landed(p + 1)
     if errors:
-        raise next((e for e in errors if not isinstance(e, JobExpired)), errors[0])
+        raise first_failure(errors)
 

@@ -217,7 +217,7 @@ class TransferBackend(ABC):
             try:
                 out.append(self.submit(direction, mapped, block_ids, slots, event, expires_ns, runs))
             except Exception as e:  # noqa: BLE001 - the job fails once what was queued is done
-                out.append(_failed(e))
+                out.append(failed_future(e))
                 break
         return out
 
@@ -233,10 +233,17 @@ class TransferBackend(ABC):
         return {"name": self.name}
 
 
-def _failed(exc: BaseException) -> asyncio.Future:
+def failed_future(exc: BaseException) -> asyncio.Future:
+    """A future (on the running loop) already failed with ``exc``: a copy that could not start."""
     fut = asyncio.get_running_loop().create_future()
     fut.set_exception(exc)
     return fut
+
+
+def first_failure(errors: list[BaseException]) -> BaseException:
+    """The error a job of several copies (threads, parts) fails with: the first that is not an expiry
+    (a real failure says more than "not started in time"), else the first."""
+    return next((e for e in errors if not isinstance(e, JobExpired)), errors[0])
 
 
 def run_descriptors(mapped: MappedMemory, block_ids: np.ndarray, slots: np.ndarray, pool_base: int,

@@ -45,6 +45,7 @@ from kvoffd.transfer.base import (
     check_bounds,
     coalesce,
     describe_in_chunks,
+    first_failure,
     past,
     pool_chunks,
 )
@@ -208,7 +209,7 @@ async def _all_parts(parts: list[asyncio.Future]) -> None:
     results = await asyncio.gather(*parts, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
-        raise next((e for e in errors if not isinstance(e, JobExpired)), errors[0])
+        raise first_failure(errors)
 
 
 def _split(n: int, slot_bytes: int, parts: int) -> list[tuple[int, int]]:
