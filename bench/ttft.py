@@ -484,14 +484,19 @@ class Decoder:
         graph.replay()
         return out
 
+    def _warm_up(self, static: Any, start: int, table: Any, cache: PagedKV) -> None:
+        """One forward on a side stream before a capture: kernel choices and workspaces are made off it."""
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.forward(static, start, table, cache)
+        torch.cuda.current_stream().wait_stream(side)
+
     def _capture(self, tokens: Any, start: int, table: Any, cache: PagedKV) -> tuple[Any, Any, Any]:
         torch = self.torch
         static = tokens.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture: kernel choices, workspaces
-            self.forward(static, start, table, cache)
-        torch.cuda.current_stream().wait_stream(side)
+        self._warm_up(static, start, table, cache)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = self.forward(static, start, table, cache)
@@ -530,11 +535,7 @@ class Decoder:
         is kept referenced, so the graph that reads it never finds it reused."""
         torch = self.torch
         static = tokens.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture: kernel choices, workspaces
-            self.forward(static, start, table, cache)
-        torch.cuda.current_stream().wait_stream(side)
+        self._warm_up(static, start, table, cache)
         pool = torch.cuda.graph_pool_handle()
         graphs: list[Any] = []
         keep: list[Any] = []
