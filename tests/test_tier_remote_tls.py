@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kvtest import chain_keys, wait_until
-from reliability_util import ShmEngine
+from tiernode import TierNode
 from valkey_cluster import Node as ServerNode
 from valkey_cluster import Servers, command, free_port, make_certs, tls_server_binary
 
@@ -393,46 +393,6 @@ def test_the_operations_guide_worked_example_runs(tmp_path):
 
 # --- daemons on the TLS cluster -----------------------------------------------------------------------
 
-SLOT = 64 << 10
-
-
-class Node:
-    """One engine on one daemon."""
-
-    def __init__(self, d, tag: str):
-        self.d = d
-        self.eng = ShmEngine(256, SLOT, tag=tag)
-        self.c = d.client()
-        self.engine = f"{tag}-0"
-        self.c.register(self.engine, "shared", 0, 1, self.eng.memory, self.eng.layout)
-        self.job = 0
-
-    def store(self, keys: list[bytes]) -> None:
-        ids = range(len(keys))
-        self.eng.fill(ids, keys)
-        self.job += 1
-        self.c.submit_store(self.engine, self.job, keys, ids)
-        n = self.c.wait_notices({self.job}, 30)
-        assert n and n[0].ok, n
-
-    def hits(self, keys: list[bytes]) -> int:
-        return self.c.lookup("shared", keys).hits
-
-    def load(self, keys: list[bytes], base: int = 100):
-        ids = range(base, base + len(keys))
-        self.eng.poison(ids)
-        self.job += 1
-        self.c.submit_load(self.engine, self.job, keys, ids)
-        n = self.c.wait_notices({self.job}, 30)
-        assert n, "no notice for the load"
-        return n[0], self.eng.matches(list(ids), keys)
-
-    def tier(self) -> dict:
-        return next(t for t in self.c.stats()["tiers"] if t["name"] == "remote")
-
-    def close(self) -> None:
-        self.c.close()
-        self.eng.close()
 
 
 def _tls_args(c: Servers, ca: str | None = None, client: bool = True) -> list[str]:
@@ -442,15 +402,15 @@ def _tls_args(c: Servers, ca: str | None = None, client: bool = True) -> list[st
 
 def test_daemons_share_blocks_byte_exact_over_mutual_tls(make_daemon, tls_cluster):
     c = tls_cluster
-    a = Node(make_daemon("8MiB", *_tls_args(c), name="a"), "a")
-    b = Node(make_daemon("8MiB", *_tls_args(c), name="b"), "b")
+    a = TierNode(make_daemon("8MiB", *_tls_args(c), name="a"), "shared", "a", blocks=256)
+    b = TierNode(make_daemon("8MiB", *_tls_args(c), name="b"), "shared", "b", blocks=256)
     try:
         keys = chain_keys(12, b"tls-shared")  # published behind while still in A's pool
         a.store(keys)
         assert wait_until(lambda: a.tier()["spills"] >= len(keys), 20), a.tier()
         assert wait_until(lambda: b.hits(keys) == len(keys), 20), b.tier()
-        notice, good = b.load(keys)
-        assert notice.ok and good.all(), notice
+        notice, exact = b.load(keys, 100)
+        assert notice.ok and exact == len(keys), notice
         t = b.tier()
         assert t["promotions"] >= len(keys) and t["checksum_failures"] == 0 and t["io_errors"] == 0, t
     finally:
@@ -469,8 +429,8 @@ def test_a_daemon_whose_handshake_fails_misses_counts_logs_once_and_serves(make_
             "no-client-cert": _tls_args(c, client=False)}[which]
     hint = {"no-ca": "the system's CAs", "wrong-ca": "does not chain to a CA in --remote-tls-ca",
             "no-client-cert": "--remote-tls-cert and --remote-tls-key"}[which]
-    good = Node(make_daemon("8MiB", *_tls_args(c), name="good"), "good")
-    bad = Node(make_daemon("8MiB", *args, name=which), which)
+    good = TierNode(make_daemon("8MiB", *_tls_args(c), name="good"), "shared", "good", blocks=256)
+    bad = TierNode(make_daemon("8MiB", *args, name=which), "shared", which, blocks=256)
     try:
         shared = chain_keys(8, b"in-the-cluster-" + which.encode())
         good.store(shared)
@@ -481,8 +441,8 @@ def test_a_daemon_whose_handshake_fails_misses_counts_logs_once_and_serves(make_
         for _ in range(5):
             assert bad.hits(shared) == 0  # answered: misses
         assert bad.hits(mine) == len(mine)  # the pool still serves
-        notice, ok = bad.load(mine)
-        assert notice.ok and ok.all(), notice
+        notice, exact = bad.load(mine, 100)
+        assert notice.ok and exact == len(mine), notice
         log = bad.d.log(tail=0)
         assert hint in log, log[-3000:]
         failures = [ln for ln in log.splitlines() if "remote tier" in ln and "error" in ln]

