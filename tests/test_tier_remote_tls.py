@@ -394,7 +394,6 @@ def test_the_operations_guide_worked_example_runs(tmp_path):
 # --- daemons on the TLS cluster -----------------------------------------------------------------------
 
 
-
 def _tls_args(c: Servers, ca: str | None = None, client: bool = True) -> list[str]:
     a = ["--remote", c.url, "--eviction-policy", "lru", "--remote-tls-ca", ca or c.ca_file]
     return a + (["--remote-tls-cert", c.client_cert, "--remote-tls-key", c.client_key] if client else [])
