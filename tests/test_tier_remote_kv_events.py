@@ -7,7 +7,7 @@ a block the cluster no longer has when this node fetches it (evicted, flushed) i
 from __future__ import annotations
 
 import pytest
-from kvevents_sub import EventSubscriber
+from kvevents_sub import EventSubscriber, resident
 from kvtest import chain_keys, start_daemon, wait_until
 from reliability_util import ShmEngine
 from valkey_cluster import Servers, server_binary
@@ -23,18 +23,6 @@ IDENTITY = {"hash": "int64", "block_size": 16}
 
 def _h(key: bytes) -> int:
     return int.from_bytes(key[-8:], "big")
-
-
-def _held(events: list[dict], medium: str) -> set[int]:
-    held: set[int] = set()
-    for e in events:
-        if e.get("medium") != medium:
-            continue
-        if e["type"] == "BlockStored":
-            held.update(e["block_hashes"])
-        elif e["type"] == "BlockRemoved":
-            held.difference_update(e["block_hashes"])
-    return held
 
 
 def test_published_blocks_are_announced_under_the_remote_medium(tmp_path):
@@ -61,9 +49,9 @@ def test_published_blocks_are_announced_under_the_remote_medium(tmp_path):
 
             assert wait_until(lambda: tier()["spills"] >= 150, 30), tier()
             published = tier()["spills"]
-            assert sub.wait_for(lambda s: len(_held(s.events(), "REMOTE")) >= published, 30), \
-                (len(_held(sub.events(), "REMOTE")), published)
-            remote = _held(sub.events(), "REMOTE")
+            assert sub.wait_for(lambda s: len(resident(s.events(), "REMOTE")) >= published, 30), \
+                (len(resident(sub.events(), "REMOTE")), published)
+            remote = resident(sub.events(), "REMOTE")
             assert remote <= {_h(k) for k in keys}
             for e in sub.events():
                 if e.get("medium") == "REMOTE":
@@ -80,7 +68,7 @@ def test_published_blocks_are_announced_under_the_remote_medium(tmp_path):
             (n,) = c.wait_notices({10}, 30)
             assert n.failed, n
             gone = {_h(first[i]) for i in n.failed}
-            assert sub.wait_for(lambda s: not (gone & _held(s.events(), "REMOTE")), 30)
+            assert sub.wait_for(lambda s: not (gone & resident(s.events(), "REMOTE")), 30)
         finally:
             if sub is not None:
                 sub.close()

@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from kvevents_sub import EventSubscriber
+from kvevents_sub import EventSubscriber, resident
 from kvtest import chain_keys, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from tiernode import TierNode as Node
@@ -168,18 +168,6 @@ def _ctl_status(address: str) -> list[str]:
     return r.stdout.splitlines()
 
 
-def _held(events: list[dict], medium: str) -> set[int]:
-    held: set[int] = set()
-    for e in events:
-        if e.get("medium") != medium:
-            continue
-        if e["type"] == "BlockStored":
-            held.update(e["block_hashes"])
-        elif e["type"] == "BlockRemoved":
-            held.difference_update(e["block_hashes"])
-    return held
-
-
 def _h(key: bytes) -> int:
     return int.from_bytes(key[-8:], "big")
 
@@ -199,8 +187,8 @@ def test_status_metrics_and_kv_events_show_each_tier(make_daemon, cluster, tmp_p
         want = {_h(k) for k in old}
         # each block is announced once per medium that holds it: this node's disk (STORAGE, LOCAL) and
         # the cluster (REMOTE, REMOTE: any node on it can fetch it)
-        assert sub.wait_for(lambda s: want <= _held(s.events(), "STORAGE") and want <= _held(s.events(), "REMOTE"),
-                            30), (len(want & _held(sub.events(), "STORAGE")), len(want & _held(sub.events(), "REMOTE")))
+        assert sub.wait_for(lambda s: want <= resident(s.events(), "STORAGE") and want <= resident(s.events(), "REMOTE"),
+                            30), (len(want & resident(sub.events(), "STORAGE")), len(want & resident(sub.events(), "REMOTE")))
         for e in sub.events():
             if e.get("medium") == "REMOTE":
                 assert e["locality"] == "REMOTE", e

@@ -111,10 +111,13 @@ class EventSubscriber:
         self.ctx.term()
 
 
-def resident(events: list[dict]) -> set:
-    """The node's content as a router would rebuild it from the decoded events alone."""
+def resident(events: list[dict], medium: str | None = None) -> set:
+    """The node's content as a router would rebuild it from the decoded events alone; ``medium``: of
+    that medium only (``CPU``, ``STORAGE``, ``REMOTE``: a router that tells the tiers apart)."""
     held: set = set()
     for e in events:
+        if medium is not None and e.get("medium") != medium:
+            continue
         if e["type"] == "BlockStored":
             held.update(e["block_hashes"])
         elif e["type"] == "BlockRemoved":
