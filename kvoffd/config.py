@@ -13,7 +13,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvoffd.cache.policy import DEFAULT_POLICY, DISK_POLICIES, LRU, POLICIES, DiskPolicy
+from kvoffd.cache.policy import (
+    DEFAULT_POLICY,
+    DISK_POLICIES,
+    LRU,
+    POLICIES,
+    REMOTE_PUBLISH,
+    DiskPolicy,
+    RemotePublish,
+)
 from kvoffd.pool.format import pool_geometry
 from kvoffd.pool.topology import NumaMapError, parse_numa_map
 from kvoffd.units import format_size
@@ -151,6 +159,14 @@ def _disk_policy(v: object) -> DiskPolicy:
                           f"got {str(v).lower()!r}") from None
 
 
+def _remote_publish(v: object) -> RemotePublish:
+    try:
+        return RemotePublish(str(v).lower())
+    except ValueError:
+        raise ConfigError(f"--remote-publish must be one of {', '.join(REMOTE_PUBLISH)}, "
+                          f"got {str(v).lower()!r}") from None
+
+
 def _setting(flag: str, parse: Callable[[object], Any], help: str, **default: Any) -> Any:  # noqa: A002
     """A ``Config`` field that is a daemon setting, as one row: its flag (the field's name, dashed), its
     environment variable (``KVOFFD_`` and the flag's name), the parser of its raw value (a string from
@@ -261,6 +277,12 @@ class Config:
     remote_write_budget: int = _setting(
         "--remote-write-budget", _size, "Bytes per second the daemon writes to --remote at most (e.g. "
         "2GiB), so that publishing never fills the NIC. Default: 0 (no limit)", default=0)
+    remote_publish: RemotePublish = _setting(
+        "--remote-publish", _remote_publish, "When --remote receives a block: admitted (written behind as the "
+        "pool admits it: other nodes find it within milliseconds, and the cluster also holds a copy of what "
+        "the pools hold) or evicted (as it leaves the pool: more distinct blocks in the same memory, seen "
+        "by other nodes only once evicted here). Default: admitted (docs/operations.md)",
+        default=RemotePublish.ADMITTED)
     remote_tls_ca: str = _setting(  # kvoffd/cache/tiers/remote/tls.py
         "--remote-tls-ca", str, "With a rediss:// --remote: PEM bundle of the CA(s) the shards' certificates "
         "must chain to (a private cluster CA; it replaces the system's CAs). Default: the system's CAs",
@@ -361,6 +383,8 @@ def _check(cfg: Config, raw: dict[str, object]) -> None:
         raise ConfigError(f"--remote must be redis://host:port[,host:port...] or rediss://..., got {cfg.remote!r}")
     if not cfg.remote and (cfg.remote_password_file or cfg.remote_key_file or cfg.remote_write_budget):
         raise ConfigError("--remote-password-file, --remote-key-file and --remote-write-budget need --remote")
+    if not cfg.remote and cfg.remote_publish != RemotePublish.ADMITTED:
+        raise ConfigError("--remote-publish needs --remote")
     _check_remote_tls(cfg)
     if cfg.pool_size < (1 << 20):
         raise ConfigError("--pool-size must be at least 1MiB")

@@ -11,7 +11,7 @@ import sys
 import pytest
 from daemon import DaemonProc, run_daemon
 
-from kvoffd.cache.policy import DiskPolicy
+from kvoffd.cache.policy import DiskPolicy, RemotePublish
 from kvoffd.config import (
     SETTINGS,
     ConfigError,
@@ -100,6 +100,17 @@ def test_the_disk_policy_is_one_of_the_tiers_and_a_bad_one_says_which():
     assert load_config(["--disk-policy", "CLOCK2"], environ={}).disk_policy is DiskPolicy.CLOCK2
     with pytest.raises(ConfigError, match=r"^--disk-policy must be one of clock2-ghost, clock2, got 'lru'$"):
         load_config([], environ={"KVOFFD_DISK_POLICY": "lru"})
+
+
+def test_remote_publish_is_admitted_or_evicted_and_needs_remote():
+    url = "redis://127.0.0.1:6379"
+    assert load_config(["--remote", url], environ={}).remote_publish is RemotePublish.ADMITTED
+    assert load_config(["--remote", url, "--remote-publish", "Evicted"], environ={}).remote_publish is \
+        RemotePublish.EVICTED
+    with pytest.raises(ConfigError, match=r"^--remote-publish must be one of admitted, evicted, got 'spilled'$"):
+        load_config(["--remote", url], environ={"KVOFFD_REMOTE_PUBLISH": "spilled"})
+    with pytest.raises(ConfigError, match=r"^--remote-publish needs --remote$"):
+        load_config(["--remote-publish", "evicted"], environ={})
 
 
 def test_help_explains_every_flag():

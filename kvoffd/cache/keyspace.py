@@ -32,6 +32,7 @@ from kvoffd.cache.checksum import NONE, block_sum, matches
 from kvoffd.cache.entries import Entry, Hits, LoadPlan, StorePlan, Table
 from kvoffd.cache.identity import EventIdentity, parse_identity
 from kvoffd.cache.index import Index
+from kvoffd.cache.policy import RemotePublish
 from kvoffd.cache.restart.keeper import Keeper, abandon_pool, keeper, open_pool, purge_command
 from kvoffd.cache.tiers.base import TableRef, TierEvents
 from kvoffd.cache.tiers.manager import PROMOTE_WAIT_S, Below, Tiers, make_tiers
@@ -67,6 +68,7 @@ class KeyspaceSettings(Protocol):
     remote_password_file: str
     remote_key_file: str
     remote_write_budget: int
+    remote_publish: str
     remote_tls_ca: str
     remote_tls_cert: str
     remote_tls_key: str
@@ -185,8 +187,10 @@ class Keyspace:
         ks = cls(pool, index, kept, tiers, verify=settings.verify, topology=topology, pool_file=pool_file)
         if remote is not None:
             ks.remote = remote
-            ks.publisher = Publisher(index, remote)  # admitted blocks written behind to the cluster
-            index.observers.append(ks.publisher)
+            remote.publish_on = str(settings.remote_publish)
+            if settings.remote_publish == RemotePublish.ADMITTED:  # else only the pool's evictions (the spill path)
+                ks.publisher = Publisher(index, remote)  # admitted blocks written behind to the cluster
+                index.observers.append(ks.publisher)
         ks.phases = {"pool": t_pool - t0, "adoption": t_adopt - t_pool, "tiers": time.monotonic() - t_adopt}
         return ks
 

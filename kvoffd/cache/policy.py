@@ -64,6 +64,24 @@ class DiskPolicy(StrEnum):
 DISK_POLICIES = tuple(p.value for p in DiskPolicy)
 
 
+class RemotePublish(StrEnum):
+    """When the cluster tier (kvoffd/cache/tiers/remote/) receives a block; the first is the default.
+
+    * ``admitted``: written behind as the pool admits it, so that another node finds it within
+      milliseconds while it is still in this node's pool (disaggregated prefill, KV-aware routers);
+      the cluster then also holds a copy of every block the nodes' pools hold.
+    * ``evicted``: written as it leaves the pool (the disk tier's rule), so that the cluster holds
+      what no pool does: more distinct blocks for the same memory, but another node sees a block
+      only once this node evicted it. docs/benchmarks.md (*Cluster tier*) measures both.
+    """
+
+    ADMITTED = "admitted"
+    EVICTED = "evicted"
+
+
+REMOTE_PUBLISH = tuple(p.value for p in RemotePublish)
+
+
 class EvictionPolicy(Protocol):
     """What the index calls; see the module docstring for the order of the calls."""
 

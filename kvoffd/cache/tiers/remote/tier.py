@@ -129,6 +129,7 @@ class RemoteTier:
         self.dropped_oldest = 0  # blocks dropped from the write-behind queue (counted)
         self.skipped_known = 0  # blocks not published: this node knew the cluster holds them
         self.skipped_held = 0  # admitted blocks the Publisher did not hold for publishing (its share full)
+        self.publish_on = "admitted"  # --remote-publish, as the keyspace wired it (reported in stats)
 
     # -- the Tier protocol -------------------------------------------------------------------------
 
@@ -411,13 +412,14 @@ class RemoteTier:
                        "verify": s["verify_failures"], "connect": s["connect_errors"], "server": s["server_errors"]},
             "publish_dropped": {"queue_full": self.dropped_oldest, "held_share": self.skipped_held},
             "publish_skipped": {"known": self.skipped_known, "present": s["publish_present"]},
+            "publish_on": self.publish_on,
             "queued": self._queued_blocks, "queue_capacity": self.queue_blocks, "breakers": breakers,
             "latency": {op: t.snapshot() for op, t in self.latency.items()}}
         st.resident_blocks = len(self.known)
         st.checksum_failures = s["verify_failures"]
         st.io_errors = s["timeouts"] + s["connect_errors"] + s["server_errors"] + s["auth_errors"] + s["oom_errors"]
         st.spills_in_flight = self._queued_blocks
-        st.notes = {"breakers": ",".join(f"{a}={b}" for a, b in breakers.items()),
+        st.notes = {"breakers": ",".join(f"{a}={b}" for a, b in breakers.items()), "publish_on": self.publish_on,
                     "dropped_oldest": str(self.dropped_oldest), "skipped_known": str(self.skipped_known),
                     "skipped_held": str(self.skipped_held),
                     "probes_dropped": str(self.probes_dropped), "probes_done": str(self.probes_done)}
