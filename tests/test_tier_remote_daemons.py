@@ -7,12 +7,14 @@ finds nothing; every value with flipped bytes loads 0 wrong bytes.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 
 import pytest
 from kvtest import chain_keys, wait_until
+from reliability_util import peek, poke
 from tiernode import TierNode as Node
 from valkey_cluster import Servers, server_binary
 
@@ -115,6 +117,36 @@ def test_publish_on_eviction_writes_only_what_leaves_the_pool(make_daemon, clust
         assert wait_until(lambda: b.hits(old) == len(old), 10), b.tier()
         notice, exact = b.load(old, 200)
         assert notice.ok and exact == len(old), notice
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="writing /proc/<pid>/mem needs ptrace rights")
+def test_a_block_corrupted_in_a_pool_is_refused_on_the_other_node(make_daemon, cluster):
+    """A value carries the pool's own checksum of its block (summed at commit with --verify), not a sum
+    of whatever the slot holds when it is sent: a block whose bytes changed in A's pool (a stray write,
+    a memory error) is published as it is and refused by B's fetch, never laundered with a fresh sum."""
+    a = Node(make_daemon(POOL, "--remote", cluster.url, "--remote-publish", "evicted", "--verify", *LRU, name="a"),
+             "shared", "a")
+    b = Node(make_daemon(POOL, "--remote", cluster.url, *LRU, name="b"), "shared", "b")
+    try:
+        old = chain_keys(8, b"stray")
+        a.store(old)
+        bad = 5
+        pool = a.c.stats()["pool"]
+        entry = a.c.explain("shared", [old[bad]])[0]
+        addr = pool.get("base_address", pool.get("pool_base")) + entry["slots"]["0"] + 1000
+        before = peek(a.d.proc.pid, addr, 16)
+        assert before == a.eng.read([bad])[0][1000:1016].tobytes(), "address is not the block's slot"
+        poke(a.d.proc.pid, addr, bytes(x ^ 0xFF for x in before))
+        for r in range(3):  # evicted: published now, from the slot as it is
+            a.store(chain_keys(100, b"stray-filler%d" % r, parent=old[0]), base=100)
+        assert wait_until(lambda: b.hits(old) == len(old), 10), b.tier()
+        notice, exact = b.load(old, 200)  # the checked load: no block called good is wrong
+        assert notice.failed == [bad] and exact == len(old) - 1, notice
+        assert wait_until(lambda: b.tier()["checksum_failures"] == 1, 5), b.tier()
+        assert b.hits(old) == bad  # deleted from the cluster: a miss from then on
     finally:
         a.close()
         b.close()

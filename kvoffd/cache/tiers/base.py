@@ -151,10 +151,13 @@ class Tier(Protocol):
         """Fill ``dest[i]`` with block ``i``'s bytes; resolves to a bool array (True: verified). Reads
         are served before writes when the tier is busy."""
 
-    def write(self, table: TableRef, keys: bytes, src: Sequence[memoryview]) -> asyncio.Future:
+    def write(self, table: TableRef, keys: bytes, src: Sequence[memoryview],
+              sums: Sequence[int] | None = None) -> asyncio.Future:
         """Keep block ``i`` = ``src[i]``; resolves to a list of :class:`SpillResult`, one per block. Best
         effort: dropping is always allowed. ``src`` are usually the evicted blocks' own pool slots, kept
-        out of the pool until the future resolves: read them only until then, never write them."""
+        out of the pool until the future resolves: read them only until then, never write them.
+        ``sums``: the blocks' pool checksums (``Entry.checksum``, -1 where none), for a tier whose
+        values carry that checksum (the cluster tier); a tier with its own (the disk's crc32) ignores them."""
 
     def remove(self, table: TableRef, keys: bytes) -> None:
         """Forget these blocks (a read in flight still completes or fails cleanly)."""

@@ -271,7 +271,8 @@ class DiskTier:
             c.forget_slots([part.slots[j] for j in bad], [part.crcs[j] for j in bad])
         return res.ok
 
-    def write(self, table: TableRef, keys: bytes, src: Sequence[memoryview]) -> asyncio.Future:
+    def write(self, table: TableRef, keys: bytes, src: Sequence[memoryview],
+              sums: Sequence[int] | None = None) -> asyncio.Future:  # sums: unused (records hold a crc32)
         fut = self._loop.create_future()
         n = len(keys) // _KEY
         out = [SpillResult.ERROR] * n

@@ -66,12 +66,15 @@ class Spill:
     copied: int = 0  # bytes in a staging copy (the fallback), counted against the budget
     unchecked: list[tuple[int, int]] = field(default_factory=list)  # (position, checksum): adopted, not verified yet
     pending: int = 0  # tiers' writes not resolved yet (the slots go back after the last)
+    sums: list[int] = field(default_factory=list)  # the blocks' pool checksums (Entry.checksum; -1: none)
 
     def keep(self, good: list[int]) -> None:
         """Only the blocks at positions ``good`` (ascending) are written."""
         at = {p: i for i, p in enumerate(good)}
         self.keys = [self.keys[p] for p in good]
         self.src = [self.src[p] for p in good]
+        if self.sums:
+            self.sums = [self.sums[p] for p in good]
         self.parts = [(tier, [at[p] for p in pos if p in at]) for tier, pos in self.parts]
 
 
@@ -149,7 +152,7 @@ class Spills:
                 lacks = ~have[:, pick]
                 parts = [(tier, np.flatnonzero(lacks[j]).tolist()) for j, tier in enumerate(tiers)]
                 sp = Spill(parts, t, slot_bytes, [e.key for e in todo], [e.slot for e in todo],
-                           unchecked=self._unchecked(todo))
+                           unchecked=self._unchecked(todo), sums=[e.checksum for e in todo])
                 if not v.held:  # the STORE reuses these slots: the one case the loop still copies (bounded)
                     self._copy_out(sp)
                 self._spill(sp, writes)
@@ -255,7 +258,8 @@ class Spills:
             whole = len(pos) == len(sp.keys)
             try:
                 fut = tier.write(ref, b"".join(sp.keys if whole else [sp.keys[p] for p in pos]),
-                                 sp.src if whole else [sp.src[p] for p in pos])
+                                 sp.src if whole else [sp.src[p] for p in pos],
+                                 sums=(sp.sums if whole else [sp.sums[p] for p in pos]) if sp.sums else None)
             except Exception:  # a tier that raises: its share is dropped, the slots given back as if written
                 self._fault(tier, "a spill", len(pos))
                 loop.call_soon(self._part_done, sp)

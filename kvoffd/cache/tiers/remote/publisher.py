@@ -12,6 +12,8 @@ Rules:
   keeps at most its ``queue_blocks`` waiting and drops the oldest; blocks this node already knows the
   cluster holds are not queued.
 * Every rank's blocks are published (each rank's table is its own namespace identity in the store).
+* A value's header carries the block's pool checksum where the pool has one (``EntrySums``): summed
+  once, and a block whose bytes changed in the pool since is refused by the node that fetches it.
 * No Python step per block on the loop: a turn's admitted blocks are read as arrays (their keys as one
   binary, their flags and slots through ``map``), filtered with numpy, and their slots' views are made on
   the publisher's thread (``SlotViews``). What stays per block is the index's own ref taking.
@@ -58,6 +60,25 @@ class SlotViews(Sequence[memoryview]):
             return [self[j] for j in range(*i.indices(len(self._slots)))]
         s = self._slots[i]
         return self._mv[s:s + self._size]
+
+
+class EntrySums(Sequence[int]):
+    """The entries' pool checksums (``Entry.checksum``), read when asked: on the publisher's thread as it
+    takes the batch, by which time the pool file's sealing (kvoffd/cache/restart/) may have summed
+    blocks that had none when they were queued (-1: the header sums them itself)."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, entries: list[Entry]):
+        self._entries = entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [e.checksum for e in self._entries[i]]
+        return self._entries[i].checksum
 
 
 def _objects(entries: list[Entry]) -> np.ndarray:
@@ -142,4 +163,4 @@ class Publisher(IndexObserver):
             self.held_bytes -= nbytes
             self.index.release(sel)
         picked = keys if len(pick) == n else np.frombuffer(keys, dtype=np.uint8).reshape(n, _KEY)[pick].tobytes()
-        self.tier.publish(ref, picked, src, release)
+        self.tier.publish(ref, picked, src, release, sums=EntrySums(sel))

@@ -57,7 +57,8 @@ class RemoteConfig:
     breaker_max_cooldown: float = 0.5  # a shard that came back is tried again within this
     pipeline: int = 32  # GETs / EXISTS per round trip
     set_depth: int = 2  # SETs in flight per connection (more makes the server copy behind a big one)
-    check_threads: int = 2  # checksum (and MAC) threads: a block is summed while the next one moves
+    check_threads: int = 4  # checksum (and MAC) threads: a block is summed while the next ones move (2 held a
+    # 3-shard cluster's SET to 0.66-0.67 of raw, 4 to 0.78-0.85: docs/benchmarks.md)
 
 
 COUNTERS = ("probes", "probe_hits", "fetches", "fetch_hits", "fetch_misses", "fetch_failures",
@@ -303,9 +304,10 @@ class RemoteStore:
             self.reasons[why] = self.reasons.get(why, 0) + 1
 
     def publish(self, ns_id: bytes, keys: Sequence[bytes], srcs: Sequence[memoryview], timeout: float,
-                skip_present: bool = True) -> list[str]:
+                skip_present: bool = True, sums: Sequence[int] | None = None) -> list[str]:
         """Write each block (``ok``), or find it there (``present``), or not (``fail``). ``srcs`` are only
-        read, and not after this returns."""
+        read, and not after this returns. ``sums``: each block's ``block_sum`` where known (-1: not),
+        read as its header is made (``Codec.header``)."""
         skeys = [store_key(ns_id, k) for k in keys]
         codec = self.codec
         depth = max(1, self.cfg.set_depth)
@@ -329,7 +331,8 @@ class RemoteStore:
                         todo.append(i)
             inflight: list[int] = []
             nbytes = 0
-            heads = [self._checks.submit(codec.header, ns_id, keys[i], srcs[i]) for i in todo]
+            heads = [self._checks.submit(codec.header, ns_id, keys[i], srcs[i], -1 if sums is None else sums[i])
+                     for i in todo]
 
             def land() -> None:
                 nonlocal nbytes

@@ -87,11 +87,11 @@ class RemoteStats(TierStats):
 
 
 class _Job:
-    __slots__ = ("table", "keys", "src", "release")
+    __slots__ = ("table", "keys", "src", "release", "sums")
 
     def __init__(self, table: TableRef, keys: bytes, src: Sequence[memoryview],
-                 release: Callable[[list[SpillResult]], None] | None):
-        self.table, self.keys, self.src, self.release = table, keys, src, release
+                 release: Callable[[list[SpillResult]], None] | None, sums: Sequence[int] | None):
+        self.table, self.keys, self.src, self.release, self.sums = table, keys, src, release, sums
 
 
 class RemoteTier:
@@ -256,10 +256,10 @@ class RemoteTier:
         return fut
 
     def _publish_now(self, table: TableRef, keys: bytes, src: Sequence[memoryview],
-                     may_wait: bool = True) -> list[SpillResult]:
+                     may_wait: bool = True, sums: Sequence[int] | None = None) -> list[SpillResult]:
         """On a worker thread: skip what is known there, wait for the budget (only the publisher's own
         thread waits; on the IoPool, whose threads serve the promotions, a spill over the budget is
-        dropped, BUSY), publish the rest."""
+        dropped, BUSY), publish the rest (``sums``: the blocks' pool checksums where known)."""
         ns, ks = self._ns_id(table), split_keys(keys)
         out = [SpillResult.PRESENT] * len(ks)
         have = self._fresh().has(ns, keys)
@@ -275,7 +275,8 @@ class RemoteTier:
         if wait:
             time.sleep(wait)  # the publisher's own thread: paced, never the loop
         t0 = time.monotonic()
-        res = self.store.publish(ns, [ks[i] for i in todo], [src[i] for i in todo], self.write_timeout)
+        res = self.store.publish(ns, [ks[i] for i in todo], [src[i] for i in todo], self.write_timeout,
+                                 sums=None if sums is None else [sums[i] for i in todo])
         self.latency["publish"].observe(time.monotonic() - t0)
         there = np.zeros(len(ks), dtype=bool)
         there[todo] = [r in (OK, PRESENT) for r in res]
@@ -284,7 +285,8 @@ class RemoteTier:
             out[i] = SpillResult.WRITTEN if r == OK else SpillResult.PRESENT if r == PRESENT else SpillResult.ERROR
         return out
 
-    def write(self, table: TableRef, keys: bytes, src: Sequence[memoryview]) -> asyncio.Future:
+    def write(self, table: TableRef, keys: bytes, src: Sequence[memoryview],
+              sums: Sequence[int] | None = None) -> asyncio.Future:
         fut = self._future()
 
         def done(res):
@@ -293,7 +295,7 @@ class RemoteTier:
             self._count(table, res, keys)
             if not fut.done():
                 fut.set_result(res)
-        self._io.submit(WRITE, lambda: self._publish_now(table, keys, src, may_wait=False), done)
+        self._io.submit(WRITE, lambda: self._publish_now(table, keys, src, may_wait=False, sums=sums), done)
         return fut
 
     def _announce(self, table: TableRef, stored: bytes, removed: bytes) -> None:
@@ -322,9 +324,11 @@ class RemoteTier:
     # -- write-behind ------------------------------------------------------------------------------
 
     def publish(self, table: TableRef, keys: bytes, src: Sequence[memoryview],
-                release: Callable[[list[SpillResult]], None] | None = None) -> None:
+                release: Callable[[list[SpillResult]], None] | None = None,
+                sums: Sequence[int] | None = None) -> None:
         """Queue ``keys`` for publishing from ``src`` (kept unchanged by the caller until ``release``);
-        the oldest queued batches are dropped (``release`` told BUSY) to stay within ``queue_blocks``."""
+        the oldest queued batches are dropped (``release`` told BUSY) to stay within ``queue_blocks``.
+        ``sums``: the blocks' pool checksums (-1 where not known yet), read when each is sent."""
         n = len(keys) // _KEY
         if n > self.queue_blocks:  # never queued: more than the whole queue
             self._release(table, release, [SpillResult.BUSY] * n)
@@ -335,7 +339,7 @@ class RemoteTier:
                 old = self._queue.popleft()
                 self._queued_blocks -= len(old.keys) // _KEY
                 dropped.append(old)
-            self._queue.append(_Job(table, keys, src, release))
+            self._queue.append(_Job(table, keys, src, release, sums))
             self._queued_blocks += n
             self._cv.notify()
         for old in dropped:
@@ -377,7 +381,7 @@ class RemoteTier:
                 self._queue.popleft()
                 self._queued_blocks -= len(job.keys) // _KEY
             try:
-                res = self._publish_now(job.table, job.keys, job.src)
+                res = self._publish_now(job.table, job.keys, job.src, sums=job.sums)
             except Exception:
                 log.exception("remote tier: publishing failed")
                 res = [SpillResult.ERROR] * (len(job.keys) // _KEY)

@@ -40,6 +40,7 @@ _MAC_AT = HEADER - 8 - 32
 assert HEADER == 112
 _ZERO_MAC = bytes(32)
 _PAD = bytes(8)
+_MASK32 = 0xFFFFFFFF
 
 
 def _with_hcrc(head: bytes) -> bytes:
@@ -93,10 +94,14 @@ class Codec:
         m.update(payload)
         return m.digest()
 
-    def header(self, ns_id: bytes, key: bytes, payload: memoryview) -> bytes:
+    def header(self, ns_id: bytes, key: bytes, payload: memoryview, payload_sum: int = -1) -> bytes:
+        """The value's header. ``payload_sum``: the payload's ``block_sum`` where the caller has it (the
+        pool's own checksum of the block, ``Entry.checksum``: summed once, when the block was sealed,
+        and a block whose bytes changed since is refused by whoever fetches it, not published with a
+        fresh sum); any other value (-1, a legacy crc32 record): summed here."""
         flags = FLAG_MAC if self._secret is not None else 0
-        head = _HEAD.pack(MAGIC, VERSION, flags, 0, len(payload), ns_id, key, block_sum(payload), 0, _ZERO_MAC,
-                          _PAD)
+        crc = payload_sum if 0 <= payload_sum <= _MASK32 else block_sum(payload)
+        head = _HEAD.pack(MAGIC, VERSION, flags, 0, len(payload), ns_id, key, crc, 0, _ZERO_MAC, _PAD)
         if self._secret is not None:
             head = head[:_MAC_AT] + self._mac(head, payload) + head[_MAC_AT + 32:]
         return _with_hcrc(head)
