@@ -11,14 +11,13 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from typing import Any
 
 from kvoffd.cache.policy import (
     DEFAULT_POLICY,
-    DISK_POLICIES,
     LRU,
     POLICIES,
-    REMOTE_PUBLISH,
     DiskPolicy,
     RemotePublish,
 )
@@ -151,20 +150,19 @@ def _size(v: object) -> int:
     return parse_size(str(v))
 
 
-def _disk_policy(v: object) -> DiskPolicy:
-    try:
-        return DiskPolicy(str(v).lower())
-    except ValueError:
-        raise ConfigError(f"--disk-policy must be one of {', '.join(DISK_POLICIES)}, "
-                          f"got {str(v).lower()!r}") from None
+def _one_of(kind: type[StrEnum], flag: str) -> Callable[[object], Any]:
+    """A parser for a setting that is one of ``kind``'s values (any case); a bad one names them all."""
+    def parse(v: object) -> Any:
+        try:
+            return kind(str(v).lower())
+        except ValueError:
+            raise ConfigError(f"{flag} must be one of {', '.join(k.value for k in kind)}, "
+                              f"got {str(v).lower()!r}") from None
+    return parse
 
 
-def _remote_publish(v: object) -> RemotePublish:
-    try:
-        return RemotePublish(str(v).lower())
-    except ValueError:
-        raise ConfigError(f"--remote-publish must be one of {', '.join(REMOTE_PUBLISH)}, "
-                          f"got {str(v).lower()!r}") from None
+_disk_policy = _one_of(DiskPolicy, "--disk-policy")
+_remote_publish = _one_of(RemotePublish, "--remote-publish")
 
 
 def _setting(flag: str, parse: Callable[[object], Any], help: str, **default: Any) -> Any:  # noqa: A002

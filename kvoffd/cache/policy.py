@@ -79,8 +79,6 @@ class RemotePublish(StrEnum):
     EVICTED = "evicted"
 
 
-REMOTE_PUBLISH = tuple(p.value for p in RemotePublish)
-
 
 class EvictionPolicy(Protocol):
     """What the index calls; see the module docstring for the order of the calls."""
