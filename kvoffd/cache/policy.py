@@ -79,7 +79,6 @@ class RemotePublish(StrEnum):
     EVICTED = "evicted"
 
 
-
 class EvictionPolicy(Protocol):
     """What the index calls; see the module docstring for the order of the calls."""
 
