@@ -126,7 +126,7 @@ if has control; then  # issue 30: no slower than before the refactor (same machi
   done
 fi
 if has remote; then  # issue 31: publish/fetch through the tier >= 80% of the store's own SET/GET
-  PYTHONPATH=$new_pp timeout ${REMOTE_TIMEOUT:-240} python3 bench/remote_tier.py --count ${REMOTE_COUNT:-128} --reps 3 \
+  PYTHONPATH=$new_pp timeout ${REMOTE_TIMEOUT:-240} python3 bench/remote_tier.py --count ${REMOTE_COUNT:-1024} --reps 4 \
     --out "$OUT/remote_tier_h200.json" > "$OUT/remote_tier.log" 2>&1
   echo "remote (rc $?):" >> "$summary"; tail -n 16 "$OUT/remote_tier.log" >> "$summary"
 fi
