@@ -416,7 +416,6 @@ class RemoteTier:
                        "verify": s["verify_failures"], "connect": s["connect_errors"], "server": s["server_errors"]},
             "publish_dropped": {"queue_full": self.dropped_oldest, "held_share": self.skipped_held},
             "publish_skipped": {"known": self.skipped_known, "present": s["publish_present"]},
-            "publish_on": self.publish_on,
             "queued": self._queued_blocks, "queue_capacity": self.queue_blocks, "breakers": breakers,
             "latency": {op: t.snapshot() for op, t in self.latency.items()}}
         st.resident_blocks = len(self.known)
