@@ -61,7 +61,8 @@ near a tie can flip; each length reports the logits' cosine and max |diff| and t
 margin so a flip can be judged. The acceptance line requires (a) exact, and reports (b). The
 layer-wise paths are held to the same exact checks.
 
-Medians of --repeats after --warmup runs, wall time around CUDA-synchronized work.
+Medians of --repeats (the stores: --store-repeats) after --warmup runs, wall time around
+CUDA-synchronized work.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ STORE_NAMESPACE = "ttft-bench-stores"  # the store phase's: cleared before every
 #: What the connector cuts a layer-wise store into (kvoffd_client.vllm.layerwise.STORE_PARTS; not imported:
 #: that package needs vLLM, which the device has not).
 CONNECTOR_STORE_PARTS = 4
+#: The GPU's rest before each timed prefill of the store phase (measure_stores: why).
+STORE_REST_S = 0.1
 DEFAULT_LAYERS_PER_PART = 4  # without a sweep (or one the daemon cannot run) and no --layers-per-part
 
 
@@ -225,6 +228,7 @@ class RunConfig:
     sweep_length: int = 0  # the prompt the sweep loads (one of ``prompts``); 0: no sweep
     layers_per_part: int = 0  # the layer-wise paths' grouping; 0: the sweep's choice
     store_layers_per_part: int = 0  # the layer-wise stores' grouping; 0: the connector's (STORE_PARTS parts)
+    store_repeats: int = 0  # timed prefills per store variant and prompt; 0: ``repeats``
     link_bytes: int = 1 << 30  # the link ceiling's copy
 
 
@@ -1400,10 +1404,17 @@ def measure_stores(w: Worker, p: Prompt, parts: Parts) -> dict[str, Any]:
     hows = ("none", "layered", "after")
     runs: dict[str, list[dict[str, float]]] = {h: [] for h in hows}
     firsts = set()
-    for i in range(cfg.warmup + cfg.repeats):
-        for how in hows:
+    # the order turns every round, so that no variant always follows the same one; and every prefill
+    # starts after the same rest of the GPU (STORE_REST_S): a store's copy and notice leave it idle
+    # ~50 ms after its prefill and a prefill without one does not, and a 16k prefill started right
+    # after another ran 20-25 ms (4%) slower than one started after a rest, whichever store it had
+    # (docs/benchmarks.md, Layer by layer)
+    for i in range(cfg.warmup + (cfg.store_repeats or cfg.repeats)):
+        for how in hows[i % 3:] + hows[:i % 3]:
             w.client.clear(w.namespace)
             w.zero(p, table)
+            w.sync()
+            time.sleep(STORE_REST_S)
             r = w.prefill_store(tokens, table, keys, ids, n, how, parts)
             firsts.add(r.pop("token"))
             if i >= cfg.warmup:
@@ -1567,7 +1578,7 @@ def build_config(args: argparse.Namespace, address: str) -> RunConfig:
                      decode_tokens=args.decode_tokens, lease_ms=30_000, job_timeout_s=60.0, prompts=prompts,
                      contenders=contenders, skip_inproc=args.skip_inproc, parts_sweep=tuple(args.parts_sweep),
                      sweep_length=sweep_length, layers_per_part=args.layers_per_part,
-                     store_layers_per_part=args.store_layers_per_part,
+                     store_layers_per_part=args.store_layers_per_part, store_repeats=args.store_repeats,
                      link_bytes=(1 << 20) if args.cpu_smoke else GiB)
 
 
@@ -1763,6 +1774,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--store-layers-per-part", type=int, default=0,
                     help="layers per part of the layer-wise stores (0: as the connector cuts them, "
                          f"{CONNECTOR_STORE_PARTS} parts)")
+    ap.add_argument("--store-repeats", type=int,
+                    help="timed prefills per store variant (default 7; --quick, --cpu-smoke: --repeats): a "
+                         "prefill's repeats spread ~1.3%%, the cost measured is ~2%%")
     ap.add_argument("--timeout", type=float, default=420.0, help="most seconds one phase may take")
     ap.add_argument("--deadline", type=float, default=450.0,
                     help="most seconds for the whole run; a phase past it is killed and what finished is kept")
@@ -1772,18 +1786,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.cpu_smoke:
         d = {"lengths": [64, 100, 256], "repeats": 1, "warmup": 1, "decode_tokens": 4, "engines": 2,
-             "contention_length": 130, "pool_size": "64MiB", "backend": "cpu"}
+             "contention_length": 130, "pool_size": "64MiB", "backend": "cpu", "store_repeats": 0}
     elif args.quick:
         d = {"lengths": [1024, 4096], "repeats": 1, "warmup": 1, "decode_tokens": 4, "engines": 2,
-             "contention_length": 1024, "pool_size": "8GiB", "backend": "cuda"}
+             "contention_length": 1024, "pool_size": "8GiB", "backend": "cuda", "store_repeats": 0}
     else:
         d = {"lengths": [1024, 2048, 4096, 8192, 16384, 32768], "repeats": 3, "warmup": 1, "decode_tokens": 16,
-             "engines": 4, "contention_length": 16384, "pool_size": "48GiB", "backend": "cuda"}
+             "engines": 4, "contention_length": 16384, "pool_size": "48GiB", "backend": "cuda", "store_repeats": 7}
     for k, v in d.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.repeats < 1 or args.warmup < 0 or args.decode_tokens < 0 or args.engines < 0:
-        raise SystemExit("--repeats must be >= 1; --warmup, --decode-tokens and --engines >= 0")
+    if args.repeats < 1 or args.warmup < 0 or args.decode_tokens < 0 or args.engines < 0 or args.store_repeats < 0:
+        raise SystemExit("--repeats must be >= 1; --warmup, --decode-tokens, --engines and --store-repeats >= 0")
     if args.layers_per_part < 0 or any(k < 1 for k in args.parts_sweep):
         raise SystemExit("--layers-per-part must be >= 0 (0: the sweep's choice) and --parts-sweep values >= 1")
     return args
