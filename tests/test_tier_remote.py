@@ -144,9 +144,15 @@ def test_value_format_rejects_what_it_did_not_write():
 # -- against the cluster -----------------------------------------------------------------------------
 
 
+# GETs in flight per shard: as many as 6 MiB of values (the default), one at a time, two
+WINDOWS = pytest.mark.parametrize("window", [RemoteConfig.get_window, 1, 2 * (B + HEADER)],
+                                  ids=["default", "one", "two"])
+
+
 @needs_server
-def test_round_trip_byte_exact_through_slots(fresh):
-    st = fresh()
+@WINDOWS
+def test_round_trip_byte_exact_through_slots(fresh, window):
+    st = fresh(get_window=window)
     n = 48
     src, dst = Pool(n), Pool(n, seed=None)
     keys = keys_of(n)
@@ -245,6 +251,23 @@ def test_namespaces_share_nothing(fresh):
     assert st.publish(others[0], keys, b.slots, 10) == ["ok"] * n  # same keys, other bytes
     assert st.fetch(others[0], keys, dst.slots, 10).all() and np.array_equal(dst.buf, b.buf)
     assert st.fetch(NS, keys, dst.slots, 10).all() and np.array_equal(dst.buf, a.buf)
+
+
+@needs_server
+@WINDOWS
+def test_moved_replies_among_values_are_followed_at_every_window(fresh, window):
+    """A stale map sends every key to one shard: two of three replies are MOVED, read between values."""
+    st = fresh(get_window=window)
+    n = 30
+    src, dst = Pool(n, seed=5), Pool(n, seed=None)
+    keys = keys_of(n, tag=5)
+    assert st.publish(NS, keys, src.slots, 20) == ["ok"] * n
+    wrong = st.cluster.shards()[0]
+    for s in range(SLOTS):
+        st.cluster.moved(s, wrong.addr)
+    st.cluster._refreshed = time.monotonic() + 3600  # no refresh: only the MOVED replies may fix it
+    assert st.fetch(NS, keys, dst.slots, 20).all() and np.array_equal(src.buf, dst.buf)
+    assert st.stats()["moved"] >= n // 2
 
 
 @needs_server

@@ -8,6 +8,13 @@ Rules:
 * A large value is sent with ``sendmsg([header, slot, CRLF])`` and received with ``recv_into`` the
   destination slot: the kernel's copy is the only one. Only the bytes that arrived with a reply's
   header in the 16 KiB line buffer are copied in Python (one C-level slice assignment).
+* On a plain socket a transfer of ``KERNEL_WAIT`` bytes or more waits in the kernel: the socket is
+  put in blocking mode with ``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` set to what is left, and one
+  ``recv_into(..., MSG_WAITALL)`` / ``sendmsg`` moves the whole value. Python's own timeouts poll
+  before every system call, and every call hands the GIL to the other lanes and the checksum
+  threads and back: a plain reader of a 3-shard cluster measured 0.87 of its speed with Python's
+  timeouts (docs/benchmarks.md, *Cluster tier*). Small replies keep the line buffer and Python's
+  timeouts. A time left that rounds to zero microseconds is one (a zero ``timeval`` means none).
 * TLS: the cluster's one :class:`~kvoffd.cache.tiers.remote.tls.Tls` wraps the socket at every
   (re)connect; a failed handshake is :class:`Broken` with the reason and what to do about it (a CA,
   a host name, a client certificate), so that it is logged once per shard like any failed connect.
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import struct
 import time
 
 from kvoffd.cache.tiers.remote.tls import Tls
@@ -26,6 +34,8 @@ from kvoffd.cache.tiers.remote.tls import Tls
 CRLF = b"\r\n"
 _BUF = 16 << 10
 _DISCARD = 1 << 20
+KERNEL_WAIT = 64 << 10  # bytes from which a plain socket's transfer waits in the kernel (above)
+_TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 
 
 class RespError(Exception):
@@ -134,6 +144,22 @@ class Connection:
         s.settimeout(left)
         return s
 
+    def _kernel_wait(self, deadline: float, option: int) -> socket.socket:
+        """The plain socket in blocking mode, its ``option`` (``SO_RCVTIMEO`` or ``SO_SNDTIMEO``) set to
+        what is left before ``deadline``: the next call returns by then, with what it moved."""
+        s = self._sock
+        if s is None:
+            raise Broken("not connected")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self.close()
+            raise Broken("timed out")
+        if s.gettimeout() is not None:
+            s.settimeout(None)
+        sec = int(left)
+        s.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(sec, max(1, int((left - sec) * 1e6))))
+        return s
+
     def send(self, data: bytes, deadline: float) -> None:
         try:
             self._timeout(deadline).sendall(data)
@@ -145,24 +171,28 @@ class Connection:
     def send_parts(self, parts: list, deadline: float) -> None:
         """Send the buffers in order (a header, a pool slot's memoryview, CRLF) without joining them."""
         try:
-            s = self._timeout(deadline)
             if self._tls is not None:  # SSLSocket has no sendmsg
                 for p in parts:
-                    s.sendall(p)
-                    s = self._timeout(deadline)
+                    self._timeout(deadline).sendall(p)
                 return
             views = [memoryview(p).cast("B") for p in parts]
+            left = sum(len(v) for v in views)
             while views:
+                if left >= KERNEL_WAIT:
+                    s = self._kernel_wait(deadline, socket.SO_SNDTIMEO)
+                else:
+                    s = self._timeout(deadline)
                 n = s.sendmsg(views)
+                left -= n
                 while views and n >= len(views[0]):
                     n -= len(views[0])
                     views.pop(0)
                 if views and n:
                     views[0] = views[0][n:]
-                if views:
-                    s = self._timeout(deadline)
         except Broken:
             raise
+        except BlockingIOError as e:  # SO_SNDTIMEO ran out with nothing sent
+            raise self._broken("send timed out", e) from e
         except (OSError, ssl.SSLError) as e:
             raise self._broken("send", e) from e
 
@@ -203,11 +233,18 @@ class Connection:
         if got:
             dest[:got] = self._rv[self._r0:self._r0 + got]
             self._r0 += got
+        kernel = self._tls is None
         while got < n:
             try:
-                k = self._timeout(deadline).recv_into(dest[got:], n - got)
+                if kernel and n - got >= KERNEL_WAIT:
+                    k = self._kernel_wait(deadline, socket.SO_RCVTIMEO).recv_into(dest[got:], n - got,
+                                                                                 socket.MSG_WAITALL)
+                else:
+                    k = self._timeout(deadline).recv_into(dest[got:], n - got)
             except Broken:
                 raise
+            except BlockingIOError as e:  # SO_RCVTIMEO ran out with nothing received
+                raise self._broken("recv timed out", e) from e
             except (OSError, ssl.SSLError) as e:
                 raise self._broken("recv", e) from e
             if not k:

@@ -55,7 +55,10 @@ class RemoteConfig:
     write_lanes: int = 1  # ... for publishing (1-2 large SETs in flight each)
     connect_timeout: float = 0.5
     breaker_max_cooldown: float = 0.5  # a shard that came back is tried again within this
-    pipeline: int = 32  # GETs / EXISTS per round trip
+    pipeline: int = 32  # EXISTS per round trip, and at most this many GETs in flight ...
+    get_window: int = 6 << 20  # ... and about these many bytes of values (at least one value): a GET is
+    # sent as each value is read, so the shard never waits for a round trip and has few replies pending
+    # (a plain reader of a 3-shard cluster: 32 GETs in flight 0.92-0.94 of one at a time, 2 0.98)
     set_depth: int = 2  # SETs in flight per connection (more makes the server copy behind a big one)
     check_threads: int = 4  # checksum (and MAC) threads: a block is summed while the next ones move (2 held a
     # 3-shard cluster's SET to 0.66-0.67 of raw, 4 to 0.78-0.85: docs/benchmarks.md)
@@ -249,7 +252,7 @@ class RemoteStore:
         """True per block whose verified bytes are in ``dests[i]``; False: a miss (its destination may
         hold garbage and must not be used). Nothing writes into a destination after this returns."""
         skeys = [store_key(ns_id, k) for k in keys]
-        pipe = self.cfg.pipeline
+        pipe, window = self.cfg.pipeline, self.cfg.get_window
         codec = self.codec
 
         def work(lane: Lane, idx: list[int], deadline: float, asking: bool) -> dict[int, object]:
@@ -258,26 +261,34 @@ class RemoteStore:
             checks: list[tuple[int, concurrent.futures.Future]] = []
             bad: list[int] = []
             nbytes = 0
-            for c in range(0, len(idx), pipe):
-                chunk = idx[c:c + pipe]
-                conn.send(b"".join((ASKING if asking else b"") + pack("GET", skeys[i]) for i in chunk), deadline)
-                for i in chunk:
-                    if asking:
-                        conn.reply(deadline)
-                    d = dests[i]
-                    head = bytearray(HEADER)
-                    r = conn.bulk_into(memoryview(head), d, deadline)
-                    if isinstance(r, RespError):
-                        res[i] = self._reply_error(lane, r)
-                    elif r == -1:
-                        res[i] = MISS
-                    elif r != HEADER + len(d):
-                        res[i] = BAD
-                        self._reason("length")
-                        bad.append(i)
-                    else:  # summed on a check thread while the next value arrives
-                        nbytes += r
-                        checks.append((i, self._checks.submit(codec.verify, head, ns_id, keys[i], d)))
+            depth = max(1, min(pipe, window // (HEADER + max(1, len(dests[idx[0]])))))
+            sent = 0
+            for j, i in enumerate(idx):
+                if sent <= j:  # nothing in flight: send a window's worth
+                    end = min(len(idx), j + depth)
+                    conn.send(b"".join((ASKING if asking else b"") + pack("GET", skeys[k]) for k in idx[sent:end]),
+                              deadline)
+                    sent = end
+                elif sent < len(idx):  # one more, so that ``depth`` are in flight as this one is read
+                    k = idx[sent]
+                    conn.send((ASKING if asking else b"") + pack("GET", skeys[k]), deadline)
+                    sent += 1
+                if asking:
+                    conn.reply(deadline)
+                d = dests[i]
+                head = bytearray(HEADER)
+                r = conn.bulk_into(memoryview(head), d, deadline)
+                if isinstance(r, RespError):
+                    res[i] = self._reply_error(lane, r)
+                elif r == -1:
+                    res[i] = MISS
+                elif r != HEADER + len(d):
+                    res[i] = BAD
+                    self._reason("length")
+                    bad.append(i)
+                else:  # summed on a check thread while the next value arrives
+                    nbytes += r
+                    checks.append((i, self._checks.submit(codec.verify, head, ns_id, keys[i], d)))
             for i, f in checks:
                 why = f.result()
                 if why:
