@@ -143,3 +143,44 @@ def test_make_policy_names_the_choices():
     assert make_policy(DEFAULT_POLICY, 10).name == DEFAULT_POLICY
     with pytest.raises(ValueError, match="guarded-doorkeeper"):
         make_policy("mru", 10)
+
+
+@pytest.mark.parametrize("cls", [AdaptiveDoorkeeper, GuardedDoorkeeper])
+def test_the_deferred_refresh_stays_small_in_a_large_pool(cls):
+    """The refresh of the blocks requests used runs on the daemon's event loop, in one go: however
+    large the pool, only a few thousand keys may wait for it, not the pool's capacity (a 65,536-block
+    pool let 65,536 pile up: a 16 ms stall of every LOOKUP and notice behind it). And the order it
+    makes is unchanged: each request's blocks deepest first, the requests in order."""
+    p = cls(65_536)
+    per = 1024
+    for k in range(64 * per):  # a full pool, nothing evicted yet
+        assert p.admit(k, True)
+        p.on_insert(k, None)
+    p.on_lookup_miss(())
+    p.victim()  # flushes what the inserts queued
+    worst = 0
+    for r in range(64):  # 64 requests that each read 1,024 resident blocks, as leased LOOKUPs + LOADs do
+        p.on_lookup_miss(())
+        for k in range(r * per, (r + 1) * per):
+            p.on_access(k)
+        worst = max(worst, len(p._touched))
+    assert worst <= 4096 + per  # a refresh of ~1 ms, not the pool's capacity
+    p.victim()  # refreshes what is pending, then evicts the oldest
+    order = list(p._protected)
+    # oldest to newest: request 62's blocks, then 63's, each deepest first (its head most recent)
+    assert order[-2 * per:-per] == list(range(63 * per - 1, 62 * per - 1, -1))
+    assert order[-per:] == list(range(64 * per - 1, 63 * per - 1, -1))
+
+
+def test_touched_keys_stay_bounded_without_lookups():
+    """Loads and stores with no LOOKUP between them (no request ever ends) still refresh: memory and a
+    refresh's length stay bounded by a few times the pool's capacity."""
+    p = AdaptiveDoorkeeper(1000)
+    for k in range(1000):
+        assert p.admit(k, True)
+        p.on_insert(k, None)
+    worst = 0
+    for i in range(100_000):
+        p.on_access(i % 1000)
+        worst = max(worst, len(p._touched))
+    assert worst <= 4 * 4096 + 1

@@ -156,6 +156,15 @@ class LRU:
         self._order.pop(key, None)
 
 
+#: At most about this many touched keys of ended requests wait for ``AdaptiveDoorkeeper._refresh``, which
+#: runs on the event loop: letting a pool's capacity pile up made one refresh of 65,536 keys stall the
+#: loop 11-16 ms every 64 leased LOOKUPs of 1,024 keys, and it ran at a LOOKUP's start
+#: (bench/control_plane.py's p99: 16 ms, 40x the floor). Whole requests are refreshed, oldest first,
+#: each deepest first, as before; a block inserted in the meantime now ranks after the ones used
+#: before it, not before them (as their times say).
+REFRESH_KEYS = 4096
+
+
 class AdaptiveDoorkeeper:
     """Admit a block on its second request, unless a probation segment pays for itself; sized by ghosts.
 
@@ -244,24 +253,36 @@ class AdaptiveDoorkeeper:
         n = len(self._touched)
         if n and self._cuts[-1] != n:
             self._cuts.append(n)
-            if n > self.capacity:  # bounded even while nothing is evicted
-                self._refresh()
 
-    def _refresh(self) -> None:
+    def _touch(self, key: Key) -> None:
+        """``key`` was used (or inserted) by the current request. Once whole requests worth more than
+        ``REFRESH_KEYS`` wait, they are refreshed here, on the paths that run after a job's notice or
+        a lease's release, not at a LOOKUP's start."""
+        touched = self._touched
+        touched.append(key)
+        if self._cuts[-1] > min(self.capacity, REFRESH_KEYS):  # bounded even while nothing is evicted
+            self._refresh(whole=True)
+        elif len(touched) > 4 * max(self.capacity, REFRESH_KEYS):  # no request ends (no LOOKUP): all of it
+            self._refresh()
+
+    def _refresh(self, whole: bool = False) -> None:
         """Make the blocks each request used most recently used, its deepest first, requests in order,
         so that a prefix's head is always more recent than its tail and eviction takes chains from the
         tail (a block is worthless once its parent is gone; in key order LRU evicts the head first).
-        Deferred to the next ``victim`` (order matters only then): amortized O(1) per block, on the
-        STORE path."""
+        Deferred to the next ``victim`` (order matters only then) or until ``REFRESH_KEYS`` wait:
+        amortized O(1) per block. ``whole``: only the requests that ended (the current one's keys
+        wait for the next refresh)."""
         touched, prot = self._touched, self._protected
         cuts = self._cuts
-        cuts.append(len(touched))
+        end = cuts[-1] if whole else len(touched)
+        if not whole:
+            cuts.append(end)
         for a, b in zip(cuts, cuts[1:], strict=False):
             for i in range(b - 1, a - 1, -1):
                 key = touched[i]
                 if key in prot:
                     prot.move_to_end(key)
-        touched.clear()
+        del touched[:end]
         self._cuts = [0]
 
     def admit(self, key: Key, parent_present: bool) -> bool:
@@ -299,7 +320,7 @@ class AdaptiveDoorkeeper:
         if key in self._promote:
             self._promote.discard(key)
             self._protected[key] = None
-            self._touched.append(key)
+            self._touch(key)
         else:
             self._probation[key] = None
             if self._pending:
@@ -315,7 +336,7 @@ class AdaptiveDoorkeeper:
         if key in self._probation:
             del self._probation[key]
         self._protected[key] = None  # also re-tracks a handed-back victim
-        self._touched.append(key)
+        self._touch(key)
 
     def victim(self) -> Key | None:
         if self._touched:
