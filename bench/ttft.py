@@ -47,7 +47,8 @@ Processes (every engine is its own process; the parent only orchestrates):
   5. a *stores* engine, in a namespace of its own cleared before every STORE (so each copies),
      prefills each prompt without a store, with a STORE in parts (an event of its ring recorded
      after each part's layers, so the daemon copies early layers while later ones compute) and
-     with today's STORE after the forward, alternating: the prefill's cost of layer-wise stores
+     with today's STORE after the forward, in turn (the order turned every round, each prefill after
+     the same rest of the GPU, ``STORE_REST_S``): the prefill's cost of layer-wise stores
      and when the blocks are visible to a LOOKUP; then the blocks of a layer-wise store are loaded
      back and compared with the prefill's.
 
@@ -1394,7 +1395,7 @@ def role_contend(cfg: RunConfig, index: int, barrier: Any, part: Any) -> dict[st
 
 def measure_stores(w: Worker, p: Prompt, parts: Parts) -> dict[str, Any]:
     """One prompt's prefill without a store, with layer-wise stores and with today's store after the
-    forward, alternating, each STORE into a cleared namespace (so it really copies); then one more
+    forward, in turn, each STORE into a cleared namespace (so it really copies); then one more
     layer-wise store whose blocks are loaded back and compared with what the prefill wrote."""
     cfg, s, torch = w.cfg, w.s, w.torch
     tokens, table = w.tokens(p), w.table()
@@ -1775,8 +1776,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="layers per part of the layer-wise stores (0: as the connector cuts them, "
                          f"{CONNECTOR_STORE_PARTS} parts)")
     ap.add_argument("--store-repeats", type=int,
-                    help="timed prefills per store variant (default 7; --quick, --cpu-smoke: --repeats): a "
-                         "prefill's repeats spread ~1.3%%, the cost measured is ~2%%")
+                    help="timed prefills per store variant (default 7; --quick, --cpu-smoke: --repeats): one "
+                         "prefill's repeats spread 1-2%%, more than what a store may cost")
     ap.add_argument("--timeout", type=float, default=420.0, help="most seconds one phase may take")
     ap.add_argument("--deadline", type=float, default=450.0,
                     help="most seconds for the whole run; a phase past it is killed and what finished is kept")
