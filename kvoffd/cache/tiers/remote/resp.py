@@ -133,7 +133,8 @@ class Connection:
         self._fresh = False
         return Broken(f"{what}: {text}")
 
-    def _timeout(self, deadline: float) -> socket.socket:
+    def _left(self, deadline: float) -> tuple[socket.socket, float]:
+        """The socket and the seconds left before ``deadline``; closed and Broken when none are."""
         s = self._sock
         if s is None:
             raise Broken("not connected")
@@ -141,19 +142,17 @@ class Connection:
         if left <= 0:
             self.close()
             raise Broken("timed out")
+        return s, left
+
+    def _timeout(self, deadline: float) -> socket.socket:
+        s, left = self._left(deadline)
         s.settimeout(left)
         return s
 
     def _kernel_wait(self, deadline: float, option: int) -> socket.socket:
         """The plain socket in blocking mode, its ``option`` (``SO_RCVTIMEO`` or ``SO_SNDTIMEO``) set to
         what is left before ``deadline``: the next call returns by then, with what it moved."""
-        s = self._sock
-        if s is None:
-            raise Broken("not connected")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            self.close()
-            raise Broken("timed out")
+        s, left = self._left(deadline)
         if s.gettimeout() is not None:
             s.settimeout(None)
         sec = int(left)
