@@ -63,6 +63,9 @@ def test_a_second_daemon_on_a_served_tcp_port_gives_the_real_error_alone(tmp_pat
     port = holder.getsockname()[1]
     holder.close()
     monkeypatch.setenv("KVOFFD_AUTH_TOKEN_FILE", str(tmp_path / "run" / "auth-token"))
+    # a tcp:// daemon's private directory (the default pool's lock) is the runtime directory: the
+    # test's own, not /tmp/kvoffd-<uid>, which would outlive it
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     address = f"tcp://127.0.0.1:{port}"
     first = start_daemon(address, "64MiB", "--pool-path", "")
     try:
