@@ -178,7 +178,8 @@ class Keyspace:
                 remote = make_remote_tier(settings.remote, settings.remote_password_file, settings.remote_key_file,
                                           settings.remote_write_budget, tls_ca=settings.remote_tls_ca,
                                           tls_cert=settings.remote_tls_cert, tls_key=settings.remote_tls_key,
-                                          tls_server_name=settings.remote_tls_server_name)
+                                          tls_server_name=settings.remote_tls_server_name,
+                                          publish_on=str(settings.remote_publish))
             tiers = make_tiers(index, settings.disk_path, settings.disk_size, settings.verify,
                                settings.disk_policy, keeper=kept, remote=remote)  # below the pool, local first
         except BaseException:
@@ -187,7 +188,6 @@ class Keyspace:
         ks = cls(pool, index, kept, tiers, verify=settings.verify, topology=topology, pool_file=pool_file)
         if remote is not None:
             ks.remote = remote
-            remote.publish_on = str(settings.remote_publish)
             if settings.remote_publish == RemotePublish.ADMITTED:  # else only the pool's evictions (the spill path)
                 ks.publisher = Publisher(index, remote)  # admitted blocks written behind to the cluster
                 index.observers.append(ks.publisher)

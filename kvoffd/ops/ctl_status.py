@@ -148,7 +148,8 @@ def remote_line(t: dict[str, Any]) -> str:
              f"{t.get('resident_blocks', 0)} blocks known there", f"{t.get('hits', 0)} hits",
              f"{t.get('promotions', 0)} fetched ({t.get('promotion_failures', 0)} failed)",
              f"{t.get('spills', 0)} published {_PUBLISH_ON.get(notes.get('publish_on', ''), 'behind')} "
-             f"({dropped} dropped, {notes.get('dropped_oldest', 0)} of them the oldest queued, {notes.get('skipped_known', 0)} already there, {t.get('spills_in_flight', 0)} queued)",
+             f"({dropped} dropped, {notes.get('dropped_oldest', 0)} of them the oldest queued, "
+             f"{notes.get('skipped_known', 0)} already there, {t.get('spills_in_flight', 0)} queued)",
              f"read {fmt_size(t.get('read_bytes'))}, written {fmt_size(t.get('write_bytes'))}",
              f"{t.get('io_errors', 0)} I/O errors, {t.get('checksum_failures', 0)} values refused (checksum/MAC)"]
     return "; ".join(parts)

@@ -1,5 +1,5 @@
 """The cluster tier the configuration asks for (``--remote``, ``--remote-password-file``,
-``--remote-key-file``, ``--remote-write-budget``, ``--remote-tls-*``). Parsing and reading the files
+``--remote-key-file``, ``--remote-write-budget``, ``--remote-publish``, ``--remote-tls-*``). Parsing and reading the files
 happen here, at the start, so that a wrong URL or an unreadable file is one clear line
 (``RemoteSetupError``) before the daemon serves; an unreachable cluster is not an error (every block is
 a miss until it answers), and neither is one whose TLS handshake fails (a connection error of each
@@ -20,10 +20,10 @@ class RemoteSetupError(RuntimeError):
 
 def make_remote_tier(url: str, password_file: str = "", key_file: str = "", write_budget: int = 0, *,
                      tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
-                     tls_server_name: str = "") -> RemoteTier:
+                     tls_server_name: str = "", publish_on: str = "admitted") -> RemoteTier:
     return RemoteTier(RemoteStore(remote_config(url, password_file, key_file, tls_ca=tls_ca, tls_cert=tls_cert,
                                                 tls_key=tls_key, tls_server_name=tls_server_name)),
-                      write_budget=write_budget)
+                      write_budget=write_budget, publish_on=publish_on)
 
 
 def remote_config(url: str, password_file: str = "", key_file: str = "", *, tls_ca: str = "", tls_cert: str = "",

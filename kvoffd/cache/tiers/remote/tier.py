@@ -100,7 +100,7 @@ class RemoteTier:
 
     def __init__(self, store: RemoteStore, read_timeout: float = 1.0, probe_timeout: float = 0.2,
                  write_timeout: float = 5.0, write_budget: int = 0, queue_blocks: int = 256,
-                 threads: int = 2, known_cap: int = 1 << 20):
+                 threads: int = 2, known_cap: int = 1 << 20, publish_on: str = "admitted"):
         self.store = store
         self.read_timeout, self.probe_timeout, self.write_timeout = read_timeout, probe_timeout, write_timeout
         self.budget = Budget(write_budget)
@@ -129,7 +129,7 @@ class RemoteTier:
         self.dropped_oldest = 0  # blocks dropped from the write-behind queue (counted)
         self.skipped_known = 0  # blocks not published: this node knew the cluster holds them
         self.skipped_held = 0  # admitted blocks the Publisher did not hold for publishing (its share full)
-        self.publish_on = "admitted"  # --remote-publish, as the keyspace wired it (reported in stats)
+        self.publish_on = publish_on  # --remote-publish (reported in stats; the keyspace wires the Publisher)
 
     # -- the Tier protocol -------------------------------------------------------------------------
 
