@@ -1,6 +1,6 @@
 """The cluster tier the configuration asks for (``--remote``, ``--remote-password-file``,
-``--remote-key-file``, ``--remote-write-budget``, ``--remote-publish``, ``--remote-tls-*``). Parsing and reading the files
-happen here, at the start, so that a wrong URL or an unreadable file is one clear line
+``--remote-key-file``, ``--remote-write-budget``, ``--remote-publish``, ``--remote-tls-*``). Parsing
+and reading the files happen here, at the start, so that a wrong URL or an unreadable file is one clear line
 (``RemoteSetupError``) before the daemon serves; an unreachable cluster is not an error (every block is
 a miss until it answers), and neither is one whose TLS handshake fails (a connection error of each
 shard, counted and logged once: the shard may be fixed while the daemon runs)."""
