@@ -12,7 +12,7 @@ $(VPY):
 	$(VPY) -m pip install -q --upgrade pip
 
 # Editable install, redone when pyproject.toml or the compiled kernel (setup.py) changes.
-$(VENV)/.stamp-install: pyproject.toml setup.py kvoffd/cache/tiers/_probe.c | $(VPY)
+$(VENV)/.stamp-install: pyproject.toml setup.py kvoffd/cache/tiers/_probe.c kvoffd/cache/_rowsum.c | $(VPY)
 	$(VPY) -m pip install -q -e .
 	touch $@
 

@@ -30,7 +30,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from remote_tier import RawConn  # noqa: E402
 from support.valkey_cluster import Servers, server_binary  # noqa: E402
 
-from kvoffd.cache.checksum import block_sum  # noqa: E402
+from kvoffd.cache.checksum import KERNEL, block_sum, block_sum_numpy  # noqa: E402
 from kvoffd.cache.tiers.remote.address import parse_url  # noqa: E402
 from kvoffd.cache.tiers.remote.resp import Connection, pack  # noqa: E402
 from kvoffd.cache.tiers.remote.slots import key_slot  # noqa: E402
@@ -118,6 +118,8 @@ with Servers(binary, shards=3, maxmemory=f"{(N * (SIZE + 4096) >> 20) // 3 + 256
                     futs.append(checks.submit(store.codec.verify, head, ns, keys[i], dv[i]))
                 elif check == "inline":
                     assert not store.codec.verify(head, ns, keys[i], dv[i])
+                elif check == "inline numpy":
+                    assert block_sum_numpy(dv[i]) == sums[i]
             for f in futs:
                 assert not f.result()
         return run
@@ -143,6 +145,7 @@ with Servers(binary, shards=3, maxmemory=f"{(N * (SIZE + 4096) >> 20) // 3 + 256
         "conn d2": lambda: par(conn_depth(2, None)),
         "conn d2 + verify, 4 threads": lambda: par(conn_depth(2, "submit")),
         "conn d2 + verify inline": lambda: par(conn_depth(2, "inline")),
+        "conn d2 + numpy sum inline": lambda: par(conn_depth(2, "inline numpy")),
         "store.fetch, verify stub": lambda: (t := time.perf_counter(), store_nocheck(), time.perf_counter() - t)[2],
         "store.fetch": lambda: (t := time.perf_counter(), store_fetch(), time.perf_counter() - t)[2],
     }
@@ -157,7 +160,8 @@ with Servers(binary, shards=3, maxmemory=f"{(N * (SIZE + 4096) >> 20) // 3 + 256
     assert np.array_equal(dst, src), "the tier's reads are not byte-exact"
     assert np.array_equal(dstH.reshape(N, SIZE + HEADER)[:, HEADER:], src.reshape(N, SIZE)), "raw reads differ"
     base = statistics.median(res["raw"])
-    print(f"{N} x 2 MiB, 3 shards, median of {REPS}, GB/s (ratio to raw)")
+    print(f"{N} x 2 MiB, 3 shards, median of {REPS}, GB/s (ratio to raw); checksum kernel: {KERNEL}, "
+          f"fetch verifies {'inline' if store.codec.verify_inline else 'on check threads'}")
     for v in names:
         m = statistics.median(res[v])
         print(f"  {v:30} {m:6.2f}  {m / base:5.2f}   [{' '.join(f'{x:.1f}' for x in res[v])}]")

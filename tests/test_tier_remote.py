@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from valkey_cluster import Servers, server_binary, tls_server_binary
 
+from kvoffd.cache import checksum
 from kvoffd.cache.tiers.remote.address import AddressError, parse_url
 from kvoffd.cache.tiers.remote.breaker import Breaker
 from kvoffd.cache.tiers.remote.slots import SLOTS, key_slot
@@ -195,8 +196,16 @@ def test_plain_server_round_trip():
 
 
 @needs_server
-def test_flipped_bytes_are_never_accepted(cluster, fresh):
+@pytest.mark.parametrize("where", ["inline", "check threads"])
+def test_flipped_bytes_are_never_accepted(cluster, fresh, where, monkeypatch):
+    """On either verification path: on the reading thread (the compiled checksum, no MAC) or handed to
+    the check threads (a MAC, or numpy's checksum)."""
+    if where == "inline" and checksum.KERNEL != "c":
+        pytest.skip("the compiled checksum is not built here: values are verified on the check threads")
+    if where == "check threads":
+        monkeypatch.setattr(checksum, "KERNEL", "numpy")
     st = fresh()
+    assert st.codec.verify_inline == (where == "inline")
     n = 24
     src, dst = Pool(n, seed=5), Pool(n, seed=None)
     keys = keys_of(n)

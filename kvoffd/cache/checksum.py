@@ -10,6 +10,9 @@ a 2-core VM on one thread, shared with other work; docs/benchmarks.md): zlib.crc
 uint64 sum 8.4 / 53 / 70, VM 5.7-8.1; this function, VM 5.5-6.5, within the VM's noise of the plain
 sum. All are bound by memory bandwidth past a few threads, so no package clearly wins over numpy,
 which the daemon has already (numpy releases the GIL in the reductions: the threads run in parallel).
+One block's pass is made by a small C kernel where it is built (kvoffd/cache/_rowsum.c: one call, the
+GIL released throughout, the same value; numpy's dozen calls per block cost the cluster tier's
+verified GETs a third of the store's speed); numpy stays the reference and the fallback.
 
 What it is: the block's 64-bit words in rows of 4 KiB, each row summed (one pass, vectorised), then the
 row sums added plainly and weighted by their row's position, mixed and folded to 32 bits; a length
@@ -39,8 +42,32 @@ _MIX = 0x9E3779B97F4A7C15
 _WEIGHTS: dict[int, np.ndarray] = {}  # rows per block -> 1..rows (one per block size, never written)
 
 
+try:  # the compiled pass (kvoffd/cache/_rowsum.c, which says why); without it, the same sums in numpy
+    from kvoffd.cache import _rowsum
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _rowsum = None
+KERNEL = "c" if _rowsum is not None else "numpy"
+
+
 def block_sum(data: memoryview | np.ndarray) -> int:
-    """The checksum (32 bits) of one block's bytes (any buffer; releases the GIL in numpy)."""
+    """The checksum (32 bits) of one block's bytes (any buffer): one C call that releases the GIL for
+    the whole pass where the kernel is built, else ``block_sum_numpy`` (the same value)."""
+    if _rowsum is None:
+        return block_sum_numpy(data)
+    raw = np.frombuffer(data, dtype=np.uint8)
+    n = len(raw) // 8
+    plain, weighted = _rowsum.row_sums(raw[:n * 8])
+    return _fold(plain, weighted, zlib.crc32(raw[n * 8:]) if len(raw) % 8 else 0)
+
+
+def _fold(plain: int, weighted: int, tail: int) -> int:
+    x = (plain * _MIX ^ weighted) & _M64
+    return (x ^ (x >> 32) ^ tail) & _MASK
+
+
+def block_sum_numpy(data: memoryview | np.ndarray) -> int:
+    """``block_sum`` in numpy: the reference the kernel is tested against, and the fallback (releases
+    the GIL in the reductions only)."""
     raw = np.frombuffer(data, dtype=np.uint8)
     n = len(raw) // 8
     tail = zlib.crc32(raw[n * 8:]) if len(raw) % 8 else 0
@@ -53,8 +80,7 @@ def block_sum(data: memoryview | np.ndarray) -> int:
         w = _WEIGHTS.setdefault(rows, np.arange(1, rows + 1, dtype=np.uint64))
     plain = (int(sums.sum(dtype=np.uint64)) + rest) & _M64
     weighted = (int((sums * w).sum(dtype=np.uint64)) + rest * (rows + 1)) & _M64
-    x = (plain * _MIX ^ weighted) & _M64
-    return (x ^ (x >> 32) ^ tail) & _MASK
+    return _fold(plain, weighted, tail)
 
 
 def block_sums(buf: np.ndarray, offsets: Sequence[int], size: int) -> list[int]:

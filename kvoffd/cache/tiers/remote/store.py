@@ -254,6 +254,7 @@ class RemoteStore:
         skeys = [store_key(ns_id, k) for k in keys]
         pipe, window = self.cfg.pipeline, self.cfg.get_window
         codec = self.codec
+        inline = codec.verify_inline
 
         def work(lane: Lane, idx: list[int], deadline: float, asking: bool) -> dict[int, object]:
             conn = lane.ready(deadline)
@@ -286,9 +287,16 @@ class RemoteStore:
                     res[i] = BAD
                     self._reason("length")
                     bad.append(i)
-                else:  # summed on a check thread while the next value arrives
+                else:
                     nbytes += r
-                    checks.append((i, self._checks.submit(codec.verify, head, ns_id, keys[i], d)))
+                    if inline:  # the bytes just received, in this core's cache (Codec.verify_inline)
+                        why = codec.verify(head, ns_id, keys[i], d)
+                        res[i] = BAD if why else OK
+                        if why:
+                            self._reason(why)
+                            bad.append(i)
+                    else:  # summed on a check thread while the next value arrives
+                        checks.append((i, self._checks.submit(codec.verify, head, ns_id, keys[i], d)))
             for i, f in checks:
                 why = f.result()
                 if why:
