@@ -6,13 +6,14 @@ Rungs (one thread per shard, keys routed by slot, unless the rung is ``store.fet
 
 * ``raw``: bench/remote_tier.py's floor (one GET at a time, ``recv_into`` the slot, no header, no checksum);
   ``raw, new connection per pass``; ``raw + block_sum inline``: the same with the pool checksum summed
-  on the reading thread after each value;
+  on the reading thread after each value (``block_sum``: the compiled pass where it is built);
 * ``conn d1`` / ``conn d2``: the tier's own connection (kvoffd/cache/tiers/remote/resp.py: header into a
   buffer, the value into the slot, kernel waits) with 1 or 2 GETs in flight, nothing verified;
-* ``conn d2 + verify on check threads``: ``Codec.verify`` of every value on 4 threads (as the tier does);
-  ``conn d2 + verify inline``: on the reading thread;
-* ``store.fetch, verify stubbed``: the whole tier (lanes, slot split, futures) with ``verify`` a no-op, still
-  handed to the check threads; ``store.fetch``: the tier as it runs.
+* ``conn d2 + verify on check threads``: ``Codec.verify`` of every value on 4 threads (as the tier does with a MAC, or without the kernel);
+  ``conn d2 + verify inline``: on the reading thread (the compiled checksum where it is built, as the
+  tier's fetch does since 60df1c4); ``conn d2 + numpy sum inline``: numpy's checksum there instead;
+* ``store.fetch, verify stubbed``: the whole tier (lanes, slot split, futures) with ``verify`` a no-op, run
+  where the tier runs it (inline, or on the check threads); ``store.fetch``: the tier as it runs.
 
     python3 bench/remote_get_ladder.py [COUNT=1024] [REPS=5]      # 2 MiB values; the server as in remote_tier.py
 """

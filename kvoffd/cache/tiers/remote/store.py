@@ -263,6 +263,13 @@ class RemoteStore:
             bad: list[int] = []
             nbytes = 0
             depth = max(1, min(pipe, window // (HEADER + max(1, len(dests[idx[0]])))))
+
+            def judge(i: int, why: str) -> None:  # a value's verdict: "" is good, else why not
+                res[i] = BAD if why else OK
+                if why:
+                    self._reason(why)
+                    bad.append(i)
+
             sent = 0
             for j, i in enumerate(idx):
                 if sent <= j:  # nothing in flight: send a window's worth
@@ -284,27 +291,15 @@ class RemoteStore:
                 elif r == -1:
                     res[i] = MISS
                 elif r != HEADER + len(d):
-                    res[i] = BAD
-                    self._reason("length")
-                    bad.append(i)
+                    judge(i, "length")
                 else:
                     nbytes += r
                     if inline:  # the bytes just received, in this core's cache (Codec.verify_inline)
-                        why = codec.verify(head, ns_id, keys[i], d)
-                        res[i] = BAD if why else OK
-                        if why:
-                            self._reason(why)
-                            bad.append(i)
+                        judge(i, codec.verify(head, ns_id, keys[i], d))
                     else:  # summed on a check thread while the next value arrives
                         checks.append((i, self._checks.submit(codec.verify, head, ns_id, keys[i], d)))
             for i, f in checks:
-                why = f.result()
-                if why:
-                    res[i] = BAD
-                    self._reason(why)
-                    bad.append(i)
-                else:
-                    res[i] = OK
+                judge(i, f.result())
             self._add(fetch_bytes=nbytes)
             if bad:  # best effort: a value that failed is never fetched again
                 conn.send(b"".join(pack("DEL", skeys[i]) for i in bad), deadline)
